@@ -1,0 +1,3 @@
+from cbtrace.cli import main
+
+main()

@@ -1,0 +1,29 @@
+"""The four plugin layers: one hookspec each (pluggy, project name ``cbtrace``).
+
+Third-party packages expose a module under the entry-point group ``cbtrace``; our own
+built-ins in ``cbtrace.plugins`` register through exactly the same hooks.
+"""
+import pluggy
+
+hookspec = pluggy.HookspecMarker("cbtrace")
+hookimpl = pluggy.HookimplMarker("cbtrace")
+
+
+@hookspec
+def register_models(register):
+    """Add model providers: ``register(name, factory)``; ``factory(**options)`` returns a Provider."""
+
+
+@hookspec
+def register_serializers(register):
+    """Add input serializers: ``register(serializer)``; see ``cbtrace.plugins.inputs.base.Serializer``."""
+
+
+@hookspec
+def register_backends(register):
+    """Add measurement backends (timers): ``register(name, backend)``; see ``cbtrace.plugins.backends.base``."""
+
+
+@hookspec
+def register_reporters(register):
+    """Add reporters: ``register(name, reporter)``; a reporter has ``report(records, out_dir)`` and ``close()``."""

@@ -1,0 +1,1 @@
+"""Built-in plugins, installed as ``cbtrace.plugins``: providers, inputs, backends, reporters."""
