@@ -33,7 +33,12 @@ def load(*, entrypoints: bool | None = None) -> pluggy.PluginManager:
     with _lock:
         if not _loaded["builtins"]:
             for name in DEFAULT_PLUGINS:
-                mod = importlib.import_module(name)
+                try:
+                    mod = importlib.import_module(name)
+                except ModuleNotFoundError as e:
+                    if e.name != name:
+                        raise
+                    continue  # a layer with no built-ins in this install
                 if not pm.is_registered(mod):
                     pm.register(mod, name=name)
             _loaded["builtins"] = True

@@ -1,0 +1,303 @@
+"""Capture one real step of a model: module tree, live inputs (Parquet) and a Kineto trace.
+
+    with cbtrace.capture(model, "runs/r1") as cap:
+        model(batch)
+
+Forward pre/post hooks (removed on exit, even on error) record every call of the chosen modules.
+Each call's inputs are copied on entry inside a ``cbtrace.copy::<fqn>`` range (cbtrace's own
+overhead, which attribution subtracts), then the call runs inside ``cbtrace::<fqn>``.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from cbtrace import rundir
+from cbtrace.errors import CaptureError
+from cbtrace.records import ModuleRecord, records_to_frame
+
+
+@dataclass(kw_only=True)
+class CaptureConfig:
+    include: tuple = ()
+    """fnmatch globs on fqn; a module is captured if it matches one (empty: all modules)."""
+    exclude: tuple = ()
+    """fnmatch globs on fqn; matching modules are not captured (their children still may be)."""
+    max_depth: int | None = None
+    """Deepest module-hierarchy level captured (0 = root only); None: no limit."""
+    synthesize_above_bytes: int | None = None
+    """Store input tensors larger than this as metadata + statistics only (replay synthesizes)."""
+    max_pending_bytes: int | None = None
+    """Write captured inputs out early once this many bytes of copies are pending."""
+    profile: bool = True
+    """Run the step under torch.profiler and write its Kineto trace into the run directory."""
+    worker_name: str | None = None
+    """Trace file prefix (torch-tb-profiler naming); default: <hostname>_<pid>."""
+    overwrite: bool = False
+    """Allow capturing into a non-empty directory (never the default)."""
+    spec: str | None = None
+    """Provider spec that built the model (stored so replay can rebuild it)."""
+    options: dict = field(default_factory=dict)
+    """Provider options and other run settings stored in the manifest."""
+    seed: int | None = None
+    """Seed the provider used (stored in the manifest)."""
+
+
+def module_depth(fqn: str) -> int:
+    """Hierarchy depth of a module path: "" -> 0, "a" -> 1, "a.b" -> 2."""
+    return 0 if fqn == "" else fqn.count(".") + 1
+
+
+def selected(fqn: str, cfg: CaptureConfig) -> bool:
+    """Whether a module path is captured under ``cfg``'s include/exclude/max_depth."""
+    if cfg.max_depth is not None and module_depth(fqn) > cfg.max_depth:
+        return False
+    if cfg.include and not any(fnmatch.fnmatchcase(fqn, g) for g in cfg.include):
+        return False
+    return not any(fnmatch.fnmatchcase(fqn, g) for g in cfg.exclude)
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _tensors(obj, out=None):
+    """Flatten every tensor reachable in a nested structure (tuples, lists, dicts, dataclasses)."""
+    import dataclasses
+
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _tensors(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors(v, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _tensors(getattr(obj, f.name), out)
+    elif hasattr(obj, "values") and hasattr(obj, "lengths") and callable(obj.values):
+        for name in ("values", "weights_or_none", "lengths", "offsets"):
+            fn = getattr(obj, name, None)
+            v = fn() if callable(fn) else None
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+    return out
+
+
+@dataclass
+class _Frame:
+    record: ModuleRecord
+    module: torch.nn.Module
+    rf: object
+
+
+class capture:
+    """Context manager capturing one step of ``model`` into the run directory ``out_dir``."""
+
+    def __init__(self, model: torch.nn.Module, out_dir, *, config: CaptureConfig | None = None,
+                 **overrides):
+        self.model = model
+        self.cfg = config or CaptureConfig(**overrides)
+        if config is not None and overrides:
+            raise ValueError("capture: pass either config= or keyword overrides, not both")
+        self.out = Path(out_dir)
+        self.records: list[ModuleRecord] = []
+        self._handles = []
+        self._stack: list[_Frame] = []
+        self._counts: dict[str, int] = {}
+        self._names: dict[int, list[str]] = {}
+        self._prof = None
+        self.trace_path: Path | None = None
+
+    # --- context manager -------------------------------------------------------------
+    def __enter__(self):
+        from cbtrace.plugins.inputs.snapshot import Snapshotter
+
+        self.out = rundir.prepare_new_run(self.out, overwrite=self.cfg.overwrite)
+        self._snap = Snapshotter(self.out / rundir.INPUTS,
+                                 synthesize_above_bytes=self.cfg.synthesize_above_bytes,
+                                 max_pending_bytes=self.cfg.max_pending_bytes)
+        for name, mod in self.model.named_modules(remove_duplicate=False):
+            self._names.setdefault(id(mod), []).append(name)
+        seen = set()
+        for name, mod in self.model.named_modules(remove_duplicate=False):
+            if id(mod) in seen or not any(selected(n, self.cfg) for n in self._names[id(mod)]):
+                continue
+            seen.add(id(mod))
+            self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._post, with_kwargs=True,
+                                                           always_call=True))
+        self._rng = torch.random.get_rng_state()
+        self._t0 = time.perf_counter()
+        if self.cfg.profile:
+            self._prof = torch.profiler.profile(activities=_activities(), record_shapes=True,
+                                                with_stack=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if self._prof is not None:
+                self._prof.__exit__(exc_type, exc, tb)
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            while self._stack:  # forward raised past some post hooks
+                frame = self._stack.pop()
+                frame.rf.__exit__(None, None, None)
+                frame.record.capture_error = frame.record.capture_error or _short(exc)
+        self.step_s = time.perf_counter() - self._t0
+        self._finish(exc)
+        return False
+
+    # --- hooks -----------------------------------------------------------------------
+    def _fqn(self, module) -> str:
+        names = self._names.get(id(module), ["?"])
+        if len(names) > 1 and self._stack:  # shared module: pick the path under the caller
+            parent = self._stack[-1].record.fqn
+            for n in names:
+                if n.rpartition(".")[0] == parent:
+                    return n
+        return next((n for n in names if selected(n, self.cfg)), names[0])
+
+    def _pre(self, module, args, kwargs):
+        from cbtrace.plugins.inputs.snapshot import tensor_meta
+
+        fqn = self._fqn(module)
+        idx = self._counts.get(fqn, 0)
+        self._counts[fqn] = idx + 1
+        parent = self._stack[-1].record if self._stack else None
+        with torch.autograd.profiler.record_function(f"cbtrace.copy::{fqn}"):
+            ref = self._snap.take(tuple(args), dict(kwargs))
+        ins = _tensors((args, kwargs))
+        autocast = None
+        dev = "cuda" if any(t.is_cuda for t in ins) else "cpu"
+        if torch.is_autocast_enabled(dev):
+            autocast = str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+        rec = ModuleRecord(
+            fqn=fqn, call_index=idx, call_id=len(self.records),
+            parent_call_id=parent.call_id if parent else -1,
+            parent_fqn=parent.fqn if parent else None,
+            depth=parent.depth + 1 if parent else 0,
+            module_type=type(module).__name__,
+            module_class=f"{type(module).__module__}.{type(module).__qualname__}",
+            param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
+            buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+            input_bytes=self._snap.last_input_bytes,
+            input_shapes=json.dumps([list(t.shape) for t in ins]),
+            input_meta=json.dumps([tensor_meta(t) for t in ins]),
+            output_meta="[]", training=module.training, grad_enabled=torch.is_grad_enabled(),
+            autocast_dtype=autocast, inputs_ref=ref, synthesized=self._snap.last_synthesized)
+        self.records.append(rec)
+        rf = torch.autograd.profiler.record_function(f"cbtrace::{fqn}")
+        rf.__enter__()
+        self._stack.append(_Frame(rec, module, rf))
+
+    def _post(self, module, args, kwargs, output):
+        from cbtrace.plugins.inputs.snapshot import tensor_meta
+
+        if not self._stack or self._stack[-1].module is not module:
+            return  # hook of a call whose pre hook did not run (registered mid-call)
+        frame = self._stack.pop()
+        frame.rf.__exit__(None, None, None)
+        frame.record.output_meta = json.dumps([tensor_meta(t) for t in _tensors(output)])
+
+    # --- outputs ---------------------------------------------------------------------
+    def _finish(self, exc):
+        files = self._snap.flush()
+        if self._prof is not None:
+            self.trace_path = self._write_trace()
+        rundir.write_modules(self.out, records_to_frame(self.records))
+        manifest = _manifest(self.model, self.cfg, self.records, self.step_s)
+        manifest["trace"] = self.trace_path.name if self.trace_path else None
+        manifest["input_files"] = [str(Path(f).relative_to(self.out)) for f in files]
+        manifest["complete"] = exc is None
+        if exc is not None:
+            manifest["error"] = _short(exc)
+        rundir.write_manifest(self.out, manifest)
+        rundir.refresh_checksums(self.out)
+
+    def _write_trace(self) -> Path:
+        import gzip
+        import shutil
+        import tempfile
+
+        worker = self.cfg.worker_name or f"{socket.gethostname()}_{os.getpid()}"
+        path = self.out / f"{worker}.{time.time_ns() // 1_000_000}.pt.trace.json.gz"
+        with tempfile.TemporaryDirectory(dir=self.out) as tmp:
+            raw = Path(tmp) / "trace.json"
+            self._prof.export_chrome_trace(str(raw))
+            with rundir.atomic_path(path) as out, open(raw, "rb") as src, \
+                    gzip.open(out, "wb", compresslevel=3) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        return path
+
+
+def _activities():
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def _short(exc) -> str | None:
+    if exc is None:
+        return None
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
+
+
+def state_digest(model) -> str:
+    """sha256 over parameter and buffer bytes (names, dtypes, shapes, values)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+                 if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _manifest(model, cfg: CaptureConfig, records, step_s: float) -> dict:
+    import platform
+
+    import cbtrace
+
+    dev = "cpu"
+    for p in list(model.parameters())[:1]:
+        dev = str(p.device)
+    name = (torch.cuda.get_device_name(torch.device(dev)) if dev.startswith("cuda")
+            else platform.processor() or platform.machine())
+    return {
+        "cbtrace_version": cbtrace.__version__,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": dev,
+        "device_name": name,
+        "model_spec": cfg.spec,
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "options": {k: v for k, v in asdict(cfg).items() if k not in {"spec"}},
+        "seeds": {"provider_seed": cfg.seed, "torch_initial_seed": torch.initial_seed()},
+        "state_sha256": state_digest(model),
+        "num_calls": len(records),
+        "capture_step_s": step_s,
+    }

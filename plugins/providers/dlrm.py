@@ -1,0 +1,170 @@
+"""DeepFM-DLRM in plain PyTorch, laid out like torchrec's SimpleDeepFMNN.
+
+    sparse_arch  26 nn.EmbeddingBag tables (pooled sum, 1-3 ids per bag)
+    dense_arch   MLP over the 13 dense features -> n_dense_fields x D
+    inter_arch   deep_fm: Linear(F*D -> 4096) ReLU Linear(4096 -> 512) ReLU  (F*D = 1024 by default)
+                 fm: FM second-order cross term over the F fields
+    over_arch    MLP -> 1 logit
+
+Sparse ids arrive jagged and key-major, like a KeyedJaggedTensor's values/offsets:
+``forward(dense (B, 13), sparse_values (N,), sparse_offsets (26*B + 1,), length_per_key)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from cbtrace.plugins.providers.base import RecSysProvider, TableConfig
+
+
+@dataclass
+class DLRMConfig:
+    num_tables: int = 26
+    num_embeddings: int = 1_000_000   # rows per table
+    embedding_dim: int = 32           # D
+    num_dense: int = 13
+    dense_hidden: int = 512
+    n_dense_fields: int = 6           # dense_arch emits 6 x D; fields F = 26 + 6 = 32, F*D = 1024
+    deep_fm_hidden: tuple = (4096, 512)
+    over_hidden: tuple = (512, 256)
+
+
+PRESETS = {
+    "default": dict(config=DLRMConfig(), batch_size=8192),
+    "tiny": dict(config=DLRMConfig(num_embeddings=1000, embedding_dim=8, dense_hidden=32,
+                                   n_dense_fields=2, deep_fm_hidden=(64, 16), over_hidden=(16,)),
+                 batch_size=16),
+}
+
+
+def mlp(sizes, final_relu=True) -> nn.Sequential:
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(nn.Linear(a, b))
+        if final_relu or i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class SparseArch(nn.Module):
+    def __init__(self, c: DLRMConfig):
+        super().__init__()
+        self.embedding_bags = nn.ModuleDict({
+            f"t_cat_{i}": nn.EmbeddingBag(c.num_embeddings, c.embedding_dim, mode="sum")
+            for i in range(c.num_tables)})
+
+    def forward(self, values, offsets, length_per_key):
+        # length_per_key: host ints (ids per table), like KeyedJaggedTensor.length_per_key():
+        # splitting by them needs no device sync, so the module stays CUDA-graph capturable.
+        B = (offsets.numel() - 1) // len(self.embedding_bags)
+        per_table = values.split(list(length_per_key))
+        out = []
+        for i, (bag, ids) in enumerate(zip(self.embedding_bags.values(), per_table)):
+            o = offsets[i * B:(i + 1) * B]
+            out.append(bag(ids, o - o[0]))  # (B, D)
+        return torch.stack(out, dim=1)  # (B, num_tables, D)
+
+
+class DenseArch(nn.Module):
+    def __init__(self, c: DLRMConfig):
+        super().__init__()
+        self.model = mlp([c.num_dense, c.dense_hidden, c.n_dense_fields * c.embedding_dim])
+
+    def forward(self, x):
+        return self.model(x)  # (B, n_dense_fields * D)
+
+
+class DeepFM(nn.Module):
+    def __init__(self, in_features: int, hidden: tuple):
+        super().__init__()
+        self.dense_module = mlp([in_features, *hidden])
+
+    def forward(self, fields):
+        return self.dense_module(fields.flatten(1))  # (B, hidden[-1])
+
+
+class FactorizationMachine(nn.Module):
+    """Second-order FM cross term: 0.5 * sum_d ((sum_f v_fd)^2 - sum_f v_fd^2)."""
+
+    def forward(self, fields):  # (B, F, D)
+        square_of_sum = fields.sum(dim=1).pow(2)
+        sum_of_square = fields.pow(2).sum(dim=1)
+        return 0.5 * (square_of_sum - sum_of_square).sum(dim=1, keepdim=True)  # (B, 1)
+
+
+class FMInteractionArch(nn.Module):
+    def __init__(self, c: DLRMConfig):
+        super().__init__()
+        n_fields = c.num_tables + c.n_dense_fields
+        self.deep_fm = DeepFM(n_fields * c.embedding_dim, c.deep_fm_hidden)
+        self.fm = FactorizationMachine()
+        self.n_dense_fields, self.d = c.n_dense_fields, c.embedding_dim
+
+    def forward(self, dense, sparse):
+        fields = torch.cat([dense.view(-1, self.n_dense_fields, self.d), sparse], dim=1)
+        return torch.cat([dense, self.deep_fm(fields), self.fm(fields)], dim=1)
+
+
+class OverArch(nn.Module):
+    def __init__(self, in_features: int, hidden: tuple):
+        super().__init__()
+        self.model = mlp([in_features, *hidden, 1], final_relu=False)
+
+    def forward(self, x):
+        return self.model(x)
+
+
+class SimpleDeepFMNN(nn.Module):
+    def __init__(self, c: DLRMConfig):
+        super().__init__()
+        self.sparse_arch = SparseArch(c)
+        self.dense_arch = DenseArch(c)
+        self.inter_arch = FMInteractionArch(c)
+        over_in = c.n_dense_fields * c.embedding_dim + c.deep_fm_hidden[-1] + 1
+        self.over_arch = OverArch(over_in, c.over_hidden)
+
+    def forward(self, dense_features, sparse_values, sparse_offsets, length_per_key):
+        embedded_dense = self.dense_arch(dense_features)
+        embedded_sparse = self.sparse_arch(sparse_values, sparse_offsets, length_per_key)
+        return torch.sigmoid(self.over_arch(self.inter_arch(embedded_dense, embedded_sparse)))
+
+
+@dataclass
+class DLRMProvider(RecSysProvider):
+    """DeepFM-DLRM; options: preset (default|tiny), batch_size, num_embeddings."""
+
+    options: dict = field(default_factory=dict)
+
+    def config(self) -> DLRMConfig:
+        import dataclasses
+
+        name = self.options.get("preset", "default")
+        if name not in PRESETS:
+            from cbtrace.errors import ProviderError
+            raise ProviderError(f"dlrm: unknown preset '{name}' (known: {', '.join(PRESETS)})")
+        c = PRESETS[name]["config"]
+        if "num_embeddings" in self.options:
+            c = dataclasses.replace(c, num_embeddings=int(self.options["num_embeddings"]))
+        return c
+
+    def batch_size(self) -> int:
+        name = self.options.get("preset", "default")
+        return int(self.options.get("batch_size", PRESETS.get(name, PRESETS["default"])["batch_size"]))
+
+    def tables(self):
+        c = self.config()
+        return [TableConfig(f"t_cat_{i}", c.num_embeddings, c.embedding_dim, (f"cat_{i}",))
+                for i in range(c.num_tables)]
+
+    def build_model(self, device):
+        return SimpleDeepFMNN(self.config()).to(device)
+
+    def build_batch(self, device):
+        b = self.batch_size()
+        values, lengths = self.jagged_ids(b)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        dense = torch.randn(b, self.config().num_dense)
+        length_per_key = tuple(int(x) for x in lengths.view(len(self.tables()), b).sum(1))
+        return (dense.to(device), values.to(device), offsets.to(device), length_per_key)
