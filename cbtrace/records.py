@@ -61,6 +61,7 @@ class ModuleRecord:
     peak_mem_source: str | None = None  # "cuda_allocator" or "estimate"
     residual_ms: float | None = None   # parent isolated - sum(children isolated)
     aggregated: bool = False           # row filled from children (parent skipped)
+    replay_wall_s: float | None = None  # host wall time spent replaying this call (all runs)
 
     # --- attribution join (cbtrace profile) ---
     insitu_ms: float | None = None     # in-situ time of this call in the capture trace

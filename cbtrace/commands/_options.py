@@ -1,0 +1,43 @@
+"""Flags shared by several commands; each maps to exactly one library argument."""
+import click
+
+
+def parse_kv(items) -> dict:
+    """("batch_size=8", "preset=tiny") -> {"batch_size": 8, "preset": "tiny"}."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise click.BadParameter(f"'{item}': expected KEY=VALUE", param_hint="--option")
+        k, v = item.split("=", 1)
+        for conv in (int, float):
+            try:
+                v = conv(v)
+                break
+            except ValueError:
+                pass
+        if v in ("true", "false"):
+            v = v == "true"
+        out[k] = v
+    return out
+
+
+def model_options(f):
+    """--model/--device/--dtype/--step/--option/--include/--exclude/--max-depth/--seed."""
+    for deco in reversed([
+        click.option("--model", "spec", required=True,
+                     help="nanogpt[:tiny], dlrm[:tiny], torchrec[:tiny], pkg.module:fn or file.py:fn"),
+        click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto"),
+        click.option("--dtype", default=None, help="cast the model and float inputs: fp32, bf16, fp16"),
+        click.option("--step", type=click.Choice(["forward", "train"]), default="forward",
+                     show_default=True, help="forward only, or forward + backward"),
+        click.option("--option", "-o", "opts", multiple=True, metavar="KEY=VALUE",
+                     help="provider option, e.g. -o batch_size=8 (repeatable)"),
+        click.option("--include", multiple=True, metavar="GLOB", help="capture only matching fqns"),
+        click.option("--exclude", multiple=True, metavar="GLOB", help="skip matching fqns"),
+        click.option("--max-depth", type=int, default=None, help="deepest module level captured"),
+        click.option("--synthesize-above", "synthesize_above_bytes", type=int, default=None,
+                     metavar="BYTES", help="store larger inputs as metadata only"),
+        click.option("--seed", type=int, default=0, show_default=True),
+    ]):
+        f = deco(f)
+    return f

@@ -1,0 +1,27 @@
+import click
+
+
+@click.command("replay")
+@click.argument("run", type=click.Path(exists=True, file_okay=False))
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: the capture device)")
+@click.option("--timer", type=click.Choice(["auto", "graph", "events", "cpu"]), default="auto",
+              show_default=True, help="measurement backend (fallbacks are recorded per row)")
+@click.option("--budget-s", type=float, default=None, help="timing budget per call (seconds)")
+@click.option("--memory-budget", "memory_budget_bytes", type=int, default=None, metavar="BYTES",
+              help="skip calls whose estimated footprint exceeds this")
+@click.option("--resume", is_flag=True, help="continue an interrupted replay")
+@click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
+def command(run, device, timer, budget_s, memory_budget_bytes, resume, top):
+    """Replay every captured module of RUN standalone, breadth-first, and measure it.
+
+    Writes the results into RUN/modules.parquet and prints the slowest modules.
+    Example: cbtrace replay runs/gpt --timer auto
+    """
+    import cbtrace
+    from cbtrace.replay.summary import summary_text
+
+    opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes)
+    if budget_s is not None:
+        opts["budget_s"] = budget_s
+    df = cbtrace.replay(run, device=device, **opts)
+    click.echo(summary_text(df, top=top))

@@ -1,0 +1,32 @@
+"""Replay settings: one keyword-only dataclass; each CLI flag maps to one field."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class ReplayConfig:
+    timer: str = "auto"
+    """graph | events | cpu | auto (graph on CUDA where capture works, else events; cpu on CPU)."""
+    budget_s: float = 0.3
+    """Time budget for the timed runs of one call (adaptive count within it)."""
+    min_runs: int = 10
+    """At least this many timed calls, whatever the budget."""
+    warmup_runs: int = 3
+    """Untimed calls before timing."""
+    graph_k: int = 20
+    """Calls captured in one CUDA graph by the graph timer."""
+    max_copies: int = 8
+    """Most input copies rotated between timed calls (against L2 warmth)."""
+    memory_budget_bytes: int | None = None
+    """Skip calls whose estimated footprint exceeds this (default: free device memory)."""
+    resume: bool = False
+    """Continue a replay that was interrupted: keep finished rows, do the rest."""
+    profile_runs: int = 3
+    """Calls run under torch.profiler for kernel count and device time."""
+    count_flops: bool = True
+    """Count FLOPs and bytes with cbtrace's formulas (one extra untimed call)."""
+    progress: bool | None = None
+    """Show a progress bar (default: when stderr is a terminal)."""
+    verify_state: bool = True
+    """Check that a model rebuilt from the spec matches the captured state digest."""

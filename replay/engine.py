@@ -1,0 +1,188 @@
+"""Breadth-first isolated replay of a run: every captured call re-run standalone and measured."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cbtrace import rundir
+from cbtrace.errors import ReplayError
+from cbtrace.records import frame_to_records, records_to_frame
+from cbtrace.replay.config import ReplayConfig
+from cbtrace.replay.isolation import StateGuard
+from cbtrace.replay.measure import measure_call, timer_chain
+from cbtrace.replay.progress import ProgressLog, read_done
+from cbtrace.replay.tree import bfs_order
+
+
+def run_replay(run, model=None, device=None, **options):
+    """See ``cbtrace.replay``. Returns the modules DataFrame with replay columns filled."""
+    cfg = ReplayConfig(**options)
+    run = Path(run)
+    manifest, df = rundir.load_run(run)
+    if not manifest.get("complete", True):
+        raise ReplayError(f"{run}: the capture did not complete ({manifest.get('error')})")
+    device = _device(device, manifest, model)
+    if model is None:
+        model = rebuild_model(manifest, device, verify=cfg.verify_state)
+    records = frame_to_records(df)
+    by_id = {r.call_id: r for r in records}
+    done = read_done(run) if cfg.resume else {}
+    guard = StateGuard(model)
+    chain = timer_chain(cfg.timer, device)
+    budget = cfg.memory_budget_bytes
+    log = ProgressLog(run, resume=cfg.resume)
+    order = bfs_order({r.call_id: r.parent_call_id for r in records})
+    bar = _progress(cfg, len(order), len(done))
+    t0 = time.perf_counter()
+    try:
+        for cid in order:
+            if cid in done:
+                continue
+            rec = by_id[cid]
+            row = replay_one(model, rec, run, device, cfg, chain, guard, budget)
+            row["call_id"] = cid
+            log.append(row)
+            done[cid] = row
+            bar(rec.fqn or "<root>")
+    finally:
+        log.close()
+        bar(None)
+    for rec in records:
+        for k, v in done.get(rec.call_id, {}).items():
+            if k != "call_id" and hasattr(rec, k):
+                setattr(rec, k, v)
+    from cbtrace.replay.results import finalize
+
+    finalize(records, device_name=_device_name(device))
+    out = records_to_frame(records)
+    rundir.write_modules(run, out)
+    manifest["replay"] = {"device": str(device), "device_name": _device_name(device),
+                          "timer": cfg.timer, "wall_s": time.perf_counter() - t0,
+                          "torch_version": torch.__version__}
+    rundir.write_manifest(run, manifest)
+    rundir.refresh_checksums(run)
+    return out
+
+
+def replay_one(model, rec, run, device, cfg, chain, guard, budget) -> dict:
+    """Replay one call; never raises for the module's own failures (status = error)."""
+    from cbtrace.plugins.inputs.load import load_call_inputs
+
+    try:
+        module = model.get_submodule(rec.fqn) if rec.fqn else model
+    except AttributeError:
+        return dict(status="error", status_reason=f"module '{rec.fqn}' not found in the model")
+    need = footprint_bytes(rec)
+    limit = budget if budget is not None else _free_memory(device)
+    if limit is not None and need > limit:
+        return dict(status="skipped", status_reason=f"footprint {need / 2**20:.0f} MiB > "
+                    f"budget {limit / 2**20:.0f} MiB")
+    try:
+        with guard.call():
+            args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device)
+            module.train(bool(rec.training))
+            return measure_call(module, rec, args, kwargs, device, cfg, chain)
+    except torch.OutOfMemoryError as e:
+        _free(device)
+        return dict(status="skipped", status_reason=f"OOM: {str(e).splitlines()[0][:200]}")
+    except Exception as e:  # the module (or its inputs) failed: record and go on
+        _free(device)
+        return dict(status="error", status_reason=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def footprint_bytes(rec) -> int:
+    """Rough peak need: params + buffers + inputs and outputs for the rotating copies + 1."""
+    import json
+
+    out = sum(_meta_bytes(m) for m in json.loads(rec.output_meta or "[]"))
+    return int(rec.param_bytes + rec.buffer_bytes + 3 * (rec.input_bytes + out))
+
+
+def _meta_bytes(m) -> int:
+    n = 1
+    for s in m.get("shape", []):
+        n *= s
+    return n * torch.empty((), dtype=getattr(torch, m.get("dtype", "float32").replace(
+        "torch.", ""))).element_size()
+
+
+def rebuild_model(manifest: dict, device, *, verify: bool):
+    """The model from the provider spec in the manifest, checked against the captured state."""
+    from cbtrace.capture import state_digest
+    from cbtrace.pipeline import DTYPES
+    from cbtrace.plugins.providers.spec import resolve
+
+    spec = manifest.get("model_spec")
+    if not spec:
+        raise ReplayError("run was captured from a live model (no spec): pass model= to replay")
+    opts = dict(manifest.get("options", {}).get("options", {}))
+    dtype = opts.pop("dtype", None)
+    for k in ("device", "step", "warmup"):
+        opts.pop(k, None)
+    provider = resolve(spec, seed=manifest.get("seeds", {}).get("provider_seed") or 0, options=opts)
+    model, _ = provider.model_and_batch(device, DTYPES.get(dtype) if dtype else None)
+    if verify and manifest.get("state_sha256") and state_digest(model) != manifest["state_sha256"]:
+        raise ReplayError(f"{spec}: the rebuilt model's weights differ from the captured ones "
+                          "(provider not deterministic?): pass model= to replay")
+    return model
+
+
+def _device(device, manifest, model) -> torch.device:
+    if device is None:
+        if model is not None:
+            p = next(iter(model.parameters()), None)
+            return p.device if p is not None else torch.device("cpu")
+        want = manifest.get("device", "cpu")
+        device = want if (not want.startswith("cuda") or torch.cuda.is_available()) else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ReplayError(f"--device {device}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _device_name(device) -> str:
+    import platform
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _free_memory(device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return None
+
+
+def _free(device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _progress(cfg, total: int, already: int):
+    show = sys.stderr.isatty() if cfg.progress is None else cfg.progress
+    state = {"n": already}
+
+    def tick(name):
+        if not show:
+            return
+        if name is None:
+            sys.stderr.write("\n")
+            return
+        state["n"] += 1
+        width = 30
+        filled = width * state["n"] // max(total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {state['n']}/{total} "
+                         f"{name[:40]:<40}")
+        sys.stderr.flush()
+
+    return tick

@@ -1,0 +1,39 @@
+"""Inputs for replay: loaded once from the run, then cloned into rotating copies."""
+from __future__ import annotations
+
+import torch
+
+
+def clone_like(x):
+    """Deep copy of a nested structure; tensors keep dtype, shape, strides and requires_grad."""
+    if isinstance(x, torch.Tensor):
+        y = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+        with torch.no_grad():
+            y.copy_(x)
+        return y.requires_grad_(x.requires_grad) if x.is_leaf and x.is_floating_point() else y
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(clone_like(v) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(clone_like(v) for v in x)
+    if isinstance(x, dict):
+        return {k: clone_like(v) for k, v in x.items()}
+    if type(x).__name__ in {"KeyedJaggedTensor", "JaggedTensor", "KeyedTensor"}:
+        return x  # read-only in practice; torchrec objects are rebuilt on load
+    return x
+
+
+def tensor_bytes(x) -> int:
+    from cbtrace.capture import _tensors
+
+    return sum(t.numel() * t.element_size() for t in _tensors(x))
+
+
+def n_copies(input_bytes: int, device: torch.device, max_copies: int) -> int:
+    """Enough copies that rotating among them overflows the last-level cache twice."""
+    if device.type == "cuda":
+        cache = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    else:
+        cache = 32 << 20
+    if input_bytes <= 0:
+        return 1
+    return max(1, min(max_copies, -(-2 * cache // input_bytes)))

@@ -1,0 +1,149 @@
+"""Capture of the demo models on CPU: module calls, inputs and the trace beside them."""
+import collections
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import cbtrace
+from cbtrace import rundir
+from cbtrace.errors import RunDirError
+from cbtrace.pipeline import capture_model
+from cbtrace.plugins.providers.spec import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def expected_calls(spec):
+    """Count module calls independently: plain forward hooks on every named module."""
+    provider = resolve(spec)
+    model, batch = provider.model_and_batch("cpu")
+    model.eval()
+    names = {}
+    for n, m in model.named_modules():
+        names.setdefault(id(m), n)
+    seen = collections.Counter()
+    hs = [m.register_forward_pre_hook(lambda mod, a: seen.update([names[id(mod)]]))
+          for m in model.modules()]
+    with torch.no_grad():
+        provider.run(model, batch)
+    for h in hs:
+        h.remove()
+    return seen
+
+
+def trace_names(run):
+    trace = rundir.find_trace(run)
+    assert trace.name.endswith(".pt.trace.json.gz")
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    return collections.Counter(e["name"] for e in events
+                               if e.get("ph") == "X" and e.get("name", "").startswith("cbtrace::"))
+
+
+@pytest.mark.parametrize("spec", ["nanogpt:tiny", "dlrm:tiny"])
+def test_every_call_once_and_one_range_per_call(tmp_path, spec):
+    cap = capture_model(spec, tmp_path / "run", device="cpu")
+    df = rundir.read_modules(cap.out)
+    got = collections.Counter(df["fqn"])
+    assert got == expected_calls(spec)
+    assert not df.duplicated(["fqn", "call_index"]).any()
+    assert sorted(df["call_id"]) == list(range(len(df)))
+    ranges = trace_names(cap.out)
+    assert ranges == collections.Counter(f"cbtrace::{f}" for f in df["fqn"])
+    root = df[df["depth"] == 0]
+    assert list(root["fqn"]) == [""]
+    child = df[df["depth"] > 0].iloc[0]
+    assert df.set_index("call_id").loc[child["parent_call_id"], "fqn"] == child["parent_fqn"]
+    manifest = rundir.read_manifest(cap.out)
+    assert manifest["model_spec"] == spec and manifest["complete"]
+    for rel, digest in manifest["files"].items():
+        assert rundir.sha256_file(cap.out / rel) == digest
+
+
+def test_inputs_round_trip_bitwise(tmp_path):
+    provider = resolve("nanogpt:tiny")
+    model, batch = provider.model_and_batch("cpu")
+    seen = {}
+
+    def keep(mod, args, kwargs):
+        seen.setdefault(mod, (tuple(a.clone() if torch.is_tensor(a) else a for a in args), kwargs))
+
+    h = model.transformer.h[1].attn.register_forward_pre_hook(keep, with_kwargs=True)
+    with cbtrace.capture(model, tmp_path / "r"):
+        provider.run(model, batch)
+    h.remove()
+    args, kwargs = cbtrace.load_inputs(tmp_path / "r", "transformer.h.1.attn", 0)
+    (want,), _ = seen[model.transformer.h[1].attn]
+    assert args[0].dtype == want.dtype and args[0].stride() == want.stride()
+    assert torch.equal(args[0].view(torch.uint8), want.view(torch.uint8))
+
+
+def test_in_place_mutation_stores_value_at_call_time(tmp_path):
+    spec = f"{REPO / 'tests/fixtures/hf_gpt2.py'}:inplace_model"
+    cap = capture_model(spec, tmp_path / "r", device="cpu", warmup=0)
+    (x_first,), _ = cbtrace.load_inputs(cap.out, "first")
+    (x_second,), _ = cbtrace.load_inputs(cap.out, "second")
+    base = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert torch.equal(x_first, base)
+    assert torch.equal(x_second, base + 100)
+
+
+def test_public_library_model_through_file_spec(tmp_path):
+    pytest.importorskip("transformers")
+    spec = f"{REPO / 'tests/fixtures/hf_gpt2.py'}:build"
+    cap = capture_model(spec, tmp_path / "r", device="cpu")
+    df = rundir.read_modules(cap.out)
+    assert "transformer.h.1.attn" in set(df["fqn"])
+    assert df["module_type"].str.contains("GPT2Attention").any()
+    args, kwargs = cbtrace.load_inputs(cap.out, "")
+    assert kwargs["use_cache"] is False and kwargs["input_ids"].shape == (2, 16)
+
+
+def test_include_exclude_max_depth(tmp_path):
+    cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu",
+                        include=("", "transformer.h.*"), exclude=("*.mlp.*",), max_depth=4)
+    fqns = set(rundir.read_modules(cap.out)["fqn"])
+    assert "" in fqns and "transformer.h.0.attn" in fqns and "transformer.h.0.mlp" in fqns
+    assert "transformer.h.0.mlp.c_fc" not in fqns and "lm_head" not in fqns
+    df = rundir.read_modules(cap.out)
+    assert set(df[df["fqn"] == "transformer.h.0"]["parent_fqn"]) == {""}
+
+
+def test_existing_run_is_never_overwritten(tmp_path):
+    cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu")
+    before = rundir.sha256_file(cap.out / "modules.parquet")
+    with pytest.raises(RunDirError, match="already exists"):
+        capture_model("dlrm:tiny", tmp_path / "r", device="cpu")
+    assert rundir.sha256_file(cap.out / "modules.parquet") == before
+
+
+def test_hooks_removed_even_on_error(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    with pytest.raises(RuntimeError):
+        with cbtrace.capture(model, tmp_path / "r"):
+            model(torch.ones(2, 4))  # wrong shape: Linear raises
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    manifest = rundir.read_manifest(tmp_path / "r")
+    assert manifest["complete"] is False and "RuntimeError" in manifest["error"]
+
+
+def test_shared_module_gets_path_of_caller(tmp_path):
+    shared = torch.nn.Linear(2, 2)
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Sequential(shared)
+            self.b = torch.nn.Sequential(shared)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = Two()
+    with cbtrace.capture(model, tmp_path / "r", profile=False):
+        model(torch.ones(1, 2))
+    df = rundir.read_modules(tmp_path / "r")
+    assert list(df["fqn"]) == ["", "a", "a.0", "b", "b.0"]
