@@ -14,27 +14,27 @@ from cbtrace.errors import CbtraceError
 __version__ = "0.1.0"
 
 _LAZY = {
-    "capture": ("cbtrace.capture", "capture"),
     "CaptureConfig": ("cbtrace.capture", "CaptureConfig"),
     "load_inputs": ("cbtrace.rundir", "load_inputs"),
     "load_run": ("cbtrace.rundir", "load_run"),
     "ModuleRecord": ("cbtrace.records", "ModuleRecord"),
     "ReplayConfig": ("cbtrace.replay.config", "ReplayConfig"),
     "attribute": ("cbtrace.attribution.attribute", "attribute"),
-    "annotate": ("cbtrace.annotate", "annotate"),
-    "trace_handler": ("cbtrace.trace_handler", "trace_handler"),
     "Provider": ("cbtrace.plugins.providers.base", "Provider"),
     "RecSysProvider": ("cbtrace.plugins.providers.base", "RecSysProvider"),
 }
 
-__all__ = ["CbtraceError", "__version__", "replay", *_LAZY]
+# cbtrace.<name> is both a module and callable as the function of the same name
+_CALLABLE_MODULES = ("capture", "replay", "annotate", "trace_handler")
+
+__all__ = ["CbtraceError", "__version__", *_CALLABLE_MODULES, *_LAZY]
 
 
 def __getattr__(name):
     import importlib
 
-    if name == "replay":  # the cbtrace.replay package is itself callable
-        return importlib.import_module("cbtrace.replay")
+    if name in _CALLABLE_MODULES:  # modules that are also the function of their name
+        return importlib.import_module(f"cbtrace.{name}")
     if name in _LAZY:
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(mod), attr)

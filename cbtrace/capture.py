@@ -301,3 +301,8 @@ def _manifest(model, cfg: CaptureConfig, records, step_s: float) -> dict:
         "num_calls": len(records),
         "capture_step_s": step_s,
     }
+
+
+from cbtrace._callable import make_module_callable  # noqa: E402
+
+make_module_callable(__name__, "capture")

@@ -3,10 +3,6 @@
 The package is callable, so both ``cbtrace.replay(run, ...)`` and
 ``from cbtrace.replay import engine`` work.
 """
-import sys
-import types
-
-
 def replay(run, model=None, device=None, **options):
     """Replay every captured call of ``run`` standalone; return the results DataFrame.
 
@@ -21,9 +17,6 @@ def replay(run, model=None, device=None, **options):
     return run_replay(run, model=model, device=device, **options)
 
 
-class _CallableModule(types.ModuleType):
-    def __call__(self, *args, **kwargs):
-        return replay(*args, **kwargs)
+from cbtrace._callable import make_module_callable  # noqa: E402
 
-
-sys.modules[__name__].__class__ = _CallableModule
+make_module_callable(__name__, "replay")

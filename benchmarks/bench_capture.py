@@ -1,0 +1,107 @@
+"""Capture overhead: a captured step vs a plain profiled step, against disk write bandwidth.
+
+Goal (issue 2): capture <= 1.5 x (plain profiled step + captured bytes / disk bandwidth).
+Both sides export a gzipped Kineto trace; the capture side also copies, serializes and writes
+the inputs, modules.parquet and the manifest. Run: python benchmarks/bench_capture.py [SPEC DEVICE DTYPE]...
+"""
+import gzip
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CASES = [("nanogpt:tiny", "cpu", None)]
+if torch.cuda.is_available():
+    CASES.append(("nanogpt", "cuda", "bf16"))
+REPEATS = 3          # take the median of this many of each
+DISK_PROBE_MB = 512  # bytes written (with fsync) to measure disk bandwidth
+
+
+def disk_bandwidth(dirname) -> float:
+    """bytes/s of a large sequential write with fsync, in the directory the runs go to."""
+    data = os.urandom(1 << 20)
+    path = Path(dirname) / "probe.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(DISK_PROBE_MB):
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return DISK_PROBE_MB * (1 << 20) / dt
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def plain_profiled_step(provider, model, batch, device, out_dir) -> float:
+    from cbtrace.capture import _activities
+
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=_activities(), record_shapes=True, with_stack=True) as p:
+        provider.run(model, batch)
+        sync(device)
+    raw = Path(out_dir) / "plain.json"
+    p.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb", compresslevel=3) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    return time.perf_counter() - t0
+
+
+def captured_step(provider, model, batch, device, out_dir) -> tuple[float, int]:
+    import cbtrace
+
+    run = Path(out_dir) / "run"
+    sync(device)
+    t0 = time.perf_counter()
+    with cbtrace.capture(model, run):
+        provider.run(model, batch)
+        sync(device)
+    dt = time.perf_counter() - t0
+    stored = sum(p.stat().st_size for p in (run / "inputs").glob("*.parquet"))
+    return dt, stored
+
+
+def bench(spec, device, dtype, work):
+    from cbtrace.pipeline import DTYPES, warm_up
+    from cbtrace.plugins.providers.spec import resolve
+
+    provider = resolve(spec)
+    model, batch = provider.model_and_batch(device, DTYPES.get(dtype))
+    model.eval()
+    with torch.no_grad():
+        warm_up(provider, model, batch, "forward", 2)
+        plain, cap, stored = [], [], 0
+        for i in range(REPEATS):
+            d = Path(tempfile.mkdtemp(dir=work))
+            plain.append(plain_profiled_step(provider, model, batch, device, d))
+            t, stored = captured_step(provider, model, batch, device, d)
+            cap.append(t)
+            shutil.rmtree(d)
+    return sorted(plain)[REPEATS // 2], sorted(cap)[REPEATS // 2], stored
+
+
+def main():
+    work = Path(os.environ.get("CBTRACE_BENCH_DIR", tempfile.gettempdir()))
+    bw = disk_bandwidth(work)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"device: {name}; disk write bandwidth {bw / 1e6:.0f} MB/s (fsync, {DISK_PROBE_MB} MB)")
+    print(f"{'model':<14}{'dev':<6}{'plain s':>9}{'capture s':>11}{'stored MB':>11}"
+          f"{'MB/s':>8}{'bound s':>9}{'ratio':>7}  goal<=1.5")
+    for spec, device, dtype in CASES:
+        plain, cap, stored = bench(spec, device, dtype, work)
+        bound = plain + stored / bw
+        print(f"{spec:<14}{device:<6}{plain:>9.3f}{cap:>11.3f}{stored / 1e6:>11.1f}"
+              f"{stored / 1e6 / cap:>8.0f}{bound:>9.3f}{cap / bound:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
