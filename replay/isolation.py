@@ -1,8 +1,10 @@
 """Replay never changes the model: parameters, buffers, grads, RNG state, train/eval flags.
 
-A one-time host copy of every parameter and buffer is taken when replay starts; after each call
-the tensors' version counters tell whether anything was written in place, and only those are
-restored (a per-call clone of a 3 GB embedding table would dominate replay time).
+A one-time host copy of every parameter is taken when replay starts; after each call the
+parameters' version counters tell whether anything was written in place, and only those are
+restored (a per-call clone of a 3 GB embedding table would dominate replay time). Buffers are
+restored after every call unconditionally: BatchNorm updates its running stats without bumping
+their version counter.
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import torch
 class StateGuard:
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.tensors = list(model.parameters()) + list(model.buffers())
+        self.tensors = list(model.parameters())
         self.saved = [t.detach().to("cpu", copy=True) for t in self.tensors]
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.versions = [t._version for t in self.tensors]
         self.restored: list[str] = []
 
@@ -40,6 +43,8 @@ class StateGuard:
 
     def _undo_writes(self) -> None:
         with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
             for i, t in enumerate(self.tensors):
                 if t._version != self.versions[i]:
                     t.copy_(self.saved[i])

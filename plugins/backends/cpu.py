@@ -1,0 +1,55 @@
+"""``cpu`` timer: perf_counter_ns around each call; on CUDA, synchronize before and after.
+
+Works everywhere and is the last fallback. On a GPU it includes host launch latency (it
+overstates small modules), which is why ``graph`` and ``events`` come first.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .base import Timing, TimerUnavailable, TimingConfig, join_notes, timing_from_samples
+from .l2 import L2Flusher
+from .sampling import collect
+
+
+class CpuTimer:
+    name = "cpu"
+
+    def unavailable_reason(self, device) -> str | None:
+        device = torch.device(device)
+        if device.type == "cpu":
+            return None
+        if device.type == "cuda":
+            return None if torch.cuda.is_available() else "cpu timer: CUDA is not available"
+        return f"cpu timer supports cpu and cuda devices, not {device.type}"
+
+    def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
+        reason = self.unavailable_reason(device)
+        if reason:
+            raise TimerUnavailable(reason)
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+        for i in range(cfg.warmup_runs):
+            call(i % n_copies)
+        sync()
+        flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
+
+        def sample(first: int, n: int) -> list[float]:
+            out = []
+            for i in range(first, first + n):
+                flusher.flush()
+                sync()
+                if cfg.gap_s > 0:
+                    time.sleep(cfg.gap_s)
+                t0 = time.perf_counter_ns()
+                call((cfg.warmup_runs + i) % n_copies)  # continue the warm-up's rotation
+                sync()
+                out.append((time.perf_counter_ns() - t0) / 1e6)
+            return out
+
+        samples = collect(sample, cfg)
+        return timing_from_samples(samples, self.name,
+                                   join_notes("synchronized" if cuda else None, flusher.note))

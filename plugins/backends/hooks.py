@@ -1,0 +1,16 @@
+"""Registers the built-in timers through the same hook third-party backends use."""
+from cbtrace.hookspecs import hookimpl
+
+# Fallback order of ``--timer auto``: the most faithful timer that works on the device.
+AUTO_ORDER = ("graph", "events", "cpu")
+
+
+@hookimpl
+def register_backends(register):
+    from .cpu import CpuTimer  # torch is imported only when backends are asked for
+    from .events import EventsTimer
+    from .graph import GraphTimer
+
+    register("graph", GraphTimer())
+    register("events", EventsTimer())
+    register("cpu", CpuTimer())

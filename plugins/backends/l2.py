@@ -1,0 +1,50 @@
+"""Flush and spacing between timed GPU runs: an L2-flushing memset and a queued spin kernel.
+
+On an H200, heavy GEMMs run back-to-back pulled the SM clock from 1980 to ~1500 MHz within
+0.3 s (an lm_head GEMM read 12-20% slow); a 256 MB memset between timed calls, as in
+``triton.testing.do_bench``, kept it within 1% and also stops repeated identical inputs
+(EmbeddingBag lookups) from being served out of a warm L2 (they read 22-25% fast).
+"""
+from __future__ import annotations
+
+import torch
+
+_cycles_per_ms: dict[int, float] = {}  # device index -> spin-kernel clock cycles per ms (measured)
+
+
+class L2Flusher:
+    """Owns a GPU buffer; ``flush()`` queues a memset over it. No-op when disabled or not CUDA."""
+
+    def __init__(self, device: torch.device, nbytes: int, enabled: bool = True):
+        self.buf, self.note = None, None
+        if enabled and device.type == "cuda" and nbytes > 0:
+            try:
+                self.buf = torch.empty(nbytes, dtype=torch.int8, device=device)
+            except torch.OutOfMemoryError:  # the module needs the memory more than we do
+                self.note = f"no L2 flush: {nbytes >> 20} MiB buffer did not fit"
+
+    def flush(self) -> None:
+        if self.buf is not None:
+            self.buf.zero_()
+
+
+def cycles_per_ms(device: torch.device) -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on this device, measured once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cycles_per_ms:
+        with torch.cuda.device(index):
+            torch.cuda._sleep(1000)  # load the kernel
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            cycles = 2_000_000
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            _cycles_per_ms[index] = cycles / max(start.elapsed_time(end), 1e-3)
+    return _cycles_per_ms[index]
+
+
+def spin(device: torch.device, ms: float) -> None:
+    """Queue a kernel that keeps one SM busy for about ``ms`` (the host returns at once)."""
+    if ms > 0:
+        torch.cuda._sleep(max(int(ms * cycles_per_ms(device)), 1))

@@ -1,0 +1,47 @@
+"""Pure statistics for timers: percentiles of samples and how many more runs fit a budget."""
+from __future__ import annotations
+
+import math
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """q-th percentile (0..100), linear interpolation between order statistics (numpy's default)."""
+    if not samples:
+        raise ValueError("percentile: samples is empty")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile: q must be in [0, 100], got {q}")
+    xs = sorted(samples)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(samples: list[float]) -> tuple[float, float, float]:
+    """(median, p10, p90) of the samples."""
+    return percentile(samples, 50), percentile(samples, 10), percentile(samples, 90)
+
+
+def plan_runs(*, per_run_s: float, left_s: float, done: int, min_runs: int, max_runs: int) -> int:
+    """How many more timed runs to take now.
+
+    Half of what still fits in ``left_s`` (rounded up), so the estimate of ``per_run_s`` is refined
+    before the budget is spent; but always enough to reach ``min_runs`` and never past ``max_runs``.
+    """
+    if per_run_s < 0:
+        raise ValueError(f"plan_runs: per_run_s must be >= 0, got {per_run_s}")
+    fit = max_runs if per_run_s == 0 else int(max(left_s, 0.0) / per_run_s)
+    n = max((fit + 1) // 2, min_runs - done, 0)
+    return max(min(n, max_runs - done), 0)
+
+
+def graph_calls(*, per_call_ms: float, k_max: int, max_replay_ms: float) -> int:
+    """Calls per CUDA graph: ``k_max``, fewer if K calls would run longer than ``max_replay_ms``."""
+    if per_call_ms <= 0:
+        return k_max
+    return max(1, min(k_max, int(max_replay_ms / per_call_ms)))
+
+
+def spin_for(*, host_ms: float, lo_ms: float, hi_ms: float) -> float:
+    """Spin before a start event: twice the host enqueue time plus 20 us, within [lo_ms, hi_ms]."""
+    return min(max(2 * host_ms + 0.02, lo_ms), hi_ms)

@@ -1,0 +1,382 @@
+"""Measurement backends (timers), their shared statistics, and the profiled call.
+
+CPU tests use a tiny nn.Sequential and real torch.profiler runs; GPU tests carry @pytest.mark.gpu.
+"""
+import ast
+import inspect
+import time
+from collections import Counter
+
+import pluggy
+import pytest
+import torch
+from torch import nn
+
+from cbtrace import hookspecs
+from cbtrace.plugins.backends import base, hooks, stats
+from cbtrace.plugins.backends.base import Timing, TimerUnavailable, TimingConfig
+from cbtrace.plugins.backends.cpu import CpuTimer
+from cbtrace.plugins.backends.events import EventsTimer
+from cbtrace.plugins.backends.fallback import measure_auto
+from cbtrace.plugins.backends.graph import GraphTimer
+from cbtrace.plugins.backends.l2 import L2Flusher
+from cbtrace.plugins.backends.profiled import (
+    Row, aten_op_count, device_totals, peak_live_bytes, profile_call)
+from cbtrace.plugins.backends.sampling import collect
+
+CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+FAST = TimingConfig(budget_s=0.02, min_runs=5, warmup_runs=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """A 2-core CI box shared with other jobs: intra-op threads only add noise."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64)).eval()
+
+
+def copies(n, device="cpu"):
+    return [torch.randn(8, 32, device=device) for _ in range(n)]
+
+
+# ---- stats (pure, hand-worked) -------------------------------------------------------------
+
+def test_percentile_hand_worked():
+    xs = [4.0, 1.0, 3.0, 2.0]  # sorted 1 2 3 4; position (n-1)q/100
+    assert stats.percentile(xs, 50) == pytest.approx(2.5)
+    assert stats.percentile(xs, 10) == pytest.approx(1.3)   # 1 + 0.3 * (2 - 1)
+    assert stats.percentile(xs, 90) == pytest.approx(3.7)
+    assert stats.percentile([7.0], 90) == 7.0
+    assert stats.summarize([5.0, 1.0, 3.0]) == pytest.approx((3.0, 1.4, 4.6))
+
+
+def test_percentile_rejects_bad_input():
+    with pytest.raises(ValueError, match="empty"):
+        stats.percentile([], 50)
+    with pytest.raises(ValueError, match="q must be"):
+        stats.percentile([1.0], 101)
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(per_run_s=0.01, left_s=1.0, done=10), 50),    # 100 fit; take half, then re-estimate
+    (dict(per_run_s=0.01, left_s=0.03, done=10), 2),    # 3 fit -> ceil(3/2)
+    (dict(per_run_s=0.01, left_s=0.005, done=10), 0),   # nothing fits: stop
+    (dict(per_run_s=1.0, left_s=-5.0, done=3), 7),      # over budget, but min_runs=10 first
+    (dict(per_run_s=0.0, left_s=1.0, done=10), 50),     # free runs: half of max_runs
+    (dict(per_run_s=1e-6, left_s=1.0, done=90), 10),    # never past max_runs=100
+])
+def test_plan_runs(kw, want):
+    assert stats.plan_runs(min_runs=10, max_runs=100, **kw) == want
+
+
+def test_graph_calls_and_spin():
+    assert stats.graph_calls(per_call_ms=0.005, k_max=20, max_replay_ms=2.0) == 20
+    assert stats.graph_calls(per_call_ms=0.3, k_max=20, max_replay_ms=2.0) == 6   # 2 / 0.3 = 6.7
+    assert stats.graph_calls(per_call_ms=5.0, k_max=20, max_replay_ms=2.0) == 1
+    assert stats.graph_calls(per_call_ms=0.0, k_max=20, max_replay_ms=2.0) == 20
+    assert stats.spin_for(host_ms=0.1, lo_ms=0.05, hi_ms=20) == pytest.approx(0.22)
+    assert stats.spin_for(host_ms=0.001, lo_ms=0.05, hi_ms=20) == 0.05
+    assert stats.spin_for(host_ms=50, lo_ms=0.05, hi_ms=20) == 20
+
+
+# ---- config and result ---------------------------------------------------------------------
+
+def test_config_is_keyword_only_and_validated():
+    with pytest.raises(TypeError):
+        TimingConfig(0.5)
+    for bad in (dict(min_runs=0), dict(min_runs=20, max_runs=10), dict(graph_k=0),
+                dict(budget_s=-1), dict(warmup_runs=-1)):
+        with pytest.raises(ValueError):
+            TimingConfig(**bad)
+    cfg = TimingConfig(budget_s=0.5, min_runs=10, max_runs=10_000, warmup_runs=3, graph_k=20,
+                       flush_l2=True, gap_s=0.0)
+    assert cfg.graph_k == 20 and cfg.flush_bytes >= 4 * 50 * 2**20  # > 4x an H200 L2
+
+
+def test_every_config_field_has_one_doc_line():
+    tree = ast.parse(inspect.getsource(base.TimingConfig))
+    body = tree.body[0].body
+    fields = [(i, n.target.id) for i, n in enumerate(body) if isinstance(n, ast.AnnAssign)]
+    assert {name for _, name in fields} == set(TimingConfig.__dataclass_fields__)
+    for i, name in fields:
+        doc = body[i + 1]
+        assert isinstance(doc, ast.Expr) and isinstance(doc.value.value, str), name
+        assert "\n" not in doc.value.value.strip(), f"{name}: doc is more than one line"
+
+
+def test_timing_from_samples():
+    t = base.timing_from_samples([2.0, 1.0, 3.0, 4.0, 5.0], "cpu", "note")
+    assert (t.median_ms, t.p10_ms, t.p90_ms, t.runs, t.timer) == (3.0, 1.4, 4.6, 5, "cpu")
+    assert t.samples_ms == [2.0, 1.0, 3.0, 4.0, 5.0] and t.notes == "note"
+    assert isinstance(t, Timing)
+
+
+def test_join_notes_and_cpu_flusher_is_a_no_op():
+    assert base.join_notes("K=20", None, "", "no L2 flush") == "K=20; no L2 flush"
+    assert base.join_notes(None, "") is None
+    flusher = L2Flusher(torch.device("cpu"), 1 << 20)
+    flusher.flush()
+    assert flusher.buf is None and flusher.note is None
+
+
+# ---- the adaptive loop ---------------------------------------------------------------------
+
+def sleeper(per_s, log):
+    def sample(first, n):
+        log.append((first, n))
+        time.sleep(per_s * n)
+        return [per_s * 1e3] * n
+    return sample
+
+
+def test_collect_fills_the_budget_then_stops():
+    log = []
+    cfg = TimingConfig(budget_s=0.1, min_runs=5)
+    t0 = time.perf_counter()
+    got = collect(sleeper(0.002, log), cfg)
+    wall = time.perf_counter() - t0
+    assert log[0] == (0, 5)                                # min_runs first
+    assert [f for f, _ in log] == [sum(n for _, n in log[:i]) for i in range(len(log))]
+    assert 25 <= len(got) <= 50                            # <= 0.1 s / 2 ms; sleep overshoots
+    assert wall < 0.1 + 0.05
+
+
+def test_collect_honours_min_and_max_runs():
+    assert len(collect(sleeper(0.0, []), TimingConfig(budget_s=10, min_runs=3, max_runs=17))) == 17
+    assert len(collect(sleeper(0.005, []), TimingConfig(budget_s=0, min_runs=4))) == 4
+
+
+# ---- cpu timer -----------------------------------------------------------------------------
+
+def test_cpu_timer_rotates_copies_and_summarises():
+    model, xs, seen = tiny_model(), copies(3), Counter()
+
+    def call(i):
+        seen[i] += 1
+        return model(xs[i])
+
+    with torch.no_grad():
+        t = CpuTimer().measure(call, 3, torch.device("cpu"), FAST)
+    assert t.timer == "cpu" and t.runs == len(t.samples_ms) >= FAST.min_runs
+    assert 0 < t.p10_ms <= t.median_ms <= t.p90_ms
+    assert sum(seen.values()) == t.runs + FAST.warmup_runs
+    assert set(seen) == {0, 1, 2} and max(seen.values()) - min(seen.values()) <= 1
+
+
+def test_cpu_timer_measures_real_time():
+    t = CpuTimer().measure(lambda i: time.sleep(0.003), 1, "cpu",
+                           TimingConfig(budget_s=0.0, min_runs=5, warmup_runs=0))
+    assert t.runs == 5
+    assert 3.0 <= t.median_ms < 30.0
+
+
+def test_cpu_timer_passes_module_errors_through():
+    def call(i):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    with pytest.raises(RuntimeError, match="shapes"):
+        CpuTimer().measure(call, 1, "cpu", FAST)
+
+
+def test_cuda_timers_say_why_not_on_cpu():
+    assert CpuTimer().unavailable_reason(torch.device("cpu")) is None
+    assert "meta" in CpuTimer().unavailable_reason(torch.device("meta"))
+    with pytest.raises(TimerUnavailable, match="meta"):
+        CpuTimer().measure(lambda i: None, 1, "meta", FAST)
+    for timer in (GraphTimer(), EventsTimer()):
+        reason = timer.unavailable_reason(torch.device("cpu"))
+        assert reason and "CUDA" in reason and timer.name in reason
+        with pytest.raises(TimerUnavailable, match="CUDA"):
+            timer.measure(lambda i: None, 1, "cpu", FAST)
+
+
+def test_capture_error_names_the_op_that_broke_it():
+    from cbtrace.plugins.backends.graph import _first_line, _root_cause
+    try:
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nhint")
+        finally:
+            raise RuntimeError("operation failed due to a previous error during capture")
+    except RuntimeError as e:
+        assert _first_line(_root_cause(e)) == (
+            "RuntimeError: CUDA error: operation not permitted when stream is capturing")
+
+
+# ---- registration and fallback -------------------------------------------------------------
+
+class FailingTimer:
+    """Stands in for a graph capture that fails on this call (e.g. an embedding backward)."""
+
+    name = "flaky"
+
+    def unavailable_reason(self, device):
+        return None
+
+    def measure(self, call, n_copies, device, cfg):
+        raise TimerUnavailable("graph capture failed: operation not permitted when capturing")
+
+
+class FakePlugin:
+    @hookspecs.hookimpl
+    def register_backends(self, register):
+        register("flaky", FailingTimer())
+
+
+@pytest.fixture
+def registered():
+    """A plugin manager with the built-in backends and a fake one, registered through the hook."""
+    pm = pluggy.PluginManager("cbtrace")
+    pm.add_hookspecs(hookspecs)
+    pm.register(hooks, name="cbtrace.plugins.backends.hooks")
+    pm.register(FakePlugin(), name="fake")
+    table = {}
+    pm.hook.register_backends(register=lambda name, obj: table.setdefault(name, obj))
+    yield table
+    pm.unregister(name="fake")
+
+
+def test_builtins_register_through_the_hook(registered):
+    assert {"graph", "events", "cpu", "flaky"} <= set(registered)
+    assert set(hooks.AUTO_ORDER) <= set(registered)
+    for name, backend in registered.items():
+        assert backend.name == name
+        assert callable(backend.measure) and callable(backend.unavailable_reason)
+
+
+def test_auto_falls_back_and_records_why(registered):
+    model, xs = tiny_model(), copies(2)
+    with torch.no_grad():
+        t = measure_auto(lambda i: model(xs[i]), 2, "cpu", FAST, registered,
+                         order=("flaky", "graph", "events", "cpu"))
+    assert t.timer == "cpu"
+    assert "flaky failed: graph capture failed" in t.notes
+    assert "graph" not in t.notes.replace("graph capture", "")  # device-level skips stay quiet
+
+
+def test_auto_with_no_usable_timer_says_why(registered):
+    want = "flaky: graph capture failed.*events: events timer needs"
+    with pytest.raises(TimerUnavailable, match=want):
+        measure_auto(lambda i: None, 1, "cpu", FAST, registered,
+                     order=("flaky", "events", "absent"))
+
+
+# ---- profiled call -------------------------------------------------------------------------
+
+def rows(*spec):
+    return [Row(a, n, t, d, b, c) for a, n, t, d, b, c in spec]
+
+
+def test_row_summaries_hand_worked():
+    rs = rows(("cpu_op", "aten::linear", 0, 900, 0, True),
+              ("cpu_op", "aten::addmm", 10, 800, 0, True),
+              ("cpu_op", "Optimizer.step", 10, 800, 0, True),
+              ("kernel", "sm90_gemm", 20, 1500, 0, False),
+              ("gpu_memset", "Memset", 30, 500, 0, False),
+              ("gpu_user_annotation", "fwd", 0, 9000, 0, False),
+              ("[memory]", "[memory]", 3, 0, 100, True),
+              ("[memory]", "[memory]", 1, 0, 50, True),     # out of order on purpose
+              ("[memory]", "[memory]", 5, 0, -100, True),
+              ("[memory]", "[memory]", 6, 0, 30, True),
+              ("[memory]", "[memory]", 4, 0, 999, False))   # device memory: not the CPU estimate
+    assert device_totals(rs) == (2, pytest.approx(0.002))
+    assert aten_op_count(rs) == 2
+    assert peak_live_bytes(rs) == 150                     # 50, 150, 50, 80
+    assert peak_live_bytes(rs, on_cpu=False) == 999
+
+
+def test_profile_call_on_cpu_linear():
+    model, (x,) = tiny_model(), copies(1)
+    with torch.no_grad():
+        s = profile_call(lambda: model(x), "cpu", runs=2)
+    assert s.runs == 2 and s.kernel_count == 0 and s.device_ms == 0
+    assert s.wall_ms > 0 and s.launch_overhead_ms == s.wall_ms
+    assert s.op_count >= 3  # at least aten::linear, aten::gelu, aten::layer_norm
+    assert s.peak_mem_source == "estimate"
+    assert s.peak_mem_bytes >= 8 * 64 * 4  # the (8, 64) fp32 activations
+
+
+def test_profile_call_cpu_peak_is_live_bytes():
+    x = torch.randn(1 << 20)
+    s = profile_call(lambda: (x * 2).sum(), torch.device("cpu"), runs=1)
+    # x*2 allocates 4 MiB, freed after sum; the scalar 2 and the sum's result add a few bytes
+    assert 4 * 2**20 <= s.peak_mem_bytes < 4 * 2**20 + 1024
+    with pytest.raises(ValueError, match="runs"):
+        profile_call(lambda: None, "cpu", runs=0)
+
+
+# ---- GPU (run by the lead on an H200) --------------------------------------------------------
+
+@pytest.mark.parametrize("timer", [GraphTimer(), EventsTimer(), CpuTimer()], ids=lambda t: t.name)
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_timers_time_a_gemm(timer):
+    a = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    b = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    assert timer.unavailable_reason(torch.device("cuda")) is None
+    t = timer.measure(lambda i: a[i] @ b, 2, torch.device("cuda"), FAST)
+    assert t.timer == timer.name and t.runs >= FAST.min_runs
+    # 17.2 GFLOP; an H100/H200 does it in ~20-40 us, anything sane in < 20 ms
+    assert 0.005 < t.median_ms < 20
+    if timer.name == "graph":
+        assert t.notes.startswith("K=")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_graph_capture_failure_falls_back_to_events(registered):
+    x = torch.randn(1024, device="cuda")
+
+    def call(i):  # .item() syncs with the host: not capturable
+        return x * float((x > 0).sum().item())
+
+    with pytest.raises(TimerUnavailable, match="capture"):
+        GraphTimer().measure(call, 1, "cuda", FAST)
+    t = measure_auto(call, 1, "cuda", FAST, registered)
+    assert t.timer == "events" and "graph failed" in t.notes
+    torch.cuda.empty_cache()  # torch < 2.12 asserted here after a failed capture (pytorch#180395)
+    t = GraphTimer().measure(lambda i: x * 2, 1, "cuda", FAST)  # capture still works afterwards
+    assert t.timer == "graph"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_graph_shrinks_k_for_long_calls_and_captures_backward():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)  # 1.1 TFLOP: > 1 ms
+    t = GraphTimer().measure(lambda i: a @ a, 1, "cuda", TimingConfig(budget_s=0, min_runs=3))
+    assert t.notes.startswith("K=") and int(t.notes[2:].split(";")[0]) < 20
+    lin = nn.Linear(256, 256).cuda()
+    xs = [torch.randn(64, 256, device="cuda", requires_grad=True) for _ in range(2)]
+    t = GraphTimer().measure(lambda i: lin(xs[i]).sum().backward(), 2, "cuda", FAST)
+    assert t.timer == "graph" and t.median_ms > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_profile_call():
+    model = tiny_model().cuda()
+    x = torch.randn(8, 32, device="cuda")
+    with torch.no_grad():
+        s = profile_call(lambda: model(x), "cuda")
+    assert s.kernel_count >= 3 and s.device_ms > 0
+    assert s.peak_mem_source == "cuda_allocator" and s.peak_mem_bytes >= 8 * 64 * 4
+    assert s.launch_overhead_ms == pytest.approx(max(s.wall_ms - s.device_ms, 0))
+
+
+def test_gpu_benchmark_script_builds_its_cases_on_cpu():
+    """benchmarks/gpu_timers.py runs only on a GPU; check here that it loads and its calls work."""
+    import importlib.util
+    path = __import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_timers.py"
+    spec = importlib.util.spec_from_file_location("gpu_timers", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    labels = [label for label, _, _ in mod.TIMERS]
+    assert len(labels) == len(set(labels)) and {"graph", "events", "cpu_sync"} <= set(labels)
+    assert len(mod.CASES) >= 4
+    assert mod.case_ln_gelu(torch.device("cpu"))(1).shape == (4, 256, 768)

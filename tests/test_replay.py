@@ -1,0 +1,130 @@
+"""Isolated replay on CPU: state invariance, skip-and-aggregate, errors, resume."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import cbtrace
+from cbtrace import rundir
+from cbtrace.pipeline import capture_model
+from cbtrace.plugins.providers.spec import resolve
+from cbtrace.replay.isolation import state_fingerprint
+
+FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    return capture_model("nanogpt:tiny", tmp_path_factory.mktemp("g") / "run", device="cpu").out
+
+
+@pytest.mark.parametrize("spec", ["nanogpt:tiny", "dlrm:tiny"])
+def test_replay_leaves_model_state_untouched(tmp_path, spec):
+    provider = resolve(spec)
+    model, batch = provider.model_and_batch("cpu")
+    model.train()  # dropout + RNG live
+    with cbtrace.capture(model, tmp_path / "r", profile=False):
+        provider.run(model, batch)
+    before = state_fingerprint(model)
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    assert state_fingerprint(model) == before
+    assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["fqn", "status_reason"]]
+    assert (df["timer"] == "cpu").all() and (df["isolated_ms"] > 0).all()
+    assert (df["isolated_ms_p10"] <= df["isolated_ms"]).all()
+    assert (df["isolated_ms"] <= df["isolated_ms_p90"]).all()
+
+
+def test_batchnorm_running_stats_unchanged(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    model.train()
+    x = torch.randn(2, 3, 8, 8)
+    with cbtrace.capture(model, tmp_path / "r", profile=False):
+        model(x)
+    stats = model[1].running_mean.clone(), model[1].running_var.clone()
+    tracked = model[1].num_batches_tracked.clone()
+    cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    assert torch.equal(model[1].running_mean, stats[0])
+    assert torch.equal(model[1].running_var, stats[1])
+    assert torch.equal(model[1].num_batches_tracked, tracked)
+    assert model.training
+
+
+def test_rebuilds_model_from_spec_and_fills_figures(gpt_run):
+    df = cbtrace.replay(gpt_run, **FAST)
+    ok = df[df["status"] == "ok"]
+    assert len(ok) == len(df)
+    lin = ok[ok["module_type"] == "Linear"]
+    assert (lin["flops"] > 0).all() and (lin["bytes"] > 0).all()
+    # parents whose children were all timed carry a residual
+    root = df[df["fqn"] == ""].iloc[0]
+    kids = df[df["parent_call_id"] == root["call_id"]]
+    assert root["residual_ms"] == pytest.approx(root["isolated_ms"] - kids["isolated_ms"].sum())
+    assert rundir.read_modules(gpt_run)["isolated_ms"].notna().all()
+
+
+def test_skip_and_aggregate_under_memory_budget(tmp_path):
+    cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
+    df0 = rundir.read_modules(cap.out)
+    block = df0[df0["fqn"] == "transformer.h.0"].iloc[0]
+    from cbtrace.replay.engine import footprint_bytes
+    from cbtrace.records import frame_to_records
+
+    recs = {r.fqn: r for r in frame_to_records(df0)}
+    budget = footprint_bytes(recs["transformer.h.0"]) - 1
+    too_big = {f for f, r in recs.items() if footprint_bytes(r) > budget}
+    assert "transformer.h.0.attn" not in too_big and "" in too_big
+    df = cbtrace.replay(cap.out, memory_budget_bytes=budget, **FAST)
+    row = df[df["fqn"] == "transformer.h.0"].iloc[0]
+    assert row["status"] == "skipped" and "budget" in row["status_reason"]
+    assert bool(row["aggregated"])
+    kids = df[df["parent_call_id"] == block["call_id"]]
+    assert (kids["status"] == "ok").all()
+    assert row["isolated_ms"] == pytest.approx(kids["isolated_ms"].sum())
+    assert row["flops"] == pytest.approx(kids["flops"].sum())
+
+
+def test_module_that_raises_is_recorded_and_replay_goes_on(tmp_path):
+    class Flaky(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            Flaky.calls += 1
+            if Flaky.calls > 1:
+                raise RuntimeError("boom on replay")
+            return x + 1
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Flaky(), torch.nn.ReLU())
+    with cbtrace.capture(model, tmp_path / "r", profile=False):
+        model(torch.randn(2, 4))
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("fqn")
+    assert df.loc["1", "status"] == "error" and "boom on replay" in df.loc["1", "status_reason"]
+    assert df.loc["0", "status"] == "ok" and df.loc["2", "status"] == "ok"
+
+
+def test_resume_after_killing_a_replay(tmp_path):
+    cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu")
+    n = len(rundir.read_modules(cap.out))
+    cmd = [sys.executable, "-m", "cbtrace", "replay", str(cap.out), "--budget-s", "0.2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = Path(cap.out) / "replay.progress.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if log.exists() and len(log.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = [json.loads(x)["call_id"] for x in log.read_text().splitlines() if x.strip()]
+    assert 3 <= len(done_before) < n
+    out = subprocess.run(cmd[:-2] + ["--budget-s", "0.01", "--resume"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    ids = [json.loads(x)["call_id"] for x in log.read_text().splitlines() if x.strip()]
+    assert sorted(ids) == list(range(n))  # every call exactly once: nothing redone
+    df = rundir.read_modules(cap.out)
+    assert (df["status"] == "ok").all() and df["isolated_ms"].notna().all()
