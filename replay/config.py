@@ -8,8 +8,8 @@ from dataclasses import dataclass
 class ReplayConfig:
     timer: str = "auto"
     """graph | events | cpu | auto (graph on CUDA where capture works, else events; cpu on CPU)."""
-    budget_s: float = 0.3
-    """Time budget for the timed runs of one call (adaptive count within it)."""
+    budget_s: float = 0.05
+    """Time budget for the timed runs of one call (adaptive count within it, >= min_runs)."""
     min_runs: int = 10
     """At least this many timed calls, whatever the budget."""
     warmup_runs: int = 3

@@ -1,0 +1,70 @@
+"""GPU paths of capture and replay (run on the H200 with -m gpu; skipped elsewhere)."""
+import pytest
+import torch
+
+import cbtrace
+from cbtrace import rundir
+from cbtrace.pipeline import capture_model
+from cbtrace.plugins.providers.spec import resolve
+from cbtrace.replay.isolation import state_fingerprint
+
+pytestmark = pytest.mark.gpu
+FAST = dict(budget_s=0.02, min_runs=5, warmup_runs=2, profile_runs=1)
+
+
+def test_capture_and_replay_on_cuda_with_graph_timer(tmp_path):
+    provider = resolve("nanogpt:tiny")
+    model, batch = provider.model_and_batch("cuda", torch.bfloat16)
+    model.eval()
+    with cbtrace.capture(model, tmp_path / "r"):
+        provider.run(model, batch)
+    args, _ = cbtrace.load_inputs(tmp_path / "r", "transformer.h.0.attn")
+    assert args[0].is_cuda and args[0].dtype == torch.bfloat16
+    before = state_fingerprint(model)
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    assert state_fingerprint(model) == before
+    assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["fqn", "status_reason"]]
+    assert (df["timer"] == "graph").mean() > 0.9
+    work = df[df["module_type"].isin(["Linear", "LayerNorm", "Block", "GPT"])]
+    assert (work["kernel_count"] > 0).all()  # (Dropout in eval launches nothing)
+    lin = df[df["module_type"] == "Linear"]
+    assert (lin["mfu"] > 0).all() and (lin["compute_dtype"] == "bfloat16").all()
+
+
+def test_real_oom_is_skipped_and_parent_aggregated(tmp_path):
+    class Hog(torch.nn.Module):
+        n = 1
+
+        def forward(self, x):
+            torch.empty(int(Hog.n), dtype=torch.uint8, device=x.device)
+            return x + 1
+
+    class Parent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hog = Hog()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.lin(self.hog(x))
+
+    model = torch.nn.Sequential(Parent()).cuda()
+    with cbtrace.capture(model, tmp_path / "r", profile=False):
+        model(torch.randn(8, 64, device="cuda"))
+    Hog.n = 4 * torch.cuda.get_device_properties(0).total_memory  # cannot fit
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("fqn")
+    assert df.loc["0.hog", "status"] == "skipped" and "OOM" in df.loc["0.hog", "status_reason"]
+    assert df.loc["0.lin", "status"] == "ok"
+    assert df.loc["0", "status"] == "skipped"
+    torch.cuda.empty_cache()
+    x = torch.ones(1024, device="cuda")  # the device is still usable afterwards
+    assert float(x.sum()) == 1024.0
+
+
+def test_dlrm_capture_replay_cuda(tmp_path):
+    cap = capture_model("dlrm:tiny", tmp_path / "r", device="cuda", dtype="bf16")
+    df = cbtrace.replay(cap.out, **FAST)
+    assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["fqn", "status_reason"]]
+    bags = df[df["module_type"] == "EmbeddingBag"]
+    assert (bags["bytes"] > 0).all() and (bags["flops"] > 0).all()
+    assert rundir.find_trace(cap.out) is not None
