@@ -1,0 +1,198 @@
+"""``cbtrace.attribute``: in-situ time per module from existing Kineto traces.
+
+One row per (rank, step, module call, phase). Columns (times in ms, from µs in the trace):
+
+- ``rank``, ``step`` (N of ``ProfilerStep#N``; -1 for a trace without steps or an event outside
+  every step), ``fqn`` (best path known; ``<unattributed>`` for time no module claims,
+  ``<cbtrace-overhead>`` for cbtrace's input copies), ``source`` (cbtrace | nn.Module |
+  record_function | module_hierarchy | unattributed), ``call_index`` (n-th call of that fqn in
+  the step), ``depth``, ``parent_fqn``, ``phase`` (fwd | bwd).
+- ``cpu_ms`` / ``cpu_self_ms``: host time inclusive / minus child modules (cbtrace overhead
+  excluded); for bwd rows, the autograd ops mapped to the module (self) and its subtree.
+- ``gpu_ms`` / ``gpu_self_ms``: sum of device event durations (kernels, memcpy, memset)
+  launched inside; ``gpu_span_ms``: first device event start to last end (inclusive);
+  ``kernel_count`` (inclusive).
+- ``flops``, ``flops_executed``, ``bytes``, ``ops_without_formula``, ``compute_dtype``, ``mfu``,
+  ``mbu``: from op shapes (``record_shapes=True``), cbtrace.flops formulas, cbtrace.peaks peaks;
+  inclusive; mfu/mbu use ``gpu_ms`` and the trace's device (NaN on CPU-only traces).
+- Slice identity: ``pid``, ``tid``, ``ts_us``, ``dur_us`` (as in the trace), ``ev_index`` (position
+  in ``traceEvents`` = HTA's ``index`` column: join with
+  ``df.merge(hta_df, left_on="ev_index", right_on="index")``), ``module_label`` ("Linear_3"),
+  ``trace`` (file).
+
+Aggregation over steps (``aggregate=True``): every row also carries ``<col>_median``,
+``<col>_min``, ``<col>_max`` for cpu_ms, cpu_self_ms, gpu_ms, gpu_self_ms, gpu_span_ms over
+the steps >= 0 of its (rank, fqn, call_index, phase); ``summarize(df)`` keeps one row per group.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cbtrace.errors import TraceError
+
+AGG_COLUMNS = ("cpu_ms", "cpu_self_ms", "gpu_ms", "gpu_self_ms", "gpu_span_ms")
+GROUP = ["rank", "fqn", "call_index", "phase"]
+COLUMNS = ["rank", "step", "fqn", "source", "call_index", "depth", "parent_fqn", "phase",
+           "cpu_ms", "cpu_self_ms", "gpu_ms", "gpu_self_ms", "gpu_span_ms", "kernel_count",
+           "flops", "flops_executed", "bytes", "ops_without_formula", "compute_dtype", "mfu",
+           "mbu", "module_label", "pid", "tid", "ts_us", "dur_us", "ev_index", "trace"]
+_SUFFIXES = (".json", ".json.gz")
+_RANK_IN_NAME = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
+
+
+def trace_files(paths) -> list[Path]:
+    """A file, a directory (every *.json / *.json.gz in it, annotated_* excluded) or a list."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(_SUFFIXES)
+                           and not f.name.startswith("annotated_"))
+            if not found:
+                raise TraceError(f"{p}: no .json or .json.gz traces in this directory")
+            out.extend(found)
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise TraceError(f"{p}: no such trace file or directory")
+    return out
+
+
+def rank_of(meta: dict, path: Path, default: int) -> int:
+    """distributedInfo.rank, else a rank/worker number in the file name, else ``default``."""
+    info = meta.get("distributedInfo")
+    if isinstance(info, dict) and isinstance(info.get("rank"), int):
+        return info["rank"]
+    m = _RANK_IN_NAME.search(path.name)
+    return int(m.group(1)) if m else default
+
+
+def device_name_of(meta: dict) -> str | None:
+    props = meta.get("deviceProperties")
+    if isinstance(props, list) and props and isinstance(props[0], dict):
+        return props[0].get("name")
+    return None
+
+
+def attribute_file(path, *, rank: int | None = None, class_map: dict | None = None):
+    """Rows of one trace file (one rank) as a DataFrame, no aggregation."""
+    import pandas as pd
+
+    from cbtrace.attribution import insitu, loader, tree
+    from cbtrace.attribution.insitu_flops import OpCoster
+
+    path = Path(path)
+    trace = loader.load(path, on_op=OpCoster())
+    if trace.n_events == 0:
+        raise TraceError(f"{path}: the trace has no events")
+    forest = tree.build(trace)
+    if not forest.host and not forest.device:
+        raise TraceError(f"{path}: no host or device duration events to attribute")
+    with_shapes = any(isinstance(e.cost, tuple) for e in forest.host)
+    rows = insitu.rows(forest, class_map=class_map, device_name=device_name_of(trace.meta),
+                       with_shapes=with_shapes)
+    df = pd.DataFrame(rows)
+    df["rank"] = rank_of(trace.meta, path, 0) if rank is None else rank
+    df["trace"] = str(path)
+    return df[COLUMNS]
+
+
+def attribute(paths, *, capture_run=None, hta: bool = False, aggregate: bool = True):
+    """In-situ time per module, per rank and profiler step, from Kineto traces.
+
+    Args:
+        paths: a trace file, a directory of per-rank traces, or a list of them.
+        capture_run: a cbtrace run directory of the same model: names ``nn.Module: Class_N``
+            events by their real attribute paths.
+        hta: also return HTA's ``TraceAnalysis`` over the same files: ``(df, analysis)``.
+        aggregate: add ``*_median`` / ``*_min`` / ``*_max`` columns over steps.
+
+    Returns:
+        pandas DataFrame (columns: see the module docstring), or ``(df, TraceAnalysis)``.
+    """
+    import pandas as pd
+
+    files = trace_files(paths)
+    class_map = None
+    if capture_run is not None:
+        from cbtrace.attribution.identity import class_index_map
+        from cbtrace.rundir import read_modules
+
+        class_map = class_index_map(read_modules(capture_run))
+    frames, seen = [], set()
+    for i, f in enumerate(files):
+        df = attribute_file(f, class_map=class_map)
+        r = int(df["rank"].iloc[0]) if len(df) else i
+        if r in seen:  # two files claim one rank (e.g. no rank info): number them by order
+            df["rank"] = r = max(seen) + 1
+        seen.add(r)
+        frames.append(df)
+    df = pd.concat(frames, ignore_index=True)
+    if aggregate:
+        df = add_aggregates(df)
+    if hta:
+        return df, _hta_analysis(files)
+    return df
+
+
+def add_aggregates(df):
+    """``<col>_median/_min/_max`` over steps >= 0 of each (rank, fqn, call_index, phase)."""
+    steps = df[df["step"] >= 0] if (df["step"] >= 0).any() else df
+    stats = steps.groupby(GROUP)[list(AGG_COLUMNS)].agg(["median", "min", "max"])
+    stats.columns = [f"{c}_{s}" for c, s in stats.columns]
+    return df.merge(stats.reset_index(), on=GROUP, how="left")
+
+
+def summarize(df):
+    """One row per (rank, fqn, call_index, phase): the first step's row with its aggregates."""
+    if "cpu_ms_median" not in df.columns:
+        df = add_aggregates(df)
+    return df.sort_values(["rank", "step"]).drop_duplicates(GROUP).reset_index(drop=True)
+
+
+def insitu_for_run(run_dir):
+    """In-situ time per captured call from the run's own capture trace.
+
+    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, insitu_ms] of forward
+    module rows; ``insitu_ms`` is gpu_span_ms when the trace has device events, else cpu_ms.
+    """
+    from cbtrace.errors import RunDirError
+    from cbtrace.rundir import find_trace
+
+    trace = find_trace(run_dir)
+    if trace is None:
+        raise RunDirError(f"{run_dir}: no capture trace (*.pt.trace.json*) in the run")
+    df = attribute_file(trace)
+    df = df[(df["phase"] == "fwd") & (df["depth"] >= 0)]
+    if (df["step"] >= 0).any():
+        df = df[df["step"] == df.loc[df["step"] >= 0, "step"].min()]
+    has_device = df["kernel_count"].sum() > 0
+    out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms"]].copy()
+    out["insitu_ms"] = out["gpu_span_ms"] if has_device else out["cpu_ms"]
+    return out.reset_index(drop=True)
+
+
+def _hta_analysis(files):
+    """HTA's TraceAnalysis over the files' directory (HTA wants one directory of traces)."""
+    try:
+        from hta.trace_analysis import TraceAnalysis
+    except ImportError:
+        raise TraceError("hta=True needs HolisticTraceAnalysis: pip install 'cbtrace[hta]'") from None
+    dirs = {str(f.parent) for f in files}
+    if len(dirs) != 1:
+        raise TraceError("hta=True needs all traces in one directory (HTA reads a directory)")
+    return TraceAnalysis(trace_dir=dirs.pop())
+
+
+def summary_text(df, *, top: int = 15) -> str:
+    """A short table: the calls with the most median in-situ time (device, else host)."""
+    s = summarize(df)
+    key = "gpu_ms_median" if s["kernel_count"].sum() > 0 else "cpu_ms_median"
+    s = s.sort_values(key, ascending=False).head(top)
+    cols = ["rank", "fqn", "call_index", "phase", "cpu_ms_median", "gpu_ms_median",
+            "kernel_count", "mfu"]
+    steps = sorted(set(df["step"]))
+    head = f"{len(df)} rows, ranks {sorted(set(df['rank']))}, steps {steps[:6]}{' ...' if len(steps) > 6 else ''}"
+    return head + "\n" + s[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}")

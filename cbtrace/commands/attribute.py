@@ -1,0 +1,27 @@
+import click
+
+
+@click.command("attribute")
+@click.argument("traces", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="write the full table here (.parquet or .csv)")
+@click.option("--capture-run", type=click.Path(exists=True, file_okay=False), default=None,
+              help="cbtrace run of the same model: names nn.Module events by their real paths")
+@click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
+def command(traces, out, capture_run, top):
+    """Attribute time in Kineto traces (files or per-rank directories) to modules.
+
+    Prints the modules with the most in-situ time (medians over steps).
+    Example: cbtrace attribute logs/rank0.pt.trace.json.gz --out table.parquet
+    """
+    from cbtrace.attribution.attribute import attribute, summary_text
+
+    df = attribute(list(traces), capture_run=capture_run)
+    if out:
+        if out.endswith(".csv"):
+            df.to_csv(out, index=False)
+        else:
+            df.to_parquet(out, index=False)
+    click.echo(summary_text(df, top=top))
+    if out:
+        click.echo(f"wrote {len(df)} rows to {out}")

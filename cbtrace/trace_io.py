@@ -1,0 +1,210 @@
+"""Reading and writing Kineto traces: the only place that touches trace files (STYLE habit 4).
+
+``.json`` and ``.json.gz`` are told apart by suffix. ``read_trace`` loads a whole trace as a
+dict (for small traces and for writing annotated copies); ``stream_trace`` decodes the
+``traceEvents`` array chunk by chunk, so a trace larger than memory can still be read: only one
+chunk of decompressed bytes is held at a time, and the caller keeps only what it decodes.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from pathlib import Path
+from typing import Callable, Iterator
+
+from cbtrace.errors import TraceError
+
+CHUNK_BYTES = 4 << 20  # decompressed bytes decoded at a time
+_READ_BYTES = 1 << 20  # compressed bytes read at a time
+_PIECE_BYTES = 8 << 20  # most decompressed bytes produced at a time
+_KEY = b'"traceEvents"'
+
+
+def is_gzip(path) -> bool:
+    return str(path).endswith(".gz")
+
+
+def iter_bytes(path, read_bytes: int = _READ_BYTES) -> Iterator[bytes]:
+    """Decompressed bytes of a trace file, in pieces (gzip by suffix; multi-member gzip ok)."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise TraceError(f"{path}: cannot open ({e.strerror})") from None
+    with f:
+        if not is_gzip(path):
+            while piece := f.read(read_bytes):
+                yield piece
+            return
+        d = zlib.decompressobj(wbits=31)
+        try:
+            while piece := f.read(read_bytes):
+                while piece:
+                    yield d.decompress(piece, _PIECE_BYTES)
+                    piece = d.unconsumed_tail
+                    if not piece and d.unused_data:  # next gzip member
+                        piece, d = d.unused_data, zlib.decompressobj(wbits=31)
+            yield d.flush()
+        except zlib.error as e:
+            raise TraceError(f"{path}: corrupt gzip data ({e})") from None
+
+
+def read_trace(path) -> dict:
+    """The whole trace as a dict (``{"traceEvents": [...]}`` for a bare event array)."""
+    data = b"".join(iter_bytes(path))
+    try:
+        obj = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TraceError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(obj, list):
+        obj = {"traceEvents": obj}
+    if not isinstance(obj, dict):
+        raise TraceError(f"{path}: not a Kineto trace (top level is {type(obj).__name__})")
+    return obj
+
+
+def write_trace(path, trace: dict) -> None:
+    """Write a trace as .json or .json.gz (by suffix)."""
+    path = Path(path)
+    data = json.dumps(trace).encode()
+    if is_gzip(path):
+        with gzip.open(path, "wb", compresslevel=6) as f:
+            f.write(data)
+    else:
+        path.write_bytes(data)
+
+
+def _decode_meta(path, text: bytes, *, head: bool) -> dict:
+    """Decode the top-level keys before (``{"k": v,``) or after (``, "k": v}``) traceEvents."""
+    text = text.strip()
+    text = text.rstrip(b", \t\r\n") + b"}" if head else b"{" + text.lstrip(b", \t\r\n")
+    if text.replace(b" ", b"") in (b"{}", b"{{}", b"{}}"):
+        return {}
+    try:
+        meta = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TraceError(f"{path}: corrupt trace metadata ({e})") from None
+    return meta if isinstance(meta, dict) else {}
+
+
+def _split(path, buf: bytearray, start: int, decode: Callable[[bytes], list]):
+    """Decode the complete events in ``buf[start:]``; return (events, end of the decoded part)."""
+    pos, tried = len(buf), 0
+    while tried < 8:  # a boundary inside nested args fails to decode: try an earlier one
+        pos = buf.rfind(b"{", start, pos)
+        if pos < 0:
+            break
+        end = _boundary_end(buf, pos, start)
+        if end is None:
+            continue
+        tried += 1
+        try:
+            return decode(_bracketed(buf, start, end)), end
+        except ValueError:
+            continue
+    return None, start
+
+
+def _bracketed(buf: bytearray, start: int, end: int) -> bytes:
+    """``b"[" + buf[start:end] + b"]"`` with a single copy."""
+    with memoryview(buf) as view:
+        return b"".join((b"[", view[start:end], b"]"))
+
+
+def _boundary_end(buf: bytearray, brace: int, start: int) -> int | None:
+    """If ``buf[brace]`` opens an event after ``},``, the offset just past that ``}``."""
+    i = brace - 1
+    while i > start and buf[i] in b" \t\r\n":
+        i -= 1
+    if i <= start or buf[i] != 0x2C:  # ","
+        return None
+    i -= 1
+    while i > start and buf[i] in b" \t\r\n":
+        i -= 1
+    return i + 1 if buf[i] == 0x7D else None  # "}"
+
+
+def stream_trace(path, decode: Callable[[bytes], list], *, chunk_bytes: int = CHUNK_BYTES):
+    """Yield ``("events", list)`` per decoded chunk, then one ``("meta", dict)``.
+
+    ``decode(b"[...]")`` turns a JSON array of events into a list (e.g. a typed msgspec decoder);
+    it must raise ``ValueError`` (msgspec's DecodeError is one) on malformed input.
+    """
+    pieces = iter_bytes(path)
+    buf = bytearray()
+    meta: dict = {}
+    start = -1  # offset of the first undecoded event in buf, once inside traceEvents
+    for piece in pieces:
+        buf += piece
+        if start < 0:
+            k = buf.find(_KEY)
+            if k < 0:
+                if len(buf) > 64 << 20:
+                    raise TraceError(f"{path}: not a Kineto trace (no traceEvents)")
+                continue
+            bracket = buf.find(b"[", k)
+            if bracket < 0:
+                continue
+            meta.update(_decode_meta(path, bytes(buf[:k]), head=True))
+            del buf[: bracket + 1]
+            start = 0
+        if len(buf) - start < chunk_bytes:
+            continue
+        events, end = _split(path, buf, start, decode)
+        if events is not None:
+            yield "events", events
+            del buf[:end]
+            comma = buf.find(b",")
+            start = comma + 1 if comma >= 0 else 0
+    if start < 0:
+        yield from _whole(path, bytes(buf), decode)
+        return
+    events, tail = _last_events(path, buf, start, decode)
+    if events:
+        yield "events", events
+    meta.update(_decode_meta(path, tail, head=False))
+    yield "meta", meta
+
+
+def _last_events(path, buf: bytearray, start: int, decode):
+    """Split the final piece into its events and the text after the closing ``]``.
+
+    The ``]`` that closes traceEvents is the last one whose following text is the rest of a JSON
+    object (cheap to check: the tail is small); only then are the events decoded.
+    """
+    pos = len(buf)
+    for _ in range(10000):
+        pos = buf.rfind(b"]", start, pos)
+        if pos < 0:
+            break
+        tail = bytes(buf[pos + 1:])
+        try:
+            _decode_meta(path, tail, head=False)
+        except TraceError:
+            continue
+        body = bytes(buf[start:pos]).strip()
+        try:
+            return (decode(b"[" + body + b"]") if body else []), tail
+        except ValueError:
+            continue
+    raise TraceError(f"{path}: truncated or corrupt traceEvents array")
+
+
+def _whole(path, data: bytes, decode):
+    """A file without a traceEvents key: a bare event array, or not a trace at all."""
+    s = data.lstrip()
+    if s.startswith(b"["):
+        try:
+            yield "events", decode(s)
+        except ValueError as e:
+            raise TraceError(f"{path}: not valid JSON ({e})") from None
+        yield "meta", {}
+        return
+    if not s:
+        raise TraceError(f"{path}: empty file")
+    try:
+        keys = list(json.loads(s))[:5] if s.startswith(b"{") else []
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise TraceError(f"{path}: not valid JSON") from None
+    raise TraceError(f"{path}: not a Kineto trace (no traceEvents; keys: {', '.join(keys)})")
