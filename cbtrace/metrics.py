@@ -1,0 +1,100 @@
+"""Metrics: pure functions of numbers (no tensors, modules or files).
+
+Each returns None when an input it needs is missing (None) or meaningless (time <= 0, no peak),
+so callers can pass record fields straight through.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+# A kernel costs at least this much device+host time however little work it does (launch
+# latency of an eager CUDA launch is ~4-6 us; a CUDA-graph node ~2-3 us).
+KERNEL_FLOOR_S = 5e-6
+# Launch-bound when the device is busy less than this share of the wall time.
+LAUNCH_BUSY_SHARE = 0.5
+
+
+def _ok(*values) -> bool:
+    return all(v is not None for v in values)
+
+
+def _rate(amount, seconds, peak_per_s) -> float | None:
+    if not _ok(amount, seconds, peak_per_s) or seconds <= 0 or peak_per_s <= 0:
+        return None
+    return amount / seconds / peak_per_s
+
+
+def mfu(flops, seconds, peak_flops_per_s) -> float | None:
+    """Model FLOPs utilisation: dense-convention FLOPs / time / peak FLOP/s (0.4 = 40%)."""
+    return _rate(flops, seconds, peak_flops_per_s)
+
+
+def hfu(flops_executed, seconds, peak_flops_per_s) -> float | None:
+    """Hardware FLOPs utilisation: FLOPs actually executed (causal attention ~halved) / time / peak."""
+    return _rate(flops_executed, seconds, peak_flops_per_s)
+
+
+def mbu(bytes_moved, seconds, peak_bytes_per_s) -> float | None:
+    """Memory-bandwidth utilisation: bytes moved / time / peak bandwidth."""
+    return _rate(bytes_moved, seconds, peak_bytes_per_s)
+
+
+def arithmetic_intensity(flops, bytes_moved) -> float | None:
+    """FLOPs per byte moved."""
+    if not _ok(flops, bytes_moved) or bytes_moved <= 0:
+        return None
+    return flops / bytes_moved
+
+
+def ridge_point(peak_flops_per_s, peak_bytes_per_s) -> float | None:
+    """Arithmetic intensity (FLOP/byte) above which the roofline is compute-bound."""
+    if not _ok(peak_flops_per_s, peak_bytes_per_s) or peak_bytes_per_s <= 0:
+        return None
+    return peak_flops_per_s / peak_bytes_per_s
+
+
+def bound(flops, bytes_moved, seconds, peak_flops_per_s, peak_bytes_per_s,
+          launch_overhead_s=None, kernel_count=None) -> str | None:
+    """"launch", "compute" or "memory": what limits a call that took ``seconds``.
+
+    Rule, in order:
+    1. "launch" if the device was busy less than half the wall time
+       (``launch_overhead_s >= LAUNCH_BUSY_SHARE * seconds``), or if the call took no more than
+       the launch floor of its kernels (``seconds <= kernel_count * KERNEL_FLOOR_S``, 5 us each).
+    2. Otherwise the roofline: "compute" if flops / peak FLOP/s >= bytes / peak bandwidth (the
+       time the FLOPs need at peak is the larger), else "memory". With one peak missing, the side
+       that can be judged decides only if it alone explains >= half the time; else None.
+    """
+    if not _ok(seconds) or seconds <= 0:
+        return None
+    if launch_overhead_s is not None and launch_overhead_s >= LAUNCH_BUSY_SHARE * seconds:
+        return "launch"
+    if kernel_count and seconds <= kernel_count * KERNEL_FLOOR_S:
+        return "launch"
+    t_compute = flops / peak_flops_per_s if _ok(flops, peak_flops_per_s) and peak_flops_per_s > 0 else None
+    t_memory = bytes_moved / peak_bytes_per_s if _ok(bytes_moved, peak_bytes_per_s) and peak_bytes_per_s > 0 else None
+    if t_compute is not None and t_memory is not None:
+        return "compute" if t_compute >= t_memory else "memory"
+    if t_compute is not None and t_compute >= 0.5 * seconds:
+        return "compute"
+    if t_memory is not None and t_memory >= 0.5 * seconds:
+        return "memory"
+    return None
+
+
+def residual(parent_ms, children_ms: Iterable) -> float | None:
+    """Parent time minus the sum of its children's: the glue a parent launches itself.
+
+    None if the parent or any child has no time (a skipped or failed call).
+    """
+    children = list(children_ms)
+    if parent_ms is None or any(c is None for c in children):
+        return None
+    return parent_ms - sum(children)
+
+
+def achieved_per_s(amount, seconds) -> float | None:
+    """FLOP/s or bytes/s achieved."""
+    if not _ok(amount, seconds) or seconds <= 0:
+        return None
+    return amount / seconds
