@@ -46,6 +46,7 @@ class ModuleRecord:
     device_ms: float | None = None     # sum of device activity per call, from the profiler
     wall_ms: float | None = None       # host wall time per call, from the profiler
     launch_overhead_ms: float | None = None  # wall_ms - device_ms, floored at 0
+    host_ms: float | None = None       # host time to issue one call without a sync (GPU only)
     flops: float | None = None         # dense-convention FLOPs (used for mfu)
     flops_executed: float | None = None  # FLOPs actually executed (causal attention halves; hfu)
     bytes: float | None = None         # bytes moved: unique inputs + outputs + params touched

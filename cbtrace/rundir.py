@@ -31,6 +31,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -48,6 +49,7 @@ def atomic_path(path: Path):
         os.close(fd)
         try:
             yield Path(tmp)
+            os.chmod(tmp, 0o644)
             os.replace(tmp, p)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

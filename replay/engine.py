@@ -146,11 +146,9 @@ def _device(device, manifest, model) -> torch.device:
 
 
 def _device_name(device) -> str:
-    import platform
+    from cbtrace.peaks import device_name
 
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine() or "cpu"
+    return device_name(device)
 
 
 def _free_memory(device) -> int | None:

@@ -67,6 +67,22 @@ def time_call(call, n: int, device, chain: list[str], cfg) -> tuple[object, str 
     raise RuntimeError("no timer could measure this call (" + "; ".join(reasons) + ")")
 
 
+def host_issue_ms(call, n: int, device, reps: int = 10) -> float | None:
+    """Host time to enqueue one call on a GPU (no sync inside the timed loop).
+
+    If this exceeds the call's device time the GPU starves in a real step: launch-bound.
+    """
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for i in range(reps):
+        call(i % n)
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize(device)
+    return dt / reps * 1e3
+
+
 def count_cost(module, call):
     """FLOPs/bytes of one call with cbtrace's formulas (OpCounter)."""
     from cbtrace.opcount import OpCounter
@@ -90,7 +106,7 @@ def measure_call(module, rec, args, kwargs, device, cfg, chain) -> dict:
                isolated_ms_p90=timing.p90_ms, runs=timing.runs,
                kernel_count=prof.kernel_count, device_ms=prof.device_ms, wall_ms=prof.wall_ms,
                launch_overhead_ms=prof.launch_overhead_ms, peak_mem_bytes=prof.peak_mem_bytes,
-               peak_mem_source=prof.peak_mem_source)
+               peak_mem_source=prof.peak_mem_source, host_ms=host_issue_ms(call, n, device))
     if cfg.count_flops:
         cost = count_cost(module, call)
         row.update(flops=cost.flops, flops_executed=cost.flops_executed, bytes=cost.bytes,

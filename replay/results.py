@@ -57,6 +57,9 @@ def add_utilisation(rec, device_name: str) -> None:
             setattr(rec, "mbu" + suffix, metrics.mbu(rec.bytes, seconds, peak.bytes_per_s))
     peak = peak_for(device_name, dtype) or peak_for(device_name, dtype, calibrated=True)
     if peak is not None and peak.flops_per_s and peak.bytes_per_s:
-        overhead = (rec.launch_overhead_ms or 0.0) / 1e3
+        # Launch-bound when issuing the call takes the host >= 1.5x its device time (metrics.bound
+        # says "launch" once the idle share, host - device, reaches half the device time). Not
+        # the synchronised eager wall time: that carries a fixed sync latency for every call.
+        idle = None if rec.host_ms is None else max(rec.host_ms - rec.isolated_ms, 0.0) / 1e3
         rec.bound = metrics.bound(rec.flops or 0.0, rec.bytes or 0.0, seconds, peak.flops_per_s,
-                                  peak.bytes_per_s, overhead, rec.kernel_count or 0)
+                                  peak.bytes_per_s, idle, rec.kernel_count or 0)
