@@ -1,0 +1,312 @@
+"""Built-in serializers: tensors, Python scalars and containers, torch enums, records.
+
+Scalars are stored bit-exactly (floats as their IEEE-754 bits, big ints as decimal strings).
+Exact types are matched so that a subclass (an IntEnum, a numpy float) is never silently
+turned into its base type.
+"""
+from __future__ import annotations
+
+import base64
+import collections
+import dataclasses
+import enum
+import struct
+
+import torch
+
+from cbtrace.errors import SerializationError
+from cbtrace.plugins.inputs.base import Serializer, import_qualname, qualname_of
+
+_JSON_INT = 2**53  # ints beyond this are stored as strings (JSON readers use doubles)
+
+
+def _fbits(x: float) -> str:
+    return struct.pack(">d", x).hex()
+
+
+def _unfbits(s: str) -> float:
+    return struct.unpack(">d", bytes.fromhex(s))[0]
+
+
+class _Exact(Serializer):
+    """Handles objects whose type is exactly one of ``types``."""
+
+    types: tuple = ()
+
+    def handles(self, obj) -> bool:
+        return type(obj) in self.types
+
+
+class TensorSerializer(Serializer):
+    name = "tensor"
+
+    def handles(self, obj):
+        return type(obj) in (torch.Tensor, torch.nn.Parameter)
+
+    def encode(self, obj, ctx):
+        return ctx.tensor(obj)
+
+    def decode(self, node, ctx):
+        return ctx.tensor(node)
+
+
+class NoneSerializer(_Exact):
+    name, types = "none", (type(None),)
+
+    def encode(self, obj, ctx):
+        return {}
+
+    def decode(self, node, ctx):
+        return None
+
+
+class EllipsisSerializer(_Exact):
+    name, types = "ellipsis", (type(Ellipsis),)
+
+    def encode(self, obj, ctx):
+        return {}
+
+    def decode(self, node, ctx):
+        return Ellipsis
+
+
+class BoolSerializer(_Exact):
+    name, types = "bool", (bool,)
+
+    def encode(self, obj, ctx):
+        return {"v": obj}
+
+    def decode(self, node, ctx):
+        return bool(node["v"])
+
+
+class IntSerializer(_Exact):
+    name, types = "int", (int,)
+
+    def encode(self, obj, ctx):
+        return {"v": obj if -_JSON_INT < obj < _JSON_INT else str(obj)}
+
+    def decode(self, node, ctx):
+        return int(node["v"])
+
+
+class FloatSerializer(_Exact):
+    name, types = "float", (float,)
+
+    def encode(self, obj, ctx):
+        return {"v": _fbits(obj)}
+
+    def decode(self, node, ctx):
+        return _unfbits(node["v"])
+
+
+class ComplexSerializer(_Exact):
+    name, types = "complex", (complex,)
+
+    def encode(self, obj, ctx):
+        return {"v": [_fbits(obj.real), _fbits(obj.imag)]}
+
+    def decode(self, node, ctx):
+        return complex(_unfbits(node["v"][0]), _unfbits(node["v"][1]))
+
+
+class StrSerializer(_Exact):
+    name, types = "str", (str,)
+
+    def encode(self, obj, ctx):
+        return {"v": obj}  # json escapes lone surrogates and reads them back
+
+    def decode(self, node, ctx):
+        return node["v"]
+
+
+class BytesSerializer(_Exact):
+    name, types = "bytes", (bytes, bytearray)
+
+    def encode(self, obj, ctx):
+        node = {"v": base64.b64encode(obj).decode("ascii")}
+        if type(obj) is bytearray:
+            node["mutable"] = True
+        return node
+
+    def decode(self, node, ctx):
+        data = base64.b64decode(node["v"])
+        return bytearray(data) if node.get("mutable") else data
+
+
+class TorchEnumSerializer(Serializer):
+    """torch.dtype, torch.layout, torch.memory_format: stored by their torch attribute name."""
+
+    name = "torch_enum"
+    _types = (torch.dtype, torch.layout, torch.memory_format)
+
+    def handles(self, obj):
+        return isinstance(obj, self._types)
+
+    def encode(self, obj, ctx):
+        return {"v": str(obj).removeprefix("torch.")}
+
+    def decode(self, node, ctx):
+        obj = getattr(torch, node["v"], None)
+        if not isinstance(obj, self._types):
+            raise SerializationError(f"this torch has no {node['v']!r} (dtype, layout or format)")
+        return obj
+
+
+class DeviceSerializer(_Exact):
+    name, types = "device", (torch.device,)
+
+    def encode(self, obj, ctx):
+        return {"v": str(obj)}
+
+    def decode(self, node, ctx):
+        return torch.device(node["v"])
+
+
+class SizeSerializer(_Exact):
+    name, types = "size", (torch.Size,)
+
+    def encode(self, obj, ctx):
+        return {"v": list(obj)}
+
+    def decode(self, node, ctx):
+        return torch.Size(node["v"])
+
+
+class SliceSerializer(_Exact):
+    name, types = "slice", (slice,)
+
+    def encode(self, obj, ctx):
+        return {"v": [ctx.encode(obj.start), ctx.encode(obj.stop), ctx.encode(obj.step)]}
+
+    def decode(self, node, ctx):
+        return slice(*(ctx.decode(n) for n in node["v"]))
+
+
+class EnumSerializer(Serializer):
+    """An Enum member, by class and member name; the class must import."""
+
+    name = "enum"
+
+    def handles(self, obj):
+        return isinstance(obj, enum.Enum)
+
+    def encode(self, obj, ctx):
+        return {"cls": qualname_of(type(obj)), "member": obj.name}
+
+    def decode(self, node, ctx):
+        try:
+            cls = import_qualname(node["cls"])
+            if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
+                raise TypeError("not an Enum")
+            return cls[node["member"]]
+        except (ImportError, AttributeError, TypeError, KeyError) as e:
+            raise SerializationError(f"enum {node['cls']}.{node['member']} cannot be rebuilt "
+                                     f"({type(e).__name__}: {e})") from None
+
+
+def _is_namedtuple_type(cls) -> bool:
+    return (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")
+            and hasattr(cls, "_make"))
+
+
+class NamedTupleSerializer(Serializer):
+    """A namedtuple; rebuilt by class if it imports, else as a look-alike with the same fields."""
+
+    name = "namedtuple"
+
+    def handles(self, obj):
+        return _is_namedtuple_type(type(obj))
+
+    def encode(self, obj, ctx):
+        return {"cls": qualname_of(type(obj)), "fields": list(obj._fields),
+                "v": [ctx.encode(x) for x in obj]}
+
+    def decode(self, node, ctx):
+        values = [ctx.decode(n) for n in node["v"]]
+        fields = tuple(node["fields"])
+        try:
+            cls = import_qualname(node["cls"])
+        except (ImportError, AttributeError):
+            cls = None
+        if not (_is_namedtuple_type(cls) and tuple(cls._fields) == fields):
+            name = node["cls"].rpartition(".")[2].rpartition(":")[2]
+            cls = collections.namedtuple(name if name.isidentifier() else "Record", fields)
+        return cls._make(values)
+
+
+class DataclassSerializer(Serializer):
+    """A dataclass instance: init fields through the constructor, the others set afterwards."""
+
+    name = "dataclass"
+
+    def handles(self, obj):
+        return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+    def encode(self, obj, ctx):
+        init, other = {}, {}
+        own = getattr(obj, "__dict__", None)
+        for f in dataclasses.fields(obj):
+            if f.init:
+                init[f.name] = ctx.encode(getattr(obj, f.name))
+            elif (f.name in own) if own is not None else hasattr(obj, f.name):
+                other[f.name] = ctx.encode(getattr(obj, f.name))  # not a class-level default
+        return {"cls": qualname_of(type(obj)), "init": init, "other": other}
+
+    def decode(self, node, ctx):
+        try:
+            cls = import_qualname(node["cls"])
+        except (ImportError, AttributeError) as e:
+            raise SerializationError(f"dataclass {node['cls']} cannot be imported "
+                                     f"({type(e).__name__}: {e})") from None
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise SerializationError(f"{node['cls']} is no longer a dataclass; not building it")
+        obj = cls(**{k: ctx.decode(v) for k, v in node["init"].items()})
+        for k, v in node["other"].items():
+            object.__setattr__(obj, k, ctx.decode(v))
+        return obj
+
+
+class TupleSerializer(_Exact):
+    name, types = "tuple", (tuple,)
+
+    def encode(self, obj, ctx):
+        return {"v": [ctx.encode(x) for x in obj]}
+
+    def decode(self, node, ctx):
+        return tuple(ctx.decode(n) for n in node["v"])
+
+
+class ListSerializer(_Exact):
+    name, types = "list", (list,)
+
+    def encode(self, obj, ctx):
+        return {"v": [ctx.encode(x) for x in obj]}
+
+    def decode(self, node, ctx):
+        return [ctx.decode(n) for n in node["v"]]
+
+
+class DictSerializer(_Exact):
+    """dict and OrderedDict, as [key, value] pairs (keys need not be strings)."""
+
+    name, types = "dict", (dict, collections.OrderedDict)
+
+    def encode(self, obj, ctx):
+        node = {"v": [[ctx.encode(k), ctx.encode(v)] for k, v in obj.items()]}
+        if type(obj) is collections.OrderedDict:
+            node["ordered"] = True
+        return node
+
+    def decode(self, node, ctx):
+        cls = collections.OrderedDict if node.get("ordered") else dict
+        return cls((ctx.decode(k), ctx.decode(v)) for k, v in node["v"])
+
+
+SERIALIZERS = (
+    TensorSerializer(), NoneSerializer(), BoolSerializer(), IntSerializer(), FloatSerializer(),
+    ComplexSerializer(), StrSerializer(), BytesSerializer(), TorchEnumSerializer(),
+    DeviceSerializer(), SizeSerializer(), SliceSerializer(), EllipsisSerializer(),
+    EnumSerializer(), NamedTupleSerializer(), DataclassSerializer(), TupleSerializer(),
+    ListSerializer(), DictSerializer(),
+)

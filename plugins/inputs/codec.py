@@ -1,0 +1,96 @@
+"""Walk a nested (args, kwargs) structure with the registered serializers, both ways.
+
+Encoding never raises for user data: an object no serializer handles (or whose serializer
+fails) becomes ``{"t": "unsupported", "type": ...}``, and decoding that node raises
+``SerializationError`` naming the type, so replay can mark just that call as an error.
+"""
+from __future__ import annotations
+
+from cbtrace.errors import PluginError, SerializationError
+
+UNSUPPORTED = "unsupported"
+MAX_DEPTH = 100  # deeper nesting is almost surely a cycle
+
+
+def type_name(obj) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def unsupported(obj, why: str | None = None) -> dict:
+    node = {"t": UNSUPPORTED, "type": type_name(obj)}
+    if why:
+        node["why"] = why.splitlines()[0][:200] if why.strip() else why
+    return node
+
+
+def by_name(serializers) -> dict:
+    """name -> serializer; two serializers with one name is a plugin error."""
+    table = {}
+    for s in serializers:
+        if not s.name or s.name == UNSUPPORTED:
+            raise PluginError(f"serializer {type_name(s)}: invalid name {s.name!r}")
+        if s.name in table:
+            raise PluginError(f"serializer name '{s.name}' is registered twice "
+                              f"({type_name(table[s.name])}, {type_name(s)})")
+        table[s.name] = s
+    return table
+
+
+class EncodeContext:
+    """Given to ``Serializer.encode``: ``encode(child)`` recurses, ``tensor(t)`` stores a tensor."""
+
+    def __init__(self, serializers, put_tensor):
+        self._serializers = serializers  # checked with by_name() by the caller, once
+        self._put_tensor = put_tensor
+        self._depth = 0
+
+    def encode(self, obj) -> dict:
+        if self._depth >= MAX_DEPTH:
+            return unsupported(obj, f"nested more than {MAX_DEPTH} levels deep")
+        for s in self._serializers:
+            try:
+                ok = s.handles(obj)
+            except Exception:  # a plugin's handles() must not break capture
+                ok = False
+            if not ok:
+                continue
+            self._depth += 1
+            try:
+                node = s.encode(obj, self)
+            except Exception as e:
+                return unsupported(obj, f"serializer '{s.name}' failed: {e}")
+            finally:
+                self._depth -= 1
+            node["t"] = s.name  # in place: a tensor node is filled in after the walk
+            return node
+        return unsupported(obj)
+
+    def tensor(self, t) -> dict:
+        """A node for tensor ``t``; its data is copied now and stored by reference."""
+        return self._put_tensor(t)
+
+
+class DecodeContext:
+    """Given to ``Serializer.decode``: ``decode(child)`` recurses, ``tensor(node)`` loads."""
+
+    def __init__(self, serializers, get_tensor):
+        self._by_name = by_name(serializers)
+        self._get_tensor = get_tensor
+
+    def decode(self, node):
+        if not isinstance(node, dict) or "t" not in node:
+            raise SerializationError(f"inputs_ref: malformed node {str(node)[:80]}")
+        kind = node["t"]
+        if kind == UNSUPPORTED:
+            why = f": {node['why']}" if node.get("why") else ""
+            raise SerializationError(f"input of type {node.get('type')} was not captured "
+                                     f"(no serializer handles it{why})")
+        s = self._by_name.get(kind)
+        if s is None:
+            raise SerializationError(f"inputs_ref: no serializer named '{kind}' is registered "
+                                     "(is the plugin that captured it installed?)")
+        return s.decode(node, self)
+
+    def tensor(self, node: dict):
+        return self._get_tensor(node)

@@ -1,0 +1,109 @@
+"""Snapshotter: copy a module call's live inputs at entry, write them to Parquet after the step.
+
+``take(args, kwargs)`` walks the inputs with the registered serializers, copies tensor data on
+its own device (no host sync) and returns ``inputs_ref``, a JSON string of the (args, kwargs)
+tree with tensors by reference to chunks in ``inputs/tensors-NNNNN.parquet``. ``flush()``
+moves the copies to the host and writes the shards. Format of ``inputs_ref``::
+
+    {"v": 1, "args": [node, ...], "kwargs": {name: node},
+     "chunks": {id: [shard, row, nparts, lo_bytes, nbytes, "d" | "s"]}}
+
+A tensor node: {"t": "tensor", "dtype", "shape", "stride", "off", "dev", "rg", "c": chunk id,
+optional "syn": 1 (synthesized from statistics), "conj"/"neg"/"param": 1}.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cbtrace.plugins.inputs import shards, synth
+from cbtrace.plugins.inputs.codec import EncodeContext, by_name
+from cbtrace.plugins.inputs.tensor_store import ShardPlan, TensorStore, tensor_meta
+
+__all__ = ["Snapshotter", "tensor_meta", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+SHARD_BYTES = 256 << 20
+
+
+class Snapshotter:
+    """Copies inputs at ``take()``, writes them at ``flush()``.
+
+    Args:
+        inputs_dir: the run's ``inputs/`` directory (created if missing).
+        synthesize_above_bytes: tensors spanning more bytes are kept as statistics only.
+        max_pending_bytes: write shards early once this many copied bytes are held.
+        shard_bytes: target size of one Parquet shard.
+        serializers: default ``cbtrace.registry.serializers()`` (third-party first).
+    """
+
+    def __init__(self, inputs_dir: Path, *, synthesize_above_bytes: int | None = None,
+                 max_pending_bytes: int | None = None, shard_bytes: int = SHARD_BYTES,
+                 serializers=None):
+        if serializers is None:
+            from cbtrace import registry
+
+            serializers = registry.serializers()
+        self.inputs_dir = Path(inputs_dir)
+        self.max_pending_bytes = max_pending_bytes
+        self._serializers = list(serializers)
+        by_name(self._serializers)  # a clash between plugins fails here, not mid-capture
+        self._plan = ShardPlan(shard_bytes, shards.PART_BYTES)
+        self._store = TensorStore(self._plan, synthesize_above_bytes)
+        self._files: list[Path] = []
+        self.last_input_bytes = 0
+        self.last_synthesized = False
+        self.bytes_written = 0
+
+    def take(self, args: tuple, kwargs: dict) -> str:
+        """Copy the call's inputs now; return its ``inputs_ref`` JSON."""
+        pending: list = []
+
+        def put_tensor(t):
+            node: dict = {}
+            pending.append((t, node))
+            return node
+
+        ctx = EncodeContext(self._serializers, put_tensor)
+        arg_nodes = [ctx.encode(a) for a in args]
+        kw_nodes = {str(k): ctx.encode(v) for k, v in kwargs.items()}
+        used, self.last_input_bytes, self.last_synthesized = self._store.commit(pending)
+        doc = {"v": FORMAT_VERSION, "args": arg_nodes, "kwargs": kw_nodes,
+               "chunks": {str(i): c.ref() for i, c in sorted(used.items())}}
+        if self.max_pending_bytes is not None and self._plan.pending_bytes > self.max_pending_bytes:
+            self._plan.close()
+            self._write(self._plan.pop_closed())
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+
+    def flush(self) -> list[Path]:
+        """Write every pending chunk; returns all shard files written so far."""
+        self._plan.close()
+        self._write(self._plan.pop_closed())
+        self._store.forget_dead()
+        return list(self._files)
+
+    def _write(self, closed) -> None:
+        if closed:
+            self.inputs_dir.mkdir(parents=True, exist_ok=True)
+        for shard, chunks in closed:
+            path = self.inputs_dir / shards.shard_name(shard)
+            self.bytes_written += shards.write_shard(path, _rows(chunks))
+            for c in chunks:
+                self._plan.pending_bytes -= c.nbytes
+                c.payload = None  # free the copy
+            self._files.append(path)
+
+
+def _rows(chunks):
+    """(chunk_id, part, kind, uint8 ndarray) rows, moving each copy to the host as it goes."""
+    import numpy as np
+
+    for c in chunks:
+        if c.kind == "s":
+            kind, stats, numel = c.payload
+            doc = synth.stats_doc(kind, stats.cpu().tolist(), numel)
+            yield c.id, 0, "s", np.frombuffer(json.dumps(doc).encode(), np.uint8)
+            continue
+        arr = c.payload.cpu().numpy()
+        for i in range(c.nparts):
+            yield c.id, i, "d", arr[i * shards.PART_BYTES:(i + 1) * shards.PART_BYTES]
