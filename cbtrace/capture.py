@@ -123,6 +123,7 @@ class capture:
         self._names: dict[int, list[str]] = {}
         self._prof = None
         self.trace_path: Path | None = None
+        self.timings_s: dict[str, float] = {}  # where capture time went (also in the manifest)
 
     # --- context manager -------------------------------------------------------------
     def __enter__(self):
@@ -151,9 +152,12 @@ class capture:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        self.timings_s["step"] = time.perf_counter() - self._t0
         try:
             if self._prof is not None:
+                t0 = time.perf_counter()
                 self._prof.__exit__(exc_type, exc, tb)
+                self.timings_s["profiler_stop"] = time.perf_counter() - t0
         finally:
             for h in self._handles:
                 h.remove()
@@ -179,6 +183,7 @@ class capture:
     def _pre(self, module, args, kwargs):
         from cbtrace.plugins.inputs.snapshot import tensor_meta
 
+        t0 = time.perf_counter()
         fqn = self._fqn(module)
         idx = self._counts.get(fqn, 0)
         self._counts[fqn] = idx + 1
@@ -208,6 +213,7 @@ class capture:
         rf = torch.autograd.profiler.record_function(f"cbtrace::{fqn}")
         rf.__enter__()
         self._stack.append(_Frame(rec, module, rf))
+        self.timings_s["hooks"] = self.timings_s.get("hooks", 0.0) + time.perf_counter() - t0
 
     def _post(self, module, args, kwargs, output):
         from cbtrace.plugins.inputs.snapshot import tensor_meta
@@ -220,18 +226,29 @@ class capture:
 
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
+        t = self.timings_s
+        t0 = time.perf_counter()
         files = self._snap.flush()
+        t["inputs_write"] = time.perf_counter() - t0
         if self._prof is not None:
+            t0 = time.perf_counter()
             self.trace_path = self._write_trace()
+            t["trace_write"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         rundir.write_modules(self.out, records_to_frame(self.records))
         manifest = _manifest(self.model, self.cfg, self.records, self.step_s)
         manifest["trace"] = self.trace_path.name if self.trace_path else None
         manifest["input_files"] = [str(Path(f).relative_to(self.out)) for f in files]
+        manifest["input_bytes_written"] = self._snap.bytes_written
         manifest["complete"] = exc is None
         if exc is not None:
             manifest["error"] = _short(exc)
+        t["tables_and_manifest"] = time.perf_counter() - t0
+        manifest["capture_timings_s"] = t
         rundir.write_manifest(self.out, manifest)
-        rundir.refresh_checksums(self.out)
+        t0 = time.perf_counter()
+        rundir.refresh_checksums(self.out, known=self._snap.digests)
+        t["checksums"] = time.perf_counter() - t0
 
     def _write_trace(self) -> Path:
         import gzip

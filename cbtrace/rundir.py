@@ -95,15 +95,30 @@ def read_manifest(run) -> dict:
         raise RunDirError(f"{path}: corrupt manifest ({e})") from None
 
 
-def refresh_checksums(run) -> dict:
-    """Recompute the sha256 of every file in the run and store them in the manifest."""
+def refresh_checksums(run, known: dict | None = None) -> dict:
+    """Store the sha256 of every file of the run in the manifest.
+
+    A digest is reused, not recomputed, when the writer already knew it (``known``: path ->
+    sha256) or when the file's size and mtime are what the manifest recorded last time, so
+    gigabytes of captured inputs are hashed once, while they are written.
+    """
     run = Path(run)
     manifest = read_manifest(run)
-    files = {}
+    old, old_stat = manifest.get("files", {}), manifest.get("files_stat", {})
+    known = {str(Path(p).resolve().relative_to(run.resolve())): d for p, d in (known or {}).items()}
+    files, stats = {}, {}
     for p in sorted(run.rglob("*")):
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith("."):
-            files[str(p.relative_to(run))] = sha256_file(p)
-    manifest["files"] = files
+        if not p.is_file() or p.name == MANIFEST or p.name.startswith("."):
+            continue
+        rel, st = str(p.relative_to(run)), p.stat()
+        stats[rel] = [st.st_size, st.st_mtime_ns]
+        if rel in known:
+            files[rel] = known[rel]
+        elif rel in old and old_stat.get(rel) == stats[rel]:
+            files[rel] = old[rel]
+        else:
+            files[rel] = sha256_file(p)
+    manifest["files"], manifest["files_stat"] = files, stats
     write_manifest(run, manifest)
     return manifest
 

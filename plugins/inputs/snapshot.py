@@ -54,6 +54,7 @@ class Snapshotter:
         self.last_input_bytes = 0
         self.last_synthesized = False
         self.bytes_written = 0
+        self.digests: dict[Path, str] = {}  # sha256 of each shard, computed while writing
 
     def take(self, args: tuple, kwargs: dict) -> str:
         """Copy the call's inputs now; return its ``inputs_ref`` JSON."""
@@ -87,7 +88,7 @@ class Snapshotter:
             self.inputs_dir.mkdir(parents=True, exist_ok=True)
         for shard, chunks in closed:
             path = self.inputs_dir / shards.shard_name(shard)
-            self.bytes_written += shards.write_shard(path, _rows(chunks))
+            self.bytes_written += shards.write_shard(path, _rows(chunks), self.digests)
             for c in chunks:
                 self._plan.pending_bytes -= c.nbytes
                 c.payload = None  # free the copy
