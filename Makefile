@@ -11,7 +11,9 @@ $(BIN)/cbtrace: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/pip install -q --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 || echo "torchrec not installed: its tests will skip"
+	$(BIN)/pip install -q --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 \
+	    pyvers==0.2.3 cloudpickle==3.1.3 pyre-extensions==0.0.32 typing-inspect==0.9.0 \
+	    mypy-extensions==1.2.0 || echo "torchrec not installed: its tests will skip"
 	touch $(BIN)/cbtrace
 
 install: $(BIN)/cbtrace
@@ -20,6 +22,7 @@ demo: install
 	$(BIN)/cbtrace demo --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: install
+	bash scripts/ensure_chromium.sh
 	$(BIN)/python -m pytest -m "not gpu" -q
 
 .PHONY: install demo test
