@@ -66,78 +66,28 @@ def _groups(rows):
         yield group
 
 
-class _HashingFile:
-    """A binary file that also feeds every written byte to sha256, in a worker thread
-    (hashlib releases the GIL), so the run's manifest never has to read the shard again."""
-
-    def __init__(self, path, pool):
-        self.f = open(path, "wb")
-        self.h = hashlib.sha256()
-        self.pool = pool
-        self.last = None
-
-    def write(self, data) -> int:
-        if not isinstance(data, bytes):  # a view may be reused once write() returns: pin a copy
-            data = bytes(data)
-        prev = self.last
-        self.last = self.pool.submit(self._update, prev, data)
-        return self.f.write(data)
-
-    def _update(self, prev, data):
-        if prev is not None:
-            prev.result()
-        self.h.update(data)
-
-    def hexdigest(self) -> str:
-        if self.last is not None:
-            self.last.result()
-        return self.h.hexdigest()
-
-    def flush(self):
-        self.f.flush()
-
-    def fileno(self):
-        return self.f.fileno()
-
-    def close(self):
-        self.f.close()
-
-    @property
-    def closed(self):
-        return self.f.closed
-
-    def tell(self):
-        return self.f.tell()
-
-    def writable(self):
-        return True
-
-    def seekable(self):
-        return False
-
-
 def write_shard(path: Path, rows, digests: dict | None = None) -> int:
     """Write rows of (chunk_id, part, kind, uint8 ndarray) atomically; returns data bytes.
 
-    If ``digests`` is given, the file's sha256 (computed while writing) is stored under ``path``.
+    If ``digests`` is given, the finished file's sha256 is stored under ``path`` (hashed from the
+    page cache right after the write, so the manifest need not read the shard again).
     """
     path = Path(path)
     rows = [(c, p, k, np.ascontiguousarray(a, dtype=np.uint8).reshape(-1)) for c, p, k, a in rows]
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        # checksums run in threads (zlib and hashlib release the GIL) while rows are written
-        with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as hpool:
-            sink = _HashingFile(tmp, hpool)
-            try:
-                _write_rows(sink, rows, pool)
-                sink.flush()
-                os.fsync(sink.fileno())
-            finally:
-                sink.close()
-            if digests is not None:
-                digests[path] = sink.hexdigest()
-        os.chmod(tmp, 0o644)
+        # checksums run in threads (zlib releases the GIL) while earlier rows are written
+        with ThreadPoolExecutor(2) as pool:
+            _write_rows(tmp, rows, pool)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if digests is not None:
+            digests[path] = _sha256(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException:
@@ -146,20 +96,28 @@ def write_shard(path: Path, rows, digests: dict | None = None) -> int:
     return sum(r[3].nbytes for r in rows)
 
 
-def _write_rows(sink, rows, pool) -> None:
-    with pq.ParquetWriter(sink, SCHEMA, compression="none", use_dictionary=False,
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_rows(where, rows, pool) -> None:
+    with pq.ParquetWriter(where, SCHEMA, compression="none", use_dictionary=False,
                           write_statistics=False) as writer:
-            crcs = [pool.submit(zlib.crc32, r[3]) for r in rows]
-            done = 0
-            for group in _groups(rows):
-                cols = [pa.array([r[0] for r in group], pa.int64()),
-                        pa.array([r[1] for r in group], pa.int32()),
-                        pa.array([r[2] for r in group], pa.string()),
-                        pa.array([c.result() for c in crcs[done:done + len(group)]], pa.int64()),
-                        pa.chunked_array([_binary(r[3]) for r in group], pa.binary())]
-                done += len(group)
-                writer.write_table(pa.Table.from_arrays(cols, schema=SCHEMA),
-                                   row_group_size=len(group))
+        crcs = [pool.submit(zlib.crc32, r[3]) for r in rows]
+        done = 0
+        for group in _groups(rows):
+            cols = [pa.array([r[0] for r in group], pa.int64()),
+                    pa.array([r[1] for r in group], pa.int32()),
+                    pa.array([r[2] for r in group], pa.string()),
+                    pa.array([c.result() for c in crcs[done:done + len(group)]], pa.int64()),
+                    pa.chunked_array([_binary(r[3]) for r in group], pa.binary())]
+            done += len(group)
+            writer.write_table(pa.Table.from_arrays(cols, schema=SCHEMA),
+                               row_group_size=len(group))
 
 
 def _first_line(e: Exception) -> str:

@@ -24,6 +24,7 @@ __all__ = ["Snapshotter", "tensor_meta", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 SHARD_BYTES = 256 << 20
+WRITERS = 4  # shards written concurrently by flush()
 
 
 class Snapshotter:
@@ -84,15 +85,27 @@ class Snapshotter:
         return list(self._files)
 
     def _write(self, closed) -> None:
-        if closed:
-            self.inputs_dir.mkdir(parents=True, exist_ok=True)
-        for shard, chunks in closed:
+        """Write closed shards, several at once: device-to-host copies, CRCs, disk writes and
+        hashing of different shards overlap (each releases the GIL)."""
+        if not closed:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.inputs_dir.mkdir(parents=True, exist_ok=True)
+
+        def one(item):
+            shard, chunks = item
             path = self.inputs_dir / shards.shard_name(shard)
-            self.bytes_written += shards.write_shard(path, _rows(chunks), self.digests)
+            n = shards.write_shard(path, _rows(chunks), self.digests)
             for c in chunks:
-                self._plan.pending_bytes -= c.nbytes
                 c.payload = None  # free the copy
-            self._files.append(path)
+            return path, n, sum(c.nbytes for c in chunks)
+
+        with ThreadPoolExecutor(min(WRITERS, len(closed))) as pool:
+            for path, n, pending in pool.map(one, closed):
+                self.bytes_written += n
+                self._plan.pending_bytes -= pending
+                self._files.append(path)
 
 
 def _rows(chunks):

@@ -1,0 +1,263 @@
+"""cbtrace.annotate on a capture-like trace (recorded here) and on the shared nn.Module traces."""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import shutil
+
+import pytest
+
+from test_annotate_data import (RUN_ID, load_trace, module_calls, record_capture_trace,
+                                shared_module_traces, write_fake_run)
+
+from cbtrace.annotate import annotate, pftrace_path
+from cbtrace.annotate_figures import BUCKETS, NO_FIGURE_CNAME
+from cbtrace.errors import TraceError
+from cbtrace.rundir import sha256_file
+
+CNAMES = {c for _, c in BUCKETS} | {NO_FIGURE_CNAME}
+FIGURE_ARGS = ("fqn", "isolated_ms", "insitu_ms", "error_pct", "flops", "mbu", "bound",
+               "peak_mem_bytes", "status")
+
+
+@pytest.fixture(scope="module")
+def capture_trace(tmp_path_factory):
+    return record_capture_trace(tmp_path_factory.mktemp("cap"))
+
+
+@pytest.fixture
+def run(tmp_path, capture_trace):
+    return write_fake_run(tmp_path / "run", capture_trace)
+
+
+def _events(path, pred):
+    return [e for e in load_trace(path)["traceEvents"] if pred(e)]
+
+
+def test_run_annotation_adds_figures_and_keeps_original(run):
+    trace = run / "worker0.1.pt.trace.json.gz"
+    before = sha256_file(trace)
+    out = annotate(run)
+    assert out == run / "annotated_worker0.1.pt.trace.json.gz"
+    assert sha256_file(trace) == before  # the original is byte-identical
+    orig, ann = load_trace(trace), load_trace(out)
+    mods = [e for e in ann["traceEvents"] if e.get("name", "").startswith("cbtrace::")]
+    assert [(e["args"]["fqn"], e["args"]["call_index"]) for e in mods] == \
+        [(f, c) for f, c, *_ in module_calls()]
+    for e in mods:
+        assert all(k in e["args"] for k in FIGURE_ARGS), e["args"]
+        assert e["args"]["insitu_ms"] > 0
+    norm1 = next(e for e in mods if e["name"] == "cbtrace::norm" and e["args"]["call_index"] == 1)
+    assert norm1["args"]["isolated_ms"] == 0.03 and norm1["args"]["module_type"] == "LayerNorm"
+    # everything else passes through: same events, plus the appended ones at the end
+    n = len(orig["traceEvents"])
+    strip = [{k: v for k, v in e.items() if k != "args"} for e in ann["traceEvents"][:n]]
+    assert strip == [{k: v for k, v in e.items() if k != "args"} for e in orig["traceEvents"]]
+    assert ann["cbtrace"]["run_id"] == RUN_ID and ann["cbtrace"]["cbtrace_version"]
+    assert ann["cbtrace"]["peaks"]["flops_per_s"] == 1e12
+
+
+def test_cbtrace_process_lays_out_isolated_replay(run):
+    ann = load_trace(annotate(run, pftrace=False))["traceEvents"]
+    iso = [e for e in ann if e.get("cat") == "cbtrace_isolated"]
+    assert len(iso) == len(module_calls())
+    assert {e["tid"] for e in iso} == {1, 2, 3}  # one track per depth (depth + 1)
+    for e in iso:
+        assert e["pid"] == "cbtrace" and e["cname"] in CNAMES
+        assert e["dur"] == pytest.approx(e["args"]["isolated_ms"] * 1000)
+    by = {(e["args"]["fqn"], e["args"]["call_index"]): e for e in iso}
+    root, b0, b1 = by[("", 0)], by[("blocks.0", 0)], by[("blocks.1", 0)]
+    assert by[("norm", 0)]["ts"] == root["ts"]  # first child starts with its parent
+    assert b0["ts"] == pytest.approx(root["ts"] + 30.0)  # after norm (30 us isolated)
+    assert b1["ts"] == pytest.approx(b0["ts"] + 150.0)
+    assert by[("blocks.0.act", 0)]["ts"] == pytest.approx(b0["ts"] + 50.0)
+    for track in {e["tid"] for e in iso}:  # no overlap on one track
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in iso if e["tid"] == track)
+        assert all(a[1] <= b[0] + 1e-6 for a, b in zip(spans, spans[1:]))
+    # Linear has FLOPs -> coloured by MFU; GELU has none -> by MBU
+    assert by[("head", 0)]["args"]["colour_metric"] == "mfu"
+    assert by[("blocks.0.act", 0)]["args"]["colour_metric"] == "mbu"
+    names = {(e["name"], e["args"].get("name")) for e in ann if e.get("ph") == "M"
+             and e.get("pid") == "cbtrace"}
+    assert ("thread_name", "isolated depth 2") in names
+    meta = [e for e in ann if e.get("cat") == "cbtrace_meta"]
+    assert len(meta) == 1 and meta[0]["args"]["run_id"] == RUN_ID
+    assert json.loads(meta[0]["args"]["colour_buckets"])[0]["cname"] == "good"
+
+
+def test_counter_tracks_and_insitu_copy(run):
+    ann = load_trace(annotate(run, pftrace=False))["traceEvents"]
+    c = [e for e in ann if e.get("ph") == "C"]
+    assert {e["name"] for e in c} == {"achieved"} and all(e["pid"] == "cbtrace" for e in c)
+    tflops, gbs = [e["args"]["TFLOP/s"] for e in c], [e["args"]["GB/s"] for e in c]
+    assert max(tflops) > 0 and max(gbs) > 0 and min(tflops) == 0.0
+    leaves = [f for f, _, _, _, t in module_calls() if t in ("Linear", "GELU", "LayerNorm")]
+    assert len(c) == 2 * len(leaves)  # one rise and one fall per leaf call
+    lin = next(e for e in ann if e.get("name") == "cbtrace::head")
+    rise = next(e for e in c if e["ts"] == lin["ts"])
+    want = lin["args"]["flops"] / (lin["args"]["insitu_ms"] * 1e-3) / 1e12
+    assert rise["args"]["TFLOP/s"] == pytest.approx(want)
+    # the in-situ module slices again, on a cbtrace track, named by fqn and coloured
+    copy = [e for e in ann if e.get("cat") == "cbtrace_insitu"]
+    assert [e["name"] for e in copy] == [f or "<root>" for f, *_ in module_calls()]
+    assert all(e["cname"] in CNAMES and e["pid"] == "cbtrace" for e in copy)
+    assert copy[-1]["ts"] == lin["ts"] and copy[-1]["args"]["isolated_ms"] == 0.05
+
+
+def test_refuses_to_overwrite_without_force(run):
+    out = annotate(run, pftrace=False)
+    with pytest.raises(TraceError, match="already exists"):
+        annotate(run)
+    out.write_bytes(b"stale")
+    assert annotate(run, force=True) == out and load_trace(out)["traceEvents"]
+    with pytest.raises(TraceError, match="overwrite the original"):
+        annotate(trace=run / "worker0.1.pt.trace.json.gz", out=run / "worker0.1.pt.trace.json.gz")
+
+
+def test_trace_alone_plain_json_and_run_joined(tmp_path, capture_trace, run):
+    plain = tmp_path / "user.pt.trace.json"
+    plain.write_bytes(gzip.decompress(capture_trace.read_bytes()))
+    out = annotate(trace=plain, pftrace=False)
+    assert out.name == "annotated_user.pt.trace.json"
+    mods = _events(out, lambda e: e.get("name", "").startswith("cbtrace::"))
+    assert all("insitu_ms" in e["args"] and "isolated_ms" not in e["args"] for e in mods)
+    assert not _events(out, lambda e: e.get("cat") == "cbtrace_isolated")
+    joined = annotate(trace=plain, run=run, out=tmp_path / "j.pt.trace.json", pftrace=False)
+    mods = _events(joined, lambda e: e.get("name", "").startswith("cbtrace::"))
+    assert all("isolated_ms" in e["args"] for e in mods)
+
+
+def test_multi_step_trace_restarts_call_index(tmp_path):
+    trace = record_capture_trace(tmp_path, steps=2)
+    out = annotate(trace=trace, insitu=False, pftrace=False)
+    mods = _events(out, lambda e: e.get("name") == "cbtrace::norm")
+    assert sorted(e["args"]["call_index"] for e in mods) == [0, 0, 1, 1]
+
+
+def test_output_does_not_depend_on_chunk_size(tmp_path, run, monkeypatch):
+    import cbtrace.annotate_stream as stream
+
+    ref = annotate(run, out=tmp_path / "ref.pt.trace.json", pftrace=False).read_bytes()
+    for size in (4096, 777):
+        monkeypatch.setattr(stream, "CHUNK_BYTES", size)
+        got = annotate(run, out=tmp_path / f"c{size}.pt.trace.json", pftrace=False)
+        assert got.read_bytes() == ref
+
+
+def test_scanner_handles_strings_with_braces_and_escapes(tmp_path):
+    from cbtrace.annotate_stream import rewrite
+
+    events = [{"ph": "X", "name": 'k<{lambda()#1}> "q" \\ [', "pid": 1, "tid": 1, "ts": 1,
+               "dur": 1},
+              {"ph": "X", "name": "cbtrace::a", "pid": 1, "tid": 1, "ts": 2, "dur": 5,
+               "args": {"s": "}\\\\", "t": "\\\"{"}},
+              {"ph": "X", "name": "nn.Module: A_0", "pid": 1, "tid": 1, "ts": 2, "dur": 5}]
+    doc = {"deviceProperties": [{"name": "x{"}], "traceEvents": events, "z": ["]"]}
+    for text in (json.dumps(doc), json.dumps(doc, indent=1)):
+        src = tmp_path / "t.json"
+        src.write_text(text)
+        same = io.BytesIO()
+        rewrite(src, same, on_event=lambda e: None, chunk_bytes=7)
+        assert same.getvalue() == text.encode()
+        seen, out = [], io.BytesIO()
+        rewrite(src, out, on_event=lambda e: seen.append(e["name"]) or {**e, "hit": 1},
+                head=b'"h": 1,', tail=lambda: [{"ph": "C"}], chunk_bytes=5)
+        got = json.loads(out.getvalue())
+        assert seen == ["cbtrace::a", "nn.Module: A_0"]
+        assert [e.get("hit") for e in got["traceEvents"]] == [None, 1, 1, None]
+        assert got["h"] == 1 and got["z"] == ["]"] and got["traceEvents"][1]["args"] == \
+            events[1]["args"]
+
+
+def test_not_a_trace(tmp_path):
+    bad = tmp_path / "x.pt.trace.json"
+    bad.write_text('{"nodes": []}')
+    with pytest.raises(TraceError, match="no complete traceEvents"):
+        annotate(trace=bad)
+    assert not (tmp_path / "annotated_x.pt.trace.json").exists()
+
+
+def test_pftrace_holds_annotations_and_counters(run):
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
+
+    out = annotate(run)
+    pf = Trace.FromString(pftrace_path(out).read_bytes())
+    tracks = {p.track_descriptor.uuid: p.track_descriptor for p in pf.packet
+              if p.HasField("track_descriptor")}
+    counters = {t.name for t in tracks.values() if t.HasField("counter")}
+    assert {"achieved TFLOP/s", "achieved GB/s"} <= counters
+    assert any(t.process.process_name == "cbtrace" for t in tracks.values())
+    assert any(t.name == "isolated depth 2" for t in tracks.values())
+    begins = [p.track_event for p in pf.packet if p.HasField("track_event")
+              and p.track_event.type == TrackEvent.Type.TYPE_SLICE_BEGIN]
+    ends = [p for p in pf.packet if p.HasField("track_event")
+            and p.track_event.type == TrackEvent.Type.TYPE_SLICE_END]
+    assert len(begins) == len(ends)
+    head = next(te for te in begins if te.name == "cbtrace::head")
+    ann = {d.name: d for d in head.debug_annotations}
+    assert ann["fqn"].string_value == "head" and ann["isolated_ms"].double_value == 0.05
+    ts = [p.timestamp for p in pf.packet if p.HasField("track_event")]
+    assert ts == sorted(ts)
+
+
+def test_cli(run, capsys):
+    from cbtrace.cli import main
+
+    main(["annotate", str(run), "--no-pftrace"])
+    assert "annotated_worker0.1.pt.trace.json.gz" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["annotate", str(run)])
+    assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not shared_module_traces(), reason="../shared/traces/generated is absent")
+@pytest.mark.parametrize("trace", shared_module_traces(), ids=lambda p: p.parent.name)
+def test_shared_nn_module_traces(tmp_path, trace):
+    before = sha256_file(trace)
+    small = "transformer2" in trace.parent.name
+    out = annotate(trace=trace, out=tmp_path / ("annotated_" + trace.name),
+                   insitu=None if small else False, pftrace=small)
+    assert sha256_file(trace) == before
+    mods = _events(out, lambda e: e.get("name", "").startswith("nn.Module: "))
+    assert mods and all(e["args"]["insitu_ms"] > 0 for e in mods)
+    if small:  # attribution names the nn.Module events and gives in-situ FLOPs
+        assert all("fqn" in e["args"] for e in mods)
+        assert any(e["args"].get("flops", 0) > 0 for e in mods)
+        assert _events(out, lambda e: e.get("ph") == "C")
+    shutil.rmtree(tmp_path)
+
+
+@pytest.mark.gpu
+def test_gpu_capture_trace(tmp_path):
+    """On CUDA, the device-side copies of the cbtrace ranges (gpu_user_annotation) get figures
+    too, and in-situ time on host slices is the device span from attribution."""
+    run = write_fake_run(tmp_path / "run", record_capture_trace(tmp_path / "cap", device="cuda"))
+    ann = load_trace(annotate(run))["traceEvents"]
+    host = [e for e in ann if e.get("name", "").startswith("cbtrace::")
+            and e.get("cat") == "user_annotation"]
+    dev = [e for e in ann if e.get("name", "").startswith("cbtrace::")
+           and e.get("cat") == "gpu_user_annotation"]
+    assert [e["args"]["fqn"] for e in host] == [f for f, *_ in module_calls()]
+    assert dev and all("isolated_ms" in e["args"] and e["args"]["insitu_ms"] > 0 for e in dev)
+    assert all(e["args"]["insitu_ms"] > 0 for e in host)
+    assert pftrace_path(run / "annotated_worker0.1.pt.trace.json.gz").stat().st_size > 0
+
+
+def test_metadata_names_replay_device_and_its_peaks(tmp_path, capture_trace):
+    import pandas as pd
+
+    from cbtrace.rundir import read_manifest, read_modules, write_manifest, write_modules
+
+    run = write_fake_run(tmp_path / "run", capture_trace)
+    m = read_manifest(run)
+    del m["run_id"], m["peaks"]
+    m.update(created="2026-01-01T00:00:00", replay={"device_name": "NVIDIA H200"})
+    write_manifest(run, m)
+    df = read_modules(run)
+    df["compute_dtype"] = pd.Series(["bfloat16"] * len(df), dtype=object)
+    write_modules(run, df)
+    meta = load_trace(annotate(run, pftrace=False))["cbtrace"]
+    assert meta["device"] == "NVIDIA H200" and meta["run_id"] == "run@2026-01-01T00:00:00"
+    assert meta["peaks"]["bfloat16"]["flops_per_s"] == pytest.approx(989.5e12)
+    assert meta["peaks"]["bfloat16"]["source"].startswith("https://")
