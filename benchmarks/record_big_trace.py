@@ -20,7 +20,7 @@ from torch.autograd.profiler import record_function
 from cbtrace.plugins.providers.nanogpt import GPT, GPTConfig
 
 BATCH = 8                                   # GPT-2 small (nanoGPT names), seq 1024
-WARMUP_STEPS, ACTIVE_STEPS = 3, 40
+WARMUP_STEPS, ACTIVE_STEPS = 3, 60
 TARGET_MB = 300
 OUT = Path(os.environ.get("OUT", "out"))
 PART_BYTES = 15 << 20                       # the device tool brings back files <= 16 MiB
