@@ -14,9 +14,15 @@ def command(out, models):
     """
     from pathlib import Path
 
+    from cbtrace.peaks import device_name, load_calibration
     from cbtrace.profile import error_table, profile
     from cbtrace.replay.summary import summary_text
 
+    if device_name("cpu") not in load_calibration():
+        from cbtrace.calibrate import calibrate, format_calibration
+
+        click.echo("== calibrating this CPU once (its peaks are the denominators of MFU/MBU)")
+        click.echo(format_calibration(calibrate("cpu")))
     for spec in models:
         run = Path(out) / spec.replace(":", "-").replace("/", "_")
         click.echo(f"== {spec} -> {run}")

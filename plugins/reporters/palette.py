@@ -33,8 +33,11 @@ def lerp_color(lo: str, hi: str, t: float) -> str:
 
 def metric_color(mfu: float | None, mbu: float | None, has_flops: bool,
                  bound: str | None = None) -> tuple[str, str]:
-    """(colour, label) for the efficiency scheme: MFU, or MBU without FLOPs or when memory-bound."""
-    use_mbu = not has_flops or (bound == "memory" and mbu is not None)
+    """(colour, label) for the efficiency scheme: MFU, or MBU without FLOPs, when memory-bound,
+    or when bandwidth is the larger share of its peak (an EmbeddingBag's few pooling FLOPs must
+    not paint it as a 0 % MFU box)."""
+    use_mbu = not has_flops or (mbu is not None and (
+        bound == "memory" or (mfu is not None and mbu > mfu)))
     if not use_mbu and mfu is not None:
         return lerp_color(*MFU_SCALE, mfu), f"MFU {100 * mfu:.1f}%"
     if mbu is not None:

@@ -203,7 +203,7 @@
       var L = data.legend;
       if (state.scheme === "metric") {
         legend.appendChild(gradient(L.mfu, "MFU"));
-        legend.appendChild(gradient(L.mbu, "MBU (no FLOPs, or memory-bound)"));
+        legend.appendChild(gradient(L.mbu, "MBU (no FLOPs, memory-bound, or MBU > MFU)"));
       } else {
         Object.keys(L.bound).forEach(function (k) { legend.appendChild(swatch(L.bound[k], k)); });
       }
