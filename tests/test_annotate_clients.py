@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from test_annotate_data import record_capture_trace, write_fake_run
 
 from cbtrace.annotate import annotate
+from servers import free_port, stop
 
 WORKER = "annotated_worker0"
 
@@ -59,12 +59,6 @@ def test_tb_profiler_loader_parses_annotated_trace(annotated, tmp_path):
     assert tree[0]["name"] == "Net_0" and tree[0]["children"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 10):
     """(status, body); the plugin gzips some bodies without a Content-Encoding urllib reads."""
     import gzip
@@ -76,7 +70,7 @@ def _get(url: str, timeout: float = 10):
 
 @pytest.mark.slow
 def test_tensorboard_server_serves_annotated_trace(annotated):
-    port = _free_port()
+    port = free_port()
     tb = Path(sys.executable).with_name("tensorboard")
     proc = subprocess.Popen([str(tb), "--logdir", str(annotated.parent.parent), "--host",
                              "127.0.0.1", "--port", str(port)],
@@ -108,9 +102,4 @@ def test_tensorboard_server_serves_annotated_trace(annotated):
         assert trace["cbtrace"]["run_id"]
         assert any(e.get("args", {}).get("fqn") == "head" for e in trace["traceEvents"])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,10 +16,8 @@ import pytest
 from test_annotate_data import record_capture_trace, write_fake_run
 
 from cbtrace.annotate import annotate, pftrace_path
+from servers import CHROMIUM, CHROMIUM_ARGS, free_port, stop
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 # vizviewer binds 0.0.0.0 and has no --host flag: run its main with the bind address pinned.
 SERVE = """
 import sys
@@ -48,9 +45,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def viewer(files):
     """vizviewer --server_only on 127.0.0.1 serving the UI (and the annotated JSON)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SERVE, "--server_only", "--port", str(port),
                              str(files[0])], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}/"
@@ -66,12 +61,7 @@ def viewer(files):
                 time.sleep(0.3)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import gzip
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,13 @@ import pytest
 
 from cbtrace.plugins.reporters import logdir as ld
 from cbtrace.plugins.reporters.sample import write_sample_run
+from servers import CHROMIUM, CHROMIUM_ARGS, free_port, stop
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 REAL_TRACE = (SHARED / "traces/generated/torch2.13cpu_transformer2/"
               "cpuworker.1795949533002516587.pt.trace.json.gz")
 TRACE_NAME = "annotated_cpuworker.1795949533002516587.pt.trace.json.gz"
 START_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -66,7 +60,7 @@ def server(logdir):
     exe = Path(sys.executable).parent / "tensorboard"
     if not exe.exists():
         pytest.skip(f"no tensorboard binary beside {sys.executable}")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(exe), "--logdir", str(logdir), "--host", "127.0.0.1",
                              "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -86,12 +80,7 @@ def server(logdir):
             time.sleep(0.3)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 # ---------------------------------------------------------------- without a server
