@@ -135,6 +135,7 @@ class capture:
                                  max_pending_bytes=self.cfg.max_pending_bytes)
         for name, mod in self.model.named_modules(remove_duplicate=False):
             self._names.setdefault(id(mod), []).append(name)
+        self._static = {id(m): _static_facts(m) for m in self.model.modules()}
         seen = set()
         for name, mod in self.model.named_modules(remove_duplicate=False):
             if id(mod) in seen or not any(selected(n, self.cfg) for n in self._names[id(mod)]):
@@ -181,8 +182,9 @@ class capture:
         return next((n for n in names if selected(n, self.cfg)), names[0])
 
     def _pre(self, module, args, kwargs):
-        from cbtrace.plugins.inputs.snapshot import tensor_meta
-
+        # Runs inside the traced step: keep it lean (every Python call here becomes a trace
+        # event under with_stack). Static facts come from a table built in __enter__; input
+        # metadata is derived from inputs_ref after the step.
         t0 = time.perf_counter()
         fqn = self._fqn(module)
         idx = self._counts.get(fqn, 0)
@@ -190,25 +192,17 @@ class capture:
         parent = self._stack[-1].record if self._stack else None
         with torch.autograd.profiler.record_function(f"cbtrace.copy::{fqn}"):
             ref = self._snap.take(tuple(args), dict(kwargs))
-        ins = _tensors((args, kwargs))
-        autocast = None
-        dev = "cuda" if any(t.is_cuda for t in ins) else "cpu"
-        if torch.is_autocast_enabled(dev):
-            autocast = str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+        mtype, mclass, pbytes, bbytes = self._static[id(module)]
         rec = ModuleRecord(
             fqn=fqn, call_index=idx, call_id=len(self.records),
             parent_call_id=parent.call_id if parent else -1,
             parent_fqn=parent.fqn if parent else None,
             depth=parent.depth + 1 if parent else 0,
-            module_type=type(module).__name__,
-            module_class=f"{type(module).__module__}.{type(module).__qualname__}",
-            param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
-            buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
-            input_bytes=self._snap.last_input_bytes,
-            input_shapes=json.dumps([list(t.shape) for t in ins]),
-            input_meta=json.dumps([tensor_meta(t) for t in ins]),
+            module_type=mtype, module_class=mclass, param_bytes=pbytes, buffer_bytes=bbytes,
+            input_bytes=self._snap.last_input_bytes, input_shapes="[]", input_meta="[]",
             output_meta="[]", training=module.training, grad_enabled=torch.is_grad_enabled(),
-            autocast_dtype=autocast, inputs_ref=ref, synthesized=self._snap.last_synthesized)
+            autocast_dtype=_autocast_dtype(), inputs_ref=ref,
+            synthesized=self._snap.last_synthesized)
         self.records.append(rec)
         rf = torch.autograd.profiler.record_function(f"cbtrace::{fqn}")
         rf.__enter__()
@@ -227,14 +221,20 @@ class capture:
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
         t = self.timings_s
+        from cbtrace.plugins.inputs import shards
+
+        shards.PHASE_S.clear()
         t0 = time.perf_counter()
         files = self._snap.flush()
         t["inputs_write"] = time.perf_counter() - t0
+        t.update({f"inputs_{k}_thread_s": v for k, v in shards.PHASE_S.items()})
         if self._prof is not None:
             t0 = time.perf_counter()
             self.trace_path = self._write_trace()
             t["trace_write"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        for rec in self.records:
+            rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
         rundir.write_modules(self.out, records_to_frame(self.records))
         manifest = _manifest(self.model, self.cfg, self.records, self.step_s)
         manifest["trace"] = self.trace_path.name if self.trace_path else None
@@ -264,6 +264,43 @@ class capture:
                     gzip.open(out, "wb", compresslevel=3) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
         return path
+
+
+def _static_facts(module) -> tuple[str, str, int, int]:
+    """(class name, class path, parameter bytes, buffer bytes), both recursive."""
+    cls = type(module)
+    return (cls.__name__, f"{cls.__module__}.{cls.__qualname__}",
+            sum(p.numel() * p.element_size() for p in module.parameters()),
+            sum(b.numel() * b.element_size() for b in module.buffers()))
+
+
+def _autocast_dtype() -> str | None:
+    for dev in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(dev):
+            return str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+    return None
+
+
+def _input_meta(inputs_ref: str) -> tuple[str, str]:
+    """(input_meta, input_shapes) JSON from the tensor nodes of an inputs_ref, in order."""
+    metas = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("t") == "tensor":
+                metas.append({"shape": node["shape"], "dtype": node["dtype"],
+                              "stride": node["stride"], "storage_offset": node.get("off"),
+                              "device": node.get("dev"), "requires_grad": bool(node.get("rg"))})
+            for k, v in node.items():
+                if k != "chunks":
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    doc = json.loads(inputs_ref)
+    walk([doc.get("args", []), doc.get("kwargs", {})])
+    return json.dumps(metas), json.dumps([m["shape"] for m in metas])
 
 
 def _activities():

@@ -15,6 +15,8 @@ class Serializer:
     """Do-nothing defaults; subclasses set ``name`` and override the three methods."""
 
     name: str = ""
+    by_type: bool = False
+    """True if ``handles`` depends only on ``type(obj)``: the codec may then cache its answer."""
 
     def handles(self, obj) -> bool:
         """True if this serializer encodes ``obj``."""

@@ -30,6 +30,7 @@ def _unfbits(s: str) -> float:
 
 class _Exact(Serializer):
     """Handles objects whose type is exactly one of ``types``."""
+    by_type = True  # handles() looks at type(obj) only
 
     types: tuple = ()
 
@@ -38,6 +39,7 @@ class _Exact(Serializer):
 
 
 class TensorSerializer(Serializer):
+    by_type = True  # handles() looks at type(obj) only
     name = "tensor"
 
     def handles(self, obj):
@@ -136,6 +138,7 @@ class BytesSerializer(_Exact):
 
 class TorchEnumSerializer(Serializer):
     """torch.dtype, torch.layout, torch.memory_format: stored by their torch attribute name."""
+    by_type = True  # handles() looks at type(obj) only
 
     name = "torch_enum"
     _types = (torch.dtype, torch.layout, torch.memory_format)
@@ -185,6 +188,7 @@ class SliceSerializer(_Exact):
 
 class EnumSerializer(Serializer):
     """An Enum member, by class and member name; the class must import."""
+    by_type = True  # handles() looks at type(obj) only
 
     name = "enum"
 
@@ -212,6 +216,7 @@ def _is_namedtuple_type(cls) -> bool:
 
 class NamedTupleSerializer(Serializer):
     """A namedtuple; rebuilt by class if it imports, else as a look-alike with the same fields."""
+    by_type = True  # handles() looks at type(obj) only
 
     name = "namedtuple"
 
@@ -237,6 +242,7 @@ class NamedTupleSerializer(Serializer):
 
 class DataclassSerializer(Serializer):
     """A dataclass instance: init fields through the constructor, the others set afterwards."""
+    by_type = True  # handles() looks at type(obj) only
 
     name = "dataclass"
 

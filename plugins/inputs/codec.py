@@ -40,21 +40,36 @@ def by_name(serializers) -> dict:
 class EncodeContext:
     """Given to ``Serializer.encode``: ``encode(child)`` recurses, ``tensor(t)`` stores a tensor."""
 
-    def __init__(self, serializers, put_tensor):
+    def __init__(self, serializers, put_tensor, type_cache: dict | None = None):
         self._serializers = serializers  # checked with by_name() by the caller, once
         self._put_tensor = put_tensor
         self._depth = 0
+        # type -> serializer, filled only where every serializer asked decides by type alone:
+        # capture runs inside a with_stack-traced step, where each handles() call is an event
+        self._cache = {} if type_cache is None else type_cache
 
-    def encode(self, obj) -> dict:
-        if self._depth >= MAX_DEPTH:
-            return unsupported(obj, f"nested more than {MAX_DEPTH} levels deep")
+    def _find(self, obj):
+        s = self._cache.get(type(obj))
+        if s is not None:
+            return s
+        cacheable = True
         for s in self._serializers:
             try:
                 ok = s.handles(obj)
             except Exception:  # a plugin's handles() must not break capture
                 ok = False
-            if not ok:
-                continue
+            cacheable = cacheable and getattr(s, "by_type", False)
+            if ok:
+                if cacheable:
+                    self._cache[type(obj)] = s
+                return s
+        return None
+
+    def encode(self, obj) -> dict:
+        if self._depth >= MAX_DEPTH:
+            return unsupported(obj, f"nested more than {MAX_DEPTH} levels deep")
+        s = self._find(obj)
+        if s is not None:
             self._depth += 1
             try:
                 node = s.encode(obj, self)

@@ -14,6 +14,7 @@ CLASSES = ("KeyedJaggedTensor", "JaggedTensor", "KeyedTensor")
 
 
 class TorchrecSerializer(Serializer):
+    by_type = True  # handles() looks at type(obj) only
     name = "torchrec"
 
     def handles(self, obj):

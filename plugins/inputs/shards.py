@@ -14,6 +14,8 @@ import functools
 import hashlib
 import os
 import tempfile
+import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -66,6 +68,18 @@ def _groups(rows):
         yield group
 
 
+# Seconds spent in each phase of write_shard, summed over threads (capture reports them).
+PHASE_S: dict[str, float] = {}
+_phase_lock = threading.Lock()
+
+
+def _add_phase(name: str, t0: float) -> float:
+    now = time.perf_counter()
+    with _phase_lock:
+        PHASE_S[name] = PHASE_S.get(name, 0.0) + now - t0
+    return now
+
+
 def write_shard(path: Path, rows, digests: dict | None = None) -> int:
     """Write rows of (chunk_id, part, kind, uint8 ndarray) atomically; returns data bytes.
 
@@ -73,20 +87,25 @@ def write_shard(path: Path, rows, digests: dict | None = None) -> int:
     page cache right after the write, so the manifest need not read the shard again).
     """
     path = Path(path)
+    t = time.perf_counter()
     rows = [(c, p, k, np.ascontiguousarray(a, dtype=np.uint8).reshape(-1)) for c, p, k, a in rows]
+    t = _add_phase("to_host", t)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         # checksums run in threads (zlib releases the GIL) while earlier rows are written
         with ThreadPoolExecutor(2) as pool:
             _write_rows(tmp, rows, pool)
+        t = _add_phase("parquet_write", t)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+        t = _add_phase("fsync", t)
         if digests is not None:
             digests[path] = _sha256(tmp)
+            _add_phase("sha256", t)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600
         os.replace(tmp, path)
         _fsync_dir(path.parent)

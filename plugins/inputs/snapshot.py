@@ -55,6 +55,7 @@ class Snapshotter:
         self.last_input_bytes = 0
         self.last_synthesized = False
         self.bytes_written = 0
+        self._type_cache: dict = {}  # type -> serializer, shared by every take()
         self.digests: dict[Path, str] = {}  # sha256 of each shard, computed while writing
 
     def take(self, args: tuple, kwargs: dict) -> str:
@@ -66,7 +67,7 @@ class Snapshotter:
             pending.append((t, node))
             return node
 
-        ctx = EncodeContext(self._serializers, put_tensor)
+        ctx = EncodeContext(self._serializers, put_tensor, self._type_cache)
         arg_nodes = [ctx.encode(a) for a in args]
         kw_nodes = {str(k): ctx.encode(v) for k, v in kwargs.items()}
         used, self.last_input_bytes, self.last_synthesized = self._store.commit(pending)
