@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from cbtrace.replay.inputs import clone_like, n_copies, tensor_bytes
+from cbtrace.replay.inputs import clone_like, embedding_copies, n_copies, tensor_bytes
 
 
 def timer_chain(name: str, device: torch.device) -> list[str]:
@@ -29,8 +29,11 @@ def call_context(rec):
 
 def make_call(module, rec, args, kwargs, device, cfg):
     """call(i) runs the module on input copy i; returns (call, number of copies)."""
-    n = n_copies(tensor_bytes((args, kwargs)), device, cfg.max_copies)
-    copies = [(args, kwargs)] + [clone_like((args, kwargs)) for _ in range(n - 1)]
+    copies = embedding_copies(module, args, kwargs, device)
+    if copies is None:
+        n = n_copies(tensor_bytes((args, kwargs)), device, cfg.max_copies)
+        copies = [(args, kwargs)] + [clone_like((args, kwargs)) for _ in range(n - 1)]
+    n = len(copies)
 
     def call(i: int = 0):
         a, k = copies[i % n]

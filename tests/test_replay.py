@@ -128,3 +128,21 @@ def test_resume_after_killing_a_replay(tmp_path):
     assert sorted(ids) == list(range(n))  # every call exactly once: nothing redone
     df = rundir.read_modules(cap.out)
     assert (df["status"] == "ok").all() and df["isolated_ms"].notna().all()
+
+
+def test_embedding_copies_touch_other_rows():
+    from cbtrace.replay.inputs import embedding_copies
+
+    bag = torch.nn.EmbeddingBag(1000, 16, mode="sum")
+    ids = torch.tensor([3, 7, 999, 0, 512])
+    offsets = torch.tensor([0, 2])
+    copies = embedding_copies(bag, (ids, offsets), {}, torch.device("cpu"))
+    assert len(copies) > 8
+    rows = [set(c[0][0].tolist()) for c in copies]
+    assert all(r != rows[0] for r in rows[1:])                     # other rows each time
+    for (a, k) in copies:
+        assert a[0].dtype == ids.dtype and a[0].shape == ids.shape  # same workload
+        assert int(a[0].min()) >= 0 and int(a[0].max()) < 1000      # valid ids
+        assert torch.equal(a[1], offsets)
+        assert bag(*a).shape == (2, 16)
+    assert embedding_copies(torch.nn.Linear(2, 2), (torch.ones(2),), {}, torch.device("cpu")) is None
