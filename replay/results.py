@@ -45,17 +45,19 @@ def add_utilisation(rec, device_name: str) -> None:
         return
     seconds = rec.isolated_ms / 1e3
     dtype = rec.compute_dtype or "float32"
-    for calibrated, suffix in ((False, ""), (True, "_calibrated")):
-        peak = peak_for(device_name, dtype, calibrated=calibrated)
+    datasheet = peak_for(device_name, dtype)
+    measured = peak_for(device_name, dtype, calibrated=True)
+    # mfu/mbu use the datasheet peak; without one (a CPU) the calibrated peak is the peak
+    for peak, suffix in ((datasheet or measured, ""), (measured, "_calibrated")):
         if peak is None:
             continue
         if peak.flops_per_s and rec.flops is not None:
             setattr(rec, "mfu" + suffix, metrics.mfu(rec.flops, seconds, peak.flops_per_s))
-            if not calibrated and rec.flops_executed is not None:
+            if not suffix and rec.flops_executed is not None:
                 rec.hfu = metrics.hfu(rec.flops_executed, seconds, peak.flops_per_s)
         if peak.bytes_per_s and rec.bytes is not None:
             setattr(rec, "mbu" + suffix, metrics.mbu(rec.bytes, seconds, peak.bytes_per_s))
-    peak = peak_for(device_name, dtype) or peak_for(device_name, dtype, calibrated=True)
+    peak = datasheet or measured
     if peak is not None and peak.flops_per_s and peak.bytes_per_s:
         # Launch-bound when issuing the call takes the host >= 1.5x its device time (metrics.bound
         # says "launch" once the idle share, host - device, reaches half the device time). Not
