@@ -14,6 +14,7 @@ optional "syn": 1 (synthesized from statistics), "conj"/"neg"/"param": 1}.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from cbtrace.plugins.inputs import shards, synth
@@ -119,6 +120,35 @@ def _rows(chunks):
             doc = synth.stats_doc(kind, stats.cpu().tolist(), numel)
             yield c.id, 0, "s", np.frombuffer(json.dumps(doc).encode(), np.uint8)
             continue
-        arr = c.payload.cpu().numpy()
+        arr = _to_host(c.payload)
         for i in range(c.nparts):
             yield c.id, i, "d", arr[i * shards.PART_BYTES:(i + 1) * shards.PART_BYTES]
+
+
+STAGE_BYTES = 64 << 20
+_stage = threading.local()
+
+
+def _to_host(t):
+    """A device uint8 tensor -> numpy, through a pinned staging buffer of this thread.
+
+    Pageable device-to-host copies from several writer threads crawled at ~0.45 GB/s per thread
+    on the H200 host (5.1 s of thread time for 2.3 GB); pinned copies run at PCIe speed and the
+    extra host memcpy out of the stage is cheap.
+    """
+    import numpy as np
+    import torch
+
+    if t.device.type != "cuda":
+        return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+    stage = getattr(_stage, "buf", None)
+    if stage is None or stage.device.type != "cpu":
+        stage = _stage.buf = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+    out = np.empty(t.numel(), np.uint8)
+    stream = torch.cuda.current_stream(t.device)
+    for lo in range(0, t.numel(), STAGE_BYTES):
+        hi = min(t.numel(), lo + STAGE_BYTES)
+        stage[:hi - lo].copy_(t[lo:hi], non_blocking=True)
+        stream.synchronize()
+        out[lo:hi] = stage[:hi - lo].numpy()
+    return out
