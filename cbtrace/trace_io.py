@@ -15,9 +15,14 @@ from typing import Callable, Iterator
 
 from cbtrace.errors import TraceError
 
-CHUNK_BYTES = 4 << 20  # decompressed bytes decoded at a time
+try:  # ISA-L inflate: same API as zlib, ~2.5x faster (optional: pip install isal)
+    from isal import isal_zlib as _inflate
+except ImportError:  # pragma: no cover - depends on the environment
+    _inflate = zlib
+
+CHUNK_BYTES = 1 << 20  # decompressed bytes decoded at a time
 _READ_BYTES = 1 << 20  # compressed bytes read at a time
-_PIECE_BYTES = 8 << 20  # most decompressed bytes produced at a time
+_PIECE_BYTES = 1 << 20  # most decompressed bytes produced at a time
 _KEY = b'"traceEvents"'
 
 
@@ -37,16 +42,16 @@ def iter_bytes(path, read_bytes: int = _READ_BYTES) -> Iterator[bytes]:
             while piece := f.read(read_bytes):
                 yield piece
             return
-        d = zlib.decompressobj(wbits=31)
+        d = _inflate.decompressobj(wbits=31)
         try:
             while piece := f.read(read_bytes):
                 while piece:
                     yield d.decompress(piece, _PIECE_BYTES)
                     piece = d.unconsumed_tail
                     if not piece and d.unused_data:  # next gzip member
-                        piece, d = d.unused_data, zlib.decompressobj(wbits=31)
+                        piece, d = d.unused_data, _inflate.decompressobj(wbits=31)
             yield d.flush()
-        except zlib.error as e:
+        except (zlib.error, _inflate.error) as e:
             raise TraceError(f"{path}: corrupt gzip data ({e})") from None
 
 
@@ -130,6 +135,7 @@ def stream_trace(path, decode: Callable[[bytes], list], *, chunk_bytes: int = CH
 
     ``decode(b"[...]")`` turns a JSON array of events into a list (e.g. a typed msgspec decoder);
     it must raise ``ValueError`` (msgspec's DecodeError is one) on malformed input.
+    Memory: the undecoded tail plus about ``chunk_bytes`` of text and its decoded list.
     """
     pieces = iter_bytes(path)
     buf = bytearray()

@@ -145,3 +145,174 @@ def _empty_dir(tmp_path):
     d = tmp_path / "empty"
     d.mkdir()
     return d
+
+
+# --- the vectorized core, against plain-Python references ---------------------------------
+
+def _stack_nest(ts, dur, thread):
+    """Reference: a stack of open events per thread (events sorted by thread, ts, -dur)."""
+    parent, depth, stack, cur = [], [], [], None
+    for i, (t, d, th) in enumerate(zip(ts, dur, thread)):
+        if th != cur:
+            cur, stack = th, []
+        while stack and stack[-1][0] <= t:
+            stack.pop()
+        parent.append(stack[-1][1] if stack else -1)
+        depth.append(len(stack))
+        stack.append((t + d, i))
+    return parent, depth
+
+
+def _random_events(seed, n=400):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ts = rng.integers(0, 60, n).astype(float) + rng.choice([0.0, 0.5], n)  # ties on purpose
+    dur = rng.choice([0.0, 1.0, 3.0, 7.5, 20.0, 45.0], n)  # zero-length and partial overlaps
+    thread = rng.integers(0, 3, n)
+    order = np.lexsort((-dur, ts, thread))
+    return ts[order], dur[order], thread[order]
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("segment", [5, 1 << 16])
+def test_nest_matches_a_stack_of_open_events(seed, segment, monkeypatch):
+    import numpy as np
+
+    from cbtrace.attribution import tree
+
+    monkeypatch.setattr(tree, "_SEGMENT", segment)  # small segments: open events carried over
+    ts, dur, thread = _random_events(seed)
+    parent, depth = tree.nest(ts, dur, thread, np.zeros_like(thread))
+    ref_parent, ref_depth = _stack_nest(ts.tolist(), dur.tolist(), thread.tolist())
+    assert parent.tolist() == ref_parent and depth.tolist() == ref_depth
+
+
+def test_tree_walks_match_naive_loops():
+    import numpy as np
+
+    from cbtrace.attribution import tree
+
+    ts, dur, thread = _random_events(7, n=300)
+    f = tree.Forest.__new__(tree.Forest)  # only the walk methods: parent, depth, len
+    f.parent, f.depth = tree.nest(ts, dur, thread, np.zeros_like(thread))
+    f.host = np.arange(len(ts))
+    mark = np.random.default_rng(1).random(len(ts)) < 0.2
+    par = f.parent.tolist()
+
+    def chain(i):  # i, its parent, ... up to the top
+        while i >= 0:
+            yield i
+            i = par[i]
+
+    near = [next((j for j in chain(i) if mark[j]), -1) for i in range(len(ts))]
+    outer = [([j for j in chain(i) if mark[j]] or [-1])[-1] for i in range(len(ts))]
+    strict = [any(mark[j] for j in list(chain(i))[1:]) for i in range(len(ts))]
+    sub = [mark[i] or any(mark[j] for j in range(len(ts)) if i in list(chain(j))[1:])
+           for i in range(len(ts))]
+    assert f.nearest(mark).tolist() == near and f.outermost(mark).tolist() == outer
+    assert f.strict_any(mark).tolist() == strict and f.subtree_any(mark).tolist() == sub
+
+
+def test_loader_columns_and_odd_events(tmp_path):
+    from cbtrace.attribution import loader
+
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "x"}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": "7", "ts": 10,
+         "dur": 5.5, "args": {"correlation": 3, "Sequence number": 9,
+                              "Input Dims": [[2, 3], [3, 4]], "Input type": ["float", "float"]}},
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": "stream 7", "ts": 12,
+         "dur": 1, "args": {"correlation": "3"}},  # a string id: decoded leniently
+        {"name": "no phase"}, {"ph": "Z", "name": "unknown phase"},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": "7", "ts": 11,
+         "dur": 1, "args": None},
+        {"ph": "f", "cat": "ac2g", "id": 3, "pid": 0, "tid": "stream 7", "ts": 12, "bp": "e"},
+    ]
+    p = tmp_path / "odd.json"
+    p.write_text(json.dumps({"traceEvents": events, "deviceProperties": [{"name": "H"}]}))
+    coster_calls = []
+
+    class Coster:
+        def by_name(self, name):
+            return loader.SHAPED if name == "aten::mm" else -1
+
+        def __call__(self, name, dims, types, concrete):
+            coster_calls.append((name, bytes(dims), bytes(types)))
+            return 5
+
+    c = loader.load(p, on_op=Coster(), chunk_bytes=64)
+    assert c.n_events == 7 and c.meta == {"deviceProperties": [{"name": "H"}]}
+    assert c.idx.tolist() == [1, 2, 5]  # positions in traceEvents: HTA's index
+    assert [c.strings[k] for k in c.name] == ["aten::mm", "k", "aten::add"]
+    assert c.corr.tolist() == [3, 3, -1] and c.seq.tolist() == [9, -1, -1]
+    assert c.cost.tolist() == [5, -1, -1]
+    assert coster_calls == [("aten::mm", b"[[2,3],[3,4]]", b'["float","float"]')]
+    assert [c.ids[k] for k in c.tid] == ["7", "stream 7", "7"] and c.dur.tolist() == [5.5, 1, 1]
+    assert [(f, c.ids[p], c.ids[t], ts) for f, p, t, ts in c.flows] == [(3, 0, "stream 7", 12)]
+
+
+def test_loader_memory_is_columns_not_objects(tmp_path):
+    import tracemalloc
+
+    from cbtrace.attribution import loader
+
+    n = 60_000
+    ev = [{"ph": "X", "cat": "cpu_op", "name": f"aten::op{i % 50}", "pid": 1, "tid": i % 4,
+           "ts": i * 0.5, "dur": 0.25, "args": {"External id": i, "Sequence number": i,
+                                                   "Record function id": 0, "Ev Idx": i}}
+          for i in range(n)]
+    p = tmp_path / "big.json.gz"
+    p.write_bytes(gzip.compress(json.dumps({"traceEvents": ev}).encode(), 1))
+    del ev
+    tracemalloc.start()
+    try:
+        c = loader.load(p, chunk_bytes=256 << 10)
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(c) == n
+    assert kept < 72 * n + (1 << 20)  # ~64 bytes of arrays per event, no Python objects
+    assert peak < 2 * kept + 24 * (256 << 10)  # + a few chunks' worth of transient objects
+
+
+def _same_rows(a, b):
+    key = ["rank", "step", "phase", "depth", "fqn", "call_index", "ts_us"]
+    a = a.sort_values(key, na_position="first").reset_index(drop=True)
+    b = b.sort_values(key, na_position="first").reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-9)
+
+
+@pytest.mark.parametrize("steps_per_window", [1, 2])
+def test_step_windows_give_the_one_pass_table(df, steps_per_window):
+    # a trace bigger than memory is read once per window of steps; same rows
+    _same_rows(df, attribute(TRACE, steps_per_window=steps_per_window))
+
+
+def test_step_windows_count_late_and_stray_kernels_once(tmp_path):
+    def x(name, ts, dur, cat="user_annotation", pid=1, tid=1, corr=None):
+        e = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    launch = dict(cat="cuda_runtime")
+    kern = dict(cat="kernel", pid=0, tid=7)
+    events = [x("ProfilerStep#1", 0, 100), x("ProfilerStep#2", 100, 100),
+              x("cbtrace::a", 10, 50), x("cudaLaunchKernel", 20, 5, corr=1, **launch),
+              x("k_late", 150, 30, corr=1, **kern),  # launched in step 1, runs in step 2
+              x("cbtrace::a", 110, 85), x("cudaLaunchKernel", 120, 5, corr=2, **launch),
+              x("k2", 170, 10, corr=2, **kern), x("k_stray", 130, 5, **kern),
+              x("cudaLaunchKernel", 190, 3, corr=4, **launch),
+              x("k_after", 250, 5, corr=4, **kern),  # runs after the last step
+              x("cudaLaunchKernel", -50, 5, corr=3, **launch),
+              x("k_before", -40, 5, corr=3, **kern)]
+    p = tmp_path / "steps.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    one = attribute(p, aggregate=False)
+    _same_rows(one, attribute(p, aggregate=False, steps_per_window=1))
+    assert one.gpu_self_ms.sum() * 1e3 == pytest.approx(30 + 10 + 5 + 5 + 5)
+    a1, a2 = _row(one, 1, "a"), _row(one, 2, "a")
+    assert (a1.gpu_ms, a1.kernel_count, a2.gpu_ms, a2.kernel_count) == (0.030, 1, 0.015, 2)
+    assert _row(one, 2, "<unattributed>").gpu_ms == 0.005  # k_stray
+    assert _row(one, -1, "<unattributed>").gpu_ms == 0.005  # k_before

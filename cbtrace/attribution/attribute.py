@@ -23,6 +23,14 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
 Aggregation over steps (``aggregate=True``): every row also carries ``<col>_median``,
 ``<col>_min``, ``<col>_max`` for cpu_ms, cpu_self_ms, gpu_ms, gpu_self_ms, gpu_span_ms over
 the steps >= 0 of its (rank, fqn, call_index, phase); ``summarize(df)`` keeps one row per group.
+
+Speed and memory: the trace is decoded chunk by chunk (trace_io.stream_trace) by a typed
+decoder that skips what attribution does not read (loader.py), straight into numpy columns
+(~64 bytes per complete event, no Python object per event); nesting, owners and sums are array
+operations (tree.py, insitu.py). On this 2-core VM that is 8-17x faster than HTA's
+TraceAnalysis at 0.2-0.35x its peak RSS (benchmarks/results_trace_load.md). A trace whose
+columns do not fit in memory is attributed with ``steps_per_window=N``: the file is read once
+per window of N profiler steps and only that window's events are kept (windows.py).
 """
 from __future__ import annotations
 
@@ -76,30 +84,70 @@ def device_name_of(meta: dict) -> str | None:
     return None
 
 
-def attribute_file(path, *, rank: int | None = None, class_map: dict | None = None):
-    """Rows of one trace file (one rank) as a DataFrame, no aggregation."""
+def attribute_file(path, *, rank: int | None = None, class_map: dict | None = None,
+                   steps_per_window: int | None = None):
+    """Rows of one trace file (one rank) as a DataFrame, no aggregation.
+
+    ``steps_per_window``: load and attribute that many profiler steps at a time (memory
+    bounded by a window, for traces larger than memory; see windows.py), else all at once.
+    """
     import pandas as pd
 
-    from cbtrace.attribution import insitu, loader, tree
+    from cbtrace.attribution import loader, windows
     from cbtrace.attribution.insitu_flops import OpCoster
 
     path = Path(path)
-    trace = loader.load(path, on_op=OpCoster())
-    if trace.n_events == 0:
-        raise TraceError(f"{path}: the trace has no events")
-    forest = tree.build(trace)
-    if not forest.host and not forest.device:
-        raise TraceError(f"{path}: no host or device duration events to attribute")
-    with_shapes = any(isinstance(e.cost, tuple) for e in forest.host)
-    rows = insitu.rows(forest, class_map=class_map, device_name=device_name_of(trace.meta),
-                       with_shapes=with_shapes)
-    df = pd.DataFrame(rows)
-    df["rank"] = rank_of(trace.meta, path, 0) if rank is None else rank
+    coster = OpCoster()
+    if steps_per_window:
+        parts, meta = windows.attribute_windows(path, coster, steps_per_window,
+                                                class_map=class_map)
+    else:
+        cols = loader.load(path, on_op=coster)
+        parts, meta = [table(path, cols, coster, class_map=class_map)], cols.meta
+    with_shapes = any(p.pop("~with_shapes") for p in parts)
+    df = pd.DataFrame({k: _concat([p[k] for p in parts]) for k in parts[0]})
+    if not with_shapes:  # no op shapes anywhere: no FLOPs known
+        df[["flops", "flops_executed", "bytes", "mbu"]] = float("nan")
+        df["mfu"] = float("nan")
+    df["rank"] = rank_of(meta, path, 0) if rank is None else rank
     df["trace"] = str(path)
     return df[COLUMNS]
 
 
-def attribute(paths, *, capture_run=None, hta: bool = False, aggregate: bool = True):
+def _concat(cols: list):
+    import numpy as np
+
+    if len(cols) == 1:
+        return cols[0]
+    if any(isinstance(c, list) for c in cols):
+        return [v for c in cols for v in c]
+    return np.concatenate([np.atleast_1d(c) for c in cols])
+
+
+def table(path, cols, coster, *, class_map=None, device_filter=None, part=False) -> dict:
+    """Columns of the rows of loaded events (all of a trace, or one window of it).
+
+    ``device_filter(forest) -> bool mask`` drops device events that another window counts;
+    ``part``: the events are a window of the trace (it may be empty; see windows.py).
+    """
+    from cbtrace.attribution import insitu, tree
+
+    if cols.n_events == 0:
+        raise TraceError(f"{path}: the trace has no events")
+    forest = tree.build(cols)
+    if device_filter is not None:
+        forest.keep_device(device_filter(forest))
+    if not len(forest.host) and not len(forest.d_ts) and not part:
+        raise TraceError(f"{path}: no host or device duration events to attribute")
+    data = insitu.rows(forest, costs=coster.costs, class_map=class_map,
+                       device_name=device_name_of(cols.meta), with_shapes=True,
+                       every_step=not part or bool(forest.steps))
+    data["~with_shapes"] = bool((forest.cost >= 0).any())
+    return data
+
+
+def attribute(paths, *, capture_run=None, hta: bool = False, aggregate: bool = True,
+              steps_per_window: int | None = None):
     """In-situ time per module, per rank and profiler step, from Kineto traces.
 
     Args:
@@ -108,6 +156,8 @@ def attribute(paths, *, capture_run=None, hta: bool = False, aggregate: bool = T
             events by their real attribute paths.
         hta: also return HTA's ``TraceAnalysis`` over the same files: ``(df, analysis)``.
         aggregate: add ``*_median`` / ``*_min`` / ``*_max`` columns over steps.
+        steps_per_window: for traces larger than memory: read each file once per window of
+            this many profiler steps and keep only that window's events (see windows.py).
 
     Returns:
         pandas DataFrame (columns: see the module docstring), or ``(df, TraceAnalysis)``.
@@ -123,7 +173,7 @@ def attribute(paths, *, capture_run=None, hta: bool = False, aggregate: bool = T
         class_map = class_index_map(read_modules(capture_run))
     frames, seen = [], set()
     for i, f in enumerate(files):
-        df = attribute_file(f, class_map=class_map)
+        df = attribute_file(f, class_map=class_map, steps_per_window=steps_per_window)
         r = int(df["rank"].iloc[0]) if len(df) else i
         if r in seen:  # two files claim one rank (e.g. no rank info): number them by order
             df["rank"] = r = max(seen) + 1

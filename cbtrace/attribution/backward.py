@@ -8,56 +8,50 @@ of tied weights, code outside every module) stays unattributed, in its own row.
 """
 from __future__ import annotations
 
-from cbtrace.attribution.tree import Forest
+import numpy as np
+
+from cbtrace.attribution.tree import Forest, string_mask
 
 EVALUATE = "autograd::engine::evaluate_function: "
 
 
-def backward_roots(forest: Forest) -> list[int]:
+def backward_roots(forest: Forest) -> np.ndarray:
     """Per host event: index of its outermost enclosing evaluate_function op (itself), else -1."""
-    out = [-1] * len(forest.host)
-    for i, e in enumerate(forest.host):
-        p = forest.parent[i]
-        if p >= 0 and out[p] >= 0:
-            out[i] = out[p]
-        elif e.name.startswith(EVALUATE):
-            out[i] = i
-    return out
+    is_eval = string_mask(forest.strings, lambda s: s.startswith(EVALUATE))
+    mark = is_eval[forest.name] if len(forest) else np.zeros(0, bool)
+    return forest.outermost(mark)
 
 
-def forward_owner_by_seq(forest: Forest, module_of: list[int], bwd_root: list[int],
-                         skip: list[int] | None = None) -> dict:
-    """Sequence number -> module node of the last forward op with it (outside backward).
+def forward_owner_by_seq(forest: Forest, module_of: np.ndarray, bwd_root: np.ndarray,
+                         skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence numbers and the module node of the last forward op with each (outside backward).
 
     Ops that create no autograd node still record the current number, so several forward ops
-    share one; the node is created by the last of them. Ops with ``skip[i] >= 0`` (cbtrace's
-    input copies) are ignored.
+    share one; the node is created by the last of them (by start time). Ops with
+    ``skip[i] >= 0`` (cbtrace's input copies) are ignored. Returns sorted (seq, module) arrays,
+    only numbers whose last op is inside a module.
     """
-    owner: dict = {}
-    order = sorted(range(len(forest.host)), key=lambda i: forest.host[i].ts)
-    for i in order:
-        a = forest.host[i].args
-        if a is None or a.seq is None or bwd_root[i] >= 0 or (skip is not None and skip[i] >= 0):
-            continue
-        owner[a.seq] = module_of[i]
-    return {k: v for k, v in owner.items() if v >= 0}
+    ok = np.flatnonzero((forest.seq >= 0) & (bwd_root < 0) & (skip < 0))
+    order = ok[np.lexsort((ok, forest.ts[ok]))][::-1]  # latest first
+    seqs, first = np.unique(forest.seq[order], return_index=True)
+    owner = module_of[order[first]]
+    keep = owner >= 0
+    return seqs[keep], owner[keep]
 
 
-def backward_owner(forest: Forest, bwd_root: list[int], seq_owner: dict) -> dict[int, int]:
-    """evaluate_function host index -> module node it belongs to (-1: unattributed)."""
-    out = {}
-    for i, r in enumerate(bwd_root):
-        if r != i:
-            continue
-        seq = forest.host[i].args.seq if forest.host[i].args is not None else None
-        if seq is None:  # some torch versions put the number on the inner XBackward0 op only
-            seq = _child_seq(forest, i)
-        out[i] = seq_owner.get(seq, -1) if seq is not None else -1
+def backward_owner(forest: Forest, bwd_root: np.ndarray, seq_owner) -> np.ndarray:
+    """Per host event that is a backward root: the module node it belongs to (-1 elsewhere)."""
+    roots = np.flatnonzero(bwd_root == np.arange(len(forest)))
+    seq = forest.seq[roots].copy()
+    for k in (1, 2, 3):  # some torch versions put the number on the inner XBackward0 op only
+        j = roots + k
+        inside = j < len(forest)
+        jj = np.where(inside, j, 0)
+        child = inside & (forest.parent[jj] == roots) & (forest.seq[jj] >= 0) & (seq < 0)
+        seq[child] = forest.seq[jj[child]]
+    seqs, owner = seq_owner
+    pos = np.minimum(np.searchsorted(seqs, seq), max(len(seqs) - 1, 0))
+    hit = (seq >= 0) & (seqs[pos] == seq) if len(seqs) else np.zeros(len(seq), bool)
+    out = np.full(len(forest), -1, np.int64)
+    out[roots] = np.where(hit, owner[pos] if len(seqs) else -1, -1)
     return out
-
-
-def _child_seq(forest: Forest, i: int):
-    for j in range(i + 1, min(i + 4, len(forest.host))):
-        if forest.parent[j] == i and forest.host[j].args is not None and forest.host[j].args.seq is not None:
-            return forest.host[j].args.seq
-    return None

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import re
 
-from cbtrace.attribution.tree import Forest
+import numpy as np
+
+from cbtrace.attribution.tree import Forest, string_mask
 
 CBTRACE = "cbtrace::"
 COPY = "cbtrace.copy::"
@@ -21,42 +23,75 @@ _HIER_SEG = re.compile(r"^(\w+)\((\w+)\)(?:::\w+)?$")
 
 
 def choose_source(forest: Forest) -> str | None:
-    names = [e.name for e in forest.host]
+    strings = forest.strings
+    names = [strings[c] for c in np.unique(forest.name)]
     if any(n.startswith(CBTRACE) for n in names):
         return "cbtrace"
     if any(n.startswith(NN_MODULE) for n in names):
         return "nn.Module"
-    if any(_is_user_range(e) for e in forest.host):
+    if _user_range_mask(forest).any():
         return "record_function"
-    if any(e.args is not None and e.args.hierarchy for e in forest.host):
+    if (forest.hier >= 0).any():
         return "module_hierarchy"
     return None
 
 
-def _is_user_range(e) -> bool:
-    return e.cat in _USER_CATS and e.cat != "cpu_op" and not _NOT_USER.match(e.name) and (
-        e.cat == "user_annotation" or not e.name.startswith(("aten::", "autograd::")))
+def _is_user_range(cat: str, name: str) -> bool:
+    return cat in _USER_CATS and cat != "cpu_op" and not _NOT_USER.match(name) and (
+        cat == "user_annotation" or not name.startswith(("aten::", "autograd::")))
 
 
-def label(forest: Forest, i: int, source: str | None) -> tuple[str | None, bool]:
-    """(module label, is_overhead) of host event i; label None when it is not a module call."""
-    e = forest.host[i]
-    name = e.name
-    if source == "cbtrace":
-        if name.startswith(CBTRACE):
-            return name[len(CBTRACE):], False
-        return (None, name.startswith(COPY))
-    if source == "nn.Module":
-        return (name[len(NN_MODULE):] if name.startswith(NN_MODULE) and e.cat == "python_function"
-                else None), False
-    if source == "record_function":
-        return (name if e.cat == "user_annotation" and _is_user_range(e) else None), False
-    if source == "module_hierarchy" and e.args is not None and e.args.hierarchy:
-        path = hierarchy_path(e.args.hierarchy)  # outermost op of each path is one call
-        p = forest.parent[i]
-        outer = p < 0 or (forest.host[p].args is None or forest.host[p].args.hierarchy != e.args.hierarchy)
-        return (path if outer else None), False
-    return None, False
+def _user_range_mask(forest: Forest) -> np.ndarray:
+    """Per host event: a user ``record_function`` range (judged once per (cat, name) pair)."""
+    s = forest.strings
+    pairs, inv = np.unique(forest.cat.astype(np.int64) * len(s) + forest.name, return_inverse=True)
+    ok = np.fromiter((_is_user_range(s[p // len(s)], s[p % len(s)]) for p in pairs), bool,
+                     len(pairs))
+    return ok[inv.ravel()] if len(pairs) else np.zeros(len(forest), bool)
+
+
+def labels(forest: Forest, source: str | None) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Per host event: module label code (-1: not a module call) and is-overhead, + the labels.
+
+    Labels: the fqn of a ``cbtrace::`` range, "Class_N" of an ``nn.Module`` event, a
+    record_function name, or the path of a TorchScript module hierarchy.
+    """
+    s, n = forest.strings, len(forest)
+    lab, is_copy, table = np.full(n, -1, np.int64), np.zeros(n, bool), []
+    if source in ("cbtrace", "nn.Module"):
+        prefix = CBTRACE if source == "cbtrace" else NN_MODULE
+        codes = np.full(len(s), -1, np.int64)
+        for c, name in enumerate(s):
+            if name.startswith(prefix):
+                codes[c] = len(table)
+                table.append(name[len(prefix):])
+        lab = codes[forest.name] if n else lab
+        if source == "cbtrace":
+            is_copy = string_mask(s, lambda x: x.startswith(COPY))[forest.name] if n else is_copy
+        else:
+            lab[forest.cat != _code(s, "python_function")] = -1
+    elif source == "record_function":
+        user = _user_range_mask(forest) & (forest.cat == _code(s, "user_annotation"))
+        uniq, inv = np.unique(forest.name[user], return_inverse=True)
+        table = [s[c] for c in uniq]
+        lab[user] = inv.ravel()
+    elif source == "module_hierarchy":
+        uniq, inv = np.unique(forest.hier, return_inverse=True)
+        paths = [hierarchy_path(s[h]) if h >= 0 else None for h in uniq]
+        table = sorted({p for p in paths if p is not None})
+        code = np.array([table.index(p) if p is not None else -1 for p in paths], np.int64)
+        lab = code[inv.ravel()] if n else lab
+        par = forest.parent
+        outer = (par < 0) | (forest.hier[par] != forest.hier)  # outermost op of each path
+        lab[~outer] = -1
+    return lab, is_copy, table
+
+
+def _code(strings: list, text: str) -> int:
+    try:
+        return strings.index(text)
+    except ValueError:
+        return -2
 
 
 def class_index_map(modules_df) -> dict[str, str]:

@@ -7,215 +7,272 @@ that launched it; one with no launcher, or whose launcher has no owner, is unatt
 device event is counted exactly once, so per step::
 
     sum(gpu_self_ms of module rows) + unattributed + overhead == sum of device event durations
+
+All of it is array arithmetic: owners are integer keys, per-owner sums are ``np.bincount``,
+inclusive figures are sums over the module tree, level by level.
 """
 from __future__ import annotations
 
-import math
+import numpy as np
 
 from cbtrace.attribution import backward, identity
 from cbtrace.attribution.insitu_flops import peak_of, utilization
-from cbtrace.attribution.tree import Forest
+from cbtrace.attribution.tree import Forest, by_level, string_mask
 
 UNATTRIBUTED = "<unattributed>"
 OVERHEAD = "<cbtrace-overhead>"
 _OPS = ("cpu_op", "Operator")
+FWD, BWD, UFWD, UBWD, OVH = range(5)  # owner kinds; a key is (id + 1) * 5 + kind
 
 
-class _Acc:
-    __slots__ = ("cpu", "gpu", "kernels", "first", "last", "flops", "flops_x", "bytes", "nof",
-                 "dtypes")
-
-    def __init__(self):
-        self.cpu = self.gpu = self.flops = self.flops_x = self.bytes = 0.0
-        self.kernels = self.nof = 0
-        self.first, self.last = math.inf, -math.inf
-        self.dtypes: dict = {}
-
-    def add_device(self, ts, dur):
-        self.gpu += dur
-        self.kernels += 1
-        self.first, self.last = min(self.first, ts), max(self.last, ts + dur)
-
-    def add_cost(self, cost):
-        flops, flops_x, nbytes, dtype = cost
-        self.flops += flops
-        self.flops_x += flops_x
-        self.bytes += nbytes
-        if dtype and flops:
-            self.dtypes[dtype] = self.dtypes.get(dtype, 0.0) + flops
-
-    def merge(self, o: "_Acc"):
-        """Add a child's inclusive figures (cpu is handled by the caller)."""
-        self.gpu += o.gpu
-        self.kernels += o.kernels
-        self.first, self.last = min(self.first, o.first), max(self.last, o.last)
-        self.flops += o.flops
-        self.flops_x += o.flops_x
-        self.bytes += o.bytes
-        self.nof += o.nof
-        for k, v in o.dtypes.items():
-            self.dtypes[k] = self.dtypes.get(k, 0.0) + v
+def _key(kind, ident):
+    return (np.asarray(ident, np.int64) + 1) * 5 + kind
 
 
-def rows(forest: Forest, *, class_map: dict | None = None, device_name: str | None = None,
-         with_shapes: bool = True) -> list[dict]:
-    """One dict per (module call, phase) plus unattributed and overhead rows, per step."""
-    host, par, n = forest.host, forest.parent, len(forest.host)
+def owners(forest: Forest, module_of, copy_of, roots, b_owner) -> np.ndarray:
+    """Owner key per host event (see the module docstring)."""
+    step = forest.step_of_host
+    rs = np.maximum(roots, 0)
+    bo = b_owner[rs]
+    return np.where(copy_of >= 0, _key(OVH, step),
+                    np.where(roots >= 0, np.where(bo >= 0, _key(BWD, bo), _key(UBWD, step[rs])),
+                             np.where(module_of >= 0, _key(FWD, module_of), _key(UFWD, step))))
+
+
+def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = None,
+         device_name: str | None = None, with_shapes: bool = True,
+         every_step: bool = True) -> dict:
+    """Columns of one row per (module call, phase) plus unattributed and overhead rows, per step.
+
+    An unattributed fwd row is given for every step (step -1 without steps) even if empty,
+    unless ``every_step`` is False (then only where something is unattributed).
+    """
     source = identity.choose_source(forest)
-    labels, is_copy = {}, [False] * n
-    for i in range(n):
-        lab, ov = identity.label(forest, i, source)
-        if lab is not None:
-            labels[i] = lab
-        is_copy[i] = ov
-    module_of, copy_of, op_anc, f_anc = [-1] * n, [-1] * n, [False] * n, [False] * n
-    for i in range(n):
-        p = par[i]
-        module_of[i] = i if i in labels else (module_of[p] if p >= 0 else -1)
-        copy_of[i] = (copy_of[p] if p >= 0 and copy_of[p] >= 0 else (i if is_copy[i] else -1))
-        if p >= 0:
-            op_anc[i] = op_anc[p] or host[p].cat in _OPS
-            f_anc[i] = f_anc[p] or isinstance(host[p].cost, tuple)
+    lab, is_copy, labels = identity.labels(forest, source)
+    module_of, copy_of = forest.nearest(lab >= 0), forest.outermost(is_copy)
     roots = backward.backward_roots(forest)
-    seq_owner = backward.forward_owner_by_seq(forest, module_of, roots, copy_of)
-    b_owner = backward.backward_owner(forest, roots, seq_owner)
-    step_of = forest.step_of_host
+    b_owner = backward.backward_owner(
+        forest, roots, backward.forward_owner_by_seq(forest, module_of, roots, copy_of))
+    key = owners(forest, module_of, copy_of, roots, b_owner)
+    copy_root = is_copy & (copy_of == np.arange(len(forest)))  # outermost cbtrace.copy ranges
+    b = _Buckets(forest, key, roots, copy_root, module_of, copy_of, costs)
+    m_cols, m_figs = _module_rows(forest, b, lab, labels, module_of, copy_root, source,
+                                  class_map)
+    u_cols, u_figs = _unattributed_rows(forest, b, every_step)
+    return _finish(m_cols, m_figs, u_cols, u_figs, b.dtypes, device_name, with_shapes)
 
-    def owner(i):
-        if copy_of[i] >= 0:
-            return ("ovh", step_of[i])
-        r = roots[i]
-        if r >= 0:
-            m = b_owner[r]
-            return ("bwd", m) if m >= 0 else ("ubwd", step_of[r])
-        m = module_of[i]
-        return ("fwd", m) if m >= 0 else ("ufwd", step_of[i])
 
-    acc: dict = {}
+class _Buckets:
+    """Per owner key: host time, device time and span, kernels, FLOPs, bytes, ops without
+    a formula, FLOPs per dtype (``acc``, aligned with the sorted ``keys``)."""
 
-    def get(key):
-        a = acc.get(key)
-        if a is None:
-            a = acc[key] = _Acc()
-        return a
+    def __init__(self, forest: Forest, key, roots, copy_root, module_of, copy_of, costs):
+        s, n, ar = forest.strings, len(forest), np.arange(len(forest))
+        is_op = string_mask(s, _OPS.__contains__)[forest.cat] if n else np.zeros(0, bool)
+        aten = string_mask(s, lambda x: x.startswith("aten::"))[forest.name] if n else is_op
+        has_cost = forest.cost >= 0
+        f_anc = forest.strict_any(has_cost)
+        # host time: backward roots, overhead ranges, top-level ops outside every module
+        top_op = is_op & ~forest.strict_any(is_op) & (roots < 0) & (copy_of < 0) & (module_of < 0)
+        cpu_at = np.flatnonzero((roots == ar) | copy_root | top_op)
+        # device time: the launcher's owner, else unattributed in the step of the event
+        la = forest.launcher
+        d_key = np.where(la >= 0, key[np.maximum(la, 0)] if n else 0,
+                         _key(UFWD, forest.step_at(forest.d_ts)))
+        # FLOPs: the outermost op with a formula; ops with none anywhere in their subtree count
+        cost_at = np.flatnonzero(has_cost & ~f_anc)
+        nof_at = np.flatnonzero(is_op & aten & ~forest.subtree_any(has_cost) & ~f_anc
+                                & ~forest.strict_any(aten))
+        self.keys, inv = np.unique(np.r_[key[cpu_at], d_key, key[cost_at], key[nof_at]],
+                                   return_inverse=True)
+        i_cpu, i_dev, i_cost, i_nof = np.split(
+            inv.ravel(), np.cumsum([len(cpu_at), len(d_key), len(cost_at)]))
+        nb, d_ts, d_dur = len(self.keys), forest.d_ts, forest.d_dur
+        acc = {"cpu": np.bincount(i_cpu, forest.dur[cpu_at], nb),
+               "gpu": np.bincount(i_dev, d_dur, nb),
+               "kernels": np.bincount(i_dev, minlength=nb).astype(float),
+               "nof": np.bincount(i_nof, minlength=nb).astype(float),
+               "first": np.full(nb, np.inf), "last": np.full(nb, -np.inf)}
+        np.minimum.at(acc["first"], i_dev, d_ts)
+        np.maximum.at(acc["last"], i_dev, d_ts + d_dur)
+        table = np.array([c[:3] for c in costs or []], np.float64).reshape(-1, 3)
+        self.dtypes = sorted({c[3] for c in costs or [] if c[3]})
+        dcode = np.array([self.dtypes.index(c[3]) if c[3] else -1 for c in costs or []], np.int64)
+        cc = forest.cost[cost_at]
+        for j, name in enumerate(("flops", "flops_x", "bytes")):
+            acc[name] = np.bincount(i_cost, table[cc, j], nb)
+        acc["dt"] = np.zeros((nb, max(len(self.dtypes), 1)))
+        with_dt = (dcode[cc] >= 0) & (table[cc, 0] != 0) if len(cc) else np.zeros(0, bool)
+        np.add.at(acc["dt"], (i_cost[with_dt], dcode[cc][with_dt]), table[cc, 0][with_dt])
+        self.acc = acc
 
-    # host time: backward roots, overhead ranges, top-level ops outside every module
-    for i, e in enumerate(host):
-        if roots[i] == i or (is_copy[i] and copy_of[i] == i):
-            get(owner(i)).cpu += e.dur
-        elif e.cat in _OPS and not op_anc[i] and roots[i] < 0 and copy_of[i] < 0 and module_of[i] < 0:
-            get(owner(i)).cpu += e.dur
-    # device time
-    for d, l in zip(forest.device, forest.launcher):
-        key = owner(l) if l >= 0 else ("ufwd", forest.step_at(d.ts))
-        get(key).add_device(d.ts, d.dur)
-    # FLOPs: the outermost op with a formula; ops with none anywhere in their subtree are counted
-    sub_f = [False] * n
-    for i in range(n - 1, -1, -1):
-        if isinstance(host[i].cost, tuple):
-            sub_f[i] = True
-        if sub_f[i] and par[i] >= 0:
-            sub_f[par[i]] = True
-    for i, e in enumerate(host):
-        if isinstance(e.cost, tuple):
-            if not f_anc[i]:
-                get(owner(i)).add_cost(e.cost)
-        elif (e.cat in _OPS and e.name.startswith("aten::") and not sub_f[i] and not f_anc[i]
-              and not _aten_anc(host, par, i)):
-            get(owner(i)).nof += 1
+    def lookup(self, keys: np.ndarray) -> dict:
+        """The accumulators of each key (empty ones where a key has nothing)."""
+        nb = len(self.keys)
+        pos = np.minimum(np.searchsorted(self.keys, keys), max(nb - 1, 0))
+        hit = (self.keys[pos] == keys) if nb else np.zeros(len(keys), bool)
+        out = {}
+        for k, v in self.acc.items():
+            fill = np.inf if k == "first" else -np.inf if k == "last" else 0.0
+            col = np.full((len(keys),) + v.shape[1:], fill)
+            col[hit] = v[pos[hit]]
+            out[k] = col
+        return out
 
-    mods = sorted(labels)  # host order: parents before children on each thread
-    mparent = {m: (module_of[par[m]] if par[m] >= 0 else -1) for m in mods}
-    copy_in = dict.fromkeys(mods, 0.0)
-    for c in range(n):
-        if is_copy[c] and copy_of[c] == c:
-            m = module_of[c]
-            while m >= 0:
-                copy_in[m] += host[c].dur
-                m = mparent[m]
-    cpu_incl = {m: host[m].dur - copy_in[m] for m in mods}
-    fwd = {m: get(("fwd", m)) for m in mods}
-    bwd = {m: acc.get(("bwd", m)) for m in mods}
-    self_fig = {}
-    for m in mods:  # self figures before the roll-up
-        f, b = fwd[m], bwd[m]
-        self_fig[m] = (f.gpu, b.cpu if b else 0.0, b.gpu if b else 0.0)
-    child_cpu = dict.fromkeys(mods, 0.0)
-    for m in reversed(mods):
-        pm = mparent[m]
-        if pm < 0:
-            continue
-        child_cpu[pm] += cpu_incl[m]
-        fwd[pm].merge(fwd[m])
-        if bwd[m] is not None:
-            pb = bwd[pm] or get(("bwd", pm))
-            bwd[pm] = pb
-            pb.merge(bwd[m])
-            pb.cpu += bwd[m].cpu
-    fqn, depth, call_index, counts = {}, {}, {}, {}
-    for m in mods:
-        pm = mparent[m]
-        lab = labels[m]
-        if class_map and lab in class_map:
-            fqn[m] = class_map[lab]
+
+def _module_rows(forest: Forest, b: _Buckets, lab, labels, module_of, copy_root, source,
+                 class_map):
+    """Per module call its fwd row, then its bwd row if it has backward figures (host order)."""
+    par = forest.parent
+    mods = np.flatnonzero(lab >= 0)
+    mi = np.full(len(forest) + 1, -1, np.int64)
+    mi[mods] = np.arange(len(mods))
+    mparent = mi[np.where(par[mods] >= 0, module_of[par[mods]], -1)]  # -1 at the top
+    fqn, depth, parent_fqn = _names(mods, mparent, lab, labels, source, class_map)
+    mtree = _ModTree(mparent, depth)
+    fself, bself = b.lookup(_key(FWD, mods)), b.lookup(_key(BWD, mods))
+    fincl, bincl = mtree.inclusive(fself), mtree.inclusive(bself)
+    # cpu: the call's range minus cbtrace's input copies inside it; self: minus child calls
+    copies = np.flatnonzero(copy_root)
+    copy_us = np.zeros(len(mods) + 1)  # [-1]: copies outside every module
+    np.add.at(copy_us, mi[module_of[copies]], forest.dur[copies])
+    cpu_incl = forest.dur[mods] - mtree.subtree_sum(copy_us[:-1])
+    child_cpu = np.zeros(len(mods) + 1)
+    np.add.at(child_cpu, mparent, cpu_incl)
+    step_m = forest.step_of_host[mods]
+    call_index = _call_index(forest.ts[mods], step_m, fqn)
+
+    has_b = (bincl["cpu"] != 0) | (bincl["kernels"] != 0) | (bincl["flops"] != 0)
+    mrow = np.r_[np.arange(len(mods)), np.flatnonzero(has_b)]
+    order = np.lexsort((np.r_[np.zeros(len(mods)), np.ones(has_b.sum())], mrow))
+    mrow, is_b = mrow[order], order >= len(mods)
+
+    def pick(f, bw):
+        return np.where(is_b.reshape((-1,) + (1,) * (f.ndim - 1)), bw[mrow], f[mrow])
+
+    h = mods[mrow]
+    cols = dict(step=step_m[mrow], fqn=[fqn[m] for m in mrow], source=source or "unattributed",
+                call_index=call_index[mrow], depth=depth[mrow],
+                parent_fqn=[parent_fqn[m] for m in mrow],
+                module_label=[labels[lab[x]] for x in h], pid=forest.pid[h], tid=forest.tid[h],
+                ts_us=forest.ts[h], dur_us=forest.dur[h], ev_index=forest.idx[h],
+                phase=np.where(is_b, "bwd", "fwd"),
+                cpu=pick(cpu_incl, bincl["cpu"]),
+                cpu_self=pick(cpu_incl - child_cpu[:-1], bself["cpu"]),
+                gpu_self=pick(fself["gpu"], bself["gpu"]))
+    return cols, {k: pick(fincl[k], bincl[k]) for k in fincl}
+
+
+def _unattributed_rows(forest: Forest, b: _Buckets, every_step: bool):
+    """Unattributed fwd / bwd and overhead rows, per step (fwd: every step)."""
+    steps = sorted({st for st, _, _ in forest.steps}) or ([-1] if every_step else [])
+    kinds, ids = b.keys % 5, b.keys // 5 - 1
+    u_kind, u_step = [], []
+    for kind in (UFWD, UBWD, OVH):
+        have = set(ids[kinds == kind].tolist()) | (set(steps) if kind == UFWD else set())
+        u_kind += [kind] * len(have)
+        u_step += sorted(have)
+    u_kind, m = np.array(u_kind, np.int64), len(u_kind)
+    figs = b.lookup(_key(u_kind, u_step))
+    cols = dict(step=np.array(u_step, np.int64),
+                fqn=[OVERHEAD if k == OVH else UNATTRIBUTED for k in u_kind.tolist()],
+                source=np.where(u_kind == OVH, "cbtrace", "unattributed"),
+                call_index=np.zeros(m, np.int64), depth=np.full(m, -1, np.int64),
+                parent_fqn=[None] * m, module_label=[None] * m,
+                pid=np.full(m, -1, np.int64), tid=np.full(m, -1, np.int64),
+                ts_us=np.full(m, np.nan), dur_us=np.full(m, np.nan),
+                ev_index=np.full(m, -1, np.int64), phase=np.where(u_kind == UBWD, "bwd", "fwd"),
+                cpu=figs["cpu"], cpu_self=figs["cpu"], gpu_self=figs["gpu"])
+    return cols, figs
+
+
+class _ModTree:
+    """Sums over the module-call tree (parent index per module, -1 at the top)."""
+
+    def __init__(self, mparent: np.ndarray, depth: np.ndarray):
+        self.parent = mparent
+        self.levels = by_level(depth)
+
+    def subtree_sum(self, v: np.ndarray) -> np.ndarray:
+        out = np.r_[v, np.zeros((1,) + v.shape[1:])]
+        for idx in reversed(self.levels):
+            np.add.at(out, self.parent[idx], out[idx])
+        return out[:-1]
+
+    def inclusive(self, f: dict) -> dict:
+        out = {k: self.subtree_sum(v) for k, v in f.items() if k not in ("first", "last")}
+        first, last = np.r_[f["first"], np.inf], np.r_[f["last"], -np.inf]
+        for idx in reversed(self.levels):
+            np.minimum.at(first, self.parent[idx], first[idx])
+            np.maximum.at(last, self.parent[idx], last[idx])
+        out["first"], out["last"] = first[:-1], last[:-1]
+        return out
+
+
+def _names(mods, mparent, lab, labels, source, class_map):
+    """fqn, depth and parent fqn per module call (top-down: parents precede children)."""
+    fqn, depth, parent_fqn = [None] * len(mods), np.zeros(len(mods), np.int64), [None] * len(mods)
+    for k, (m, pm) in enumerate(zip(mods.tolist(), mparent.tolist())):
+        name = labels[lab[m]]
+        if class_map and name in class_map:
+            fqn[k] = class_map[name]
         elif source == "nn.Module" and pm >= 0:
-            fqn[m] = f"{fqn[pm]}.{lab}"
+            fqn[k] = f"{fqn[pm]}.{name}"
         else:
-            fqn[m] = lab
-        depth[m] = depth[pm] + 1 if pm >= 0 else 0
-    for m in sorted(mods, key=lambda m: host[m].ts):
-        k = (step_of[m], fqn[m])
-        call_index[m] = counts.get(k, 0)
-        counts[k] = call_index[m] + 1
+            fqn[k] = name
+        if pm >= 0:
+            depth[k] = depth[pm] + 1
+            parent_fqn[k] = fqn[pm]
+    return fqn, depth, parent_fqn
 
-    out = []
-    src = source or "unattributed"
-    for m in mods:
-        e = host[m]
-        base = dict(step=step_of[m], fqn=fqn[m], source=src, call_index=call_index[m],
-                    depth=depth[m], parent_fqn=fqn[mparent[m]] if mparent[m] >= 0 else None,
-                    module_label=labels[m], pid=e.pid, tid=e.tid, ts_us=e.ts, dur_us=e.dur,
-                    ev_index=e.idx)
-        out.append(_row(base, "fwd", fwd[m], cpu_incl[m], cpu_incl[m] - child_cpu[m],
-                        self_fig[m][0], device_name, with_shapes))
-        b = bwd[m]
-        if b is not None and (b.cpu or b.kernels or b.flops):
-            out.append(_row(base, "bwd", b, b.cpu, self_fig[m][1], self_fig[m][2], device_name,
-                            with_shapes))
-    steps = sorted({s for s, _, _ in forest.steps}) or [-1]
-    for kind, fq, phase in (("ufwd", UNATTRIBUTED, "fwd"), ("ubwd", UNATTRIBUTED, "bwd"),
-                            ("ovh", OVERHEAD, "fwd")):
-        for s in sorted({k[1] for k in acc if k[0] == kind} | (set(steps) if kind == "ufwd" else set())):
-            a = acc.get((kind, s)) or _Acc()
-            base = dict(step=s, fqn=fq, source="cbtrace" if kind == "ovh" else "unattributed",
-                        call_index=0, depth=-1, parent_fqn=None, module_label=None, pid=-1, tid=-1,
-                        ts_us=math.nan, dur_us=math.nan, ev_index=-1)
-            out.append(_row(base, phase, a, a.cpu, a.cpu, a.gpu, device_name, with_shapes))
+
+def _call_index(ts, step, fqn) -> np.ndarray:
+    """n-th call of each (step, fqn), by start time."""
+    codes = {}
+    fc = np.array([codes.setdefault(f, len(codes)) for f in fqn], np.int64)
+    order = np.lexsort((np.arange(len(ts)), ts))
+    grp = np.lexsort((np.arange(len(order)), fc[order], step[order]))  # stable: by time within
+    g = order[grp]
+    k_step, k_fqn = step[g], fc[g]
+    new = np.r_[True, (k_step[1:] != k_step[:-1]) | (k_fqn[1:] != k_fqn[:-1])] if len(g) else \
+        np.zeros(0, bool)
+    start = np.maximum.accumulate(np.where(new, np.arange(len(g)), 0)) if len(g) else new
+    out = np.zeros(len(ts), np.int64)
+    out[g] = np.arange(len(g)) - start
     return out
 
 
-def _aten_anc(host, par, i) -> bool:
-    p = par[i]
-    while p >= 0:
-        if host[p].name.startswith("aten::"):
-            return True
-        p = par[p]
-    return False
+def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes) -> dict:
+    """Both row sets -> the final columns (ms, spans, dtype, mfu / mbu)."""
+    out = {}
+    for k in cols:
+        a, b = cols[k], ucols[k]
+        if isinstance(a, str):
+            a = np.full(len(cols["step"]), a, object)
+        out[k] = list(a) + list(b) if isinstance(a, list) or isinstance(b, list) else np.r_[a, b]
+    f = {k: np.concatenate([figs[k], ufig[k]]) for k in figs}
+    kernels = f["kernels"].astype(np.int64)
+    gpu_ms = f["gpu"] / 1e3
+    nan = np.nan
+    flops = f["flops"] if with_shapes else np.full(len(gpu_ms), nan)
+    has_dt = f["dt"].sum(axis=1) > 0
+    dt_code = np.where(has_dt, f["dt"].argmax(axis=1), -1)
+    dtype = [dtypes[c] if c >= 0 else None for c in dt_code.tolist()]
+    peaks = {d: peak_of(device_name, d) for d in set(dtype)}
+    pf = np.array([peaks[d][0] for d in dtype], float)
+    pb = np.array([peaks[d][1] for d in dtype], float)
+    res = dict(step=out["step"], fqn=out["fqn"], source=out["source"],
+               call_index=out["call_index"], depth=out["depth"], parent_fqn=out["parent_fqn"],
+               module_label=out["module_label"], pid=out["pid"], tid=out["tid"],
+               ts_us=out["ts_us"], dur_us=out["dur_us"], ev_index=out["ev_index"],
+               phase=out["phase"], cpu_ms=out["cpu"] / 1e3, cpu_self_ms=out["cpu_self"] / 1e3,
+               gpu_ms=gpu_ms, gpu_self_ms=out["gpu_self"] / 1e3,
+               gpu_span_ms=np.where(kernels > 0, (f["last"] - f["first"]) / 1e3, 0.0),
+               kernel_count=kernels, flops=flops,
+               flops_executed=f["flops_x"] if with_shapes else np.full(len(gpu_ms), nan),
+               bytes=f["bytes"] if with_shapes else np.full(len(gpu_ms), nan),
+               ops_without_formula=f["nof"].astype(np.int64), compute_dtype=dtype,
+               mfu=np.where(kernels > 0, utilization(flops, gpu_ms, pf), nan),
+               mbu=np.where((kernels > 0) & with_shapes, utilization(f["bytes"], gpu_ms, pb), nan))
+    return res
 
-
-def _row(base: dict, phase: str, a: _Acc, cpu_us: float, cpu_self_us: float, gpu_self_us: float,
-         device_name, with_shapes) -> dict:
-    gpu_ms = a.gpu / 1e3
-    dtype = max(a.dtypes, key=a.dtypes.get) if a.dtypes else None
-    pf, pb = peak_of(device_name, dtype)
-    nan = math.nan
-    flops = a.flops if with_shapes else nan
-    return dict(base, phase=phase, cpu_ms=cpu_us / 1e3, cpu_self_ms=cpu_self_us / 1e3,
-                gpu_ms=gpu_ms, gpu_self_ms=gpu_self_us / 1e3,
-                gpu_span_ms=(a.last - a.first) / 1e3 if a.kernels else 0.0,
-                kernel_count=a.kernels, flops=flops,
-                flops_executed=a.flops_x if with_shapes else nan,
-                bytes=a.bytes if with_shapes else nan, ops_without_formula=a.nof,
-                compute_dtype=dtype,
-                mfu=utilization(flops, gpu_ms, pf) if a.kernels else nan,
-                mbu=utilization(a.bytes, gpu_ms, pb) if a.kernels and with_shapes else nan)

@@ -10,15 +10,19 @@ import math
 
 import msgspec
 
-NO_FORMULA = None  # Event.cost of an op with shapes but no formula
+from cbtrace.attribution.loader import SHAPED
+
+NO_FORMULA = -1  # cost code of an op with shapes but no formula
 _decode = msgspec.json.Decoder().decode
 
 
 class OpCoster:
-    """Loader callback: ``(name, dims, types, concrete)`` raw JSON -> cost tuple or None.
+    """Loader callback: ``(name, dims, types, concrete)`` raw JSON -> cost code (-1: no formula).
 
-    A cost tuple is ``(flops, flops_executed, bytes, dtype)``; dtype is the first tensor
-    input's dtype name ("bfloat16", "float32" ...) or None.
+    ``costs[code]`` is ``(flops, flops_executed, bytes, dtype)``; dtype is the first tensor
+    input's dtype name ("bfloat16", "float32" ...) or None. An op without a formula, or a free
+    one (views ...), gets its code from its name alone; others are costed once per distinct
+    args text.
     """
 
     def __init__(self):
@@ -26,26 +30,35 @@ class OpCoster:
 
         self._flops = flops
         self._cache: dict = {}
+        self.costs: list[tuple] = [(0.0, 0.0, 0.0, None)]  # code 0: free ops
 
-    def __call__(self, name: str, dims: bytes, types: bytes, concrete: bytes):
-        key = (name, dims, types, concrete)
-        hit = self._cache.get(key, False)
-        if hit is not False:
-            return hit
-        self._cache[key] = cost = self._cost(name, dims, types, concrete)
-        return cost
+    def by_name(self, name: str) -> int:
+        """-1 for an op without a formula, 0 for a free one, else SHAPED (costed per call)."""
+        f = self._flops
+        return 0 if f.is_free(name) else SHAPED if f.has_formula(name) else NO_FORMULA
+
+    def __call__(self, name: str, dims, types, concrete) -> int:
+        key = (name, b"\0".join((dims, types, concrete)))  # NUL never occurs in JSON text
+        code = self._cache.get(key)
+        if code is None:
+            cost = self._cost(name, bytes(dims), bytes(types), bytes(concrete))
+            code = NO_FORMULA if cost is None else len(self.costs)
+            if cost is not None:
+                self.costs.append(cost)
+            self._cache[key] = code
+        return code
 
     def _cost(self, name, dims, types, concrete):
         if not self._flops.has_formula(name) and not self._flops.is_free(name):
-            return NO_FORMULA
+            return None
         try:
             d, t = _decode(dims), _decode(types) if types else []
             c = _decode(concrete) if concrete else None
             cost = self._flops.trace_op_cost(name, d, t, c)
         except (msgspec.DecodeError, TypeError, ValueError, IndexError, KeyError):
-            return NO_FORMULA
+            return None
         if cost is None:
-            return NO_FORMULA
+            return None
         dtype = next((self._flops.dtype_name(x) for x in t
                       if isinstance(x, str) and self._flops.itemsize(x) and _is_float(x)), None)
         return (float(cost.flops), float(cost.flops_executed), float(cost.bytes), dtype)
@@ -70,8 +83,11 @@ def peak_of(device_name: str | None, dtype: str | None):
     return (peak.flops_per_s or math.nan), (peak.bytes_per_s or math.nan)
 
 
-def utilization(amount: float, ms: float, peak_per_s: float) -> float:
-    """amount / (ms / 1e3) / peak; NaN when the time or the peak is unknown or zero."""
-    if not ms or ms <= 0 or not peak_per_s or math.isnan(peak_per_s) or math.isnan(amount):
-        return math.nan
-    return amount / (ms / 1e3) / peak_per_s
+def utilization(amount, ms, peak_per_s):
+    """amount / (ms / 1e3) / peak, elementwise; NaN where the time or the peak is unknown or 0."""
+    import numpy as np
+
+    amount, ms, peak = (np.asarray(x, np.float64) for x in (amount, ms, peak_per_s))
+    ok = (ms > 0) & (peak > 0) & ~np.isnan(peak) & ~np.isnan(amount)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(ok, amount / (ms / 1e3) / peak, np.nan)
