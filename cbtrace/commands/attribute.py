@@ -8,7 +8,9 @@ import click
 @click.option("--capture-run", type=click.Path(exists=True, file_okay=False), default=None,
               help="cbtrace run of the same model: names nn.Module events by their real paths")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
-def command(traces, out, capture_run, top):
+@click.option("--steps-per-window", type=int, default=None, metavar="N",
+              help="read N profiler steps at a time (bounded memory, for traces larger than RAM)")
+def command(traces, out, capture_run, top, steps_per_window):
     """Attribute time in Kineto traces (files or per-rank directories) to modules.
 
     Prints the modules with the most in-situ time (medians over steps).
@@ -16,7 +18,7 @@ def command(traces, out, capture_run, top):
     """
     from cbtrace.attribution.attribute import attribute, summary_text
 
-    df = attribute(list(traces), capture_run=capture_run)
+    df = attribute(list(traces), capture_run=capture_run, steps_per_window=steps_per_window)
     if out:
         if out.endswith(".csv"):
             df.to_csv(out, index=False)
