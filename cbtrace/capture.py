@@ -13,6 +13,7 @@ import fnmatch
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -99,9 +100,12 @@ def _tensors(obj, out=None):
     return out
 
 
+_ACTIVE: list = []  # the capture in progress, if any (captures do not nest)
+
+
 @dataclass
 class _Frame:
-    record: ModuleRecord
+    record: ModuleRecord | None  # None: a call through an unselected path (passes through)
     module: torch.nn.Module
     rf: object
 
@@ -129,13 +133,22 @@ class capture:
     def __enter__(self):
         from cbtrace.plugins.inputs.snapshot import Snapshotter
 
+        if _ACTIVE:
+            raise CaptureError(f"{self.out}: a cbtrace capture is already active; captures "
+                               "cannot nest")
+        if self.cfg.profile and torch.autograd.profiler._is_profiler_enabled:
+            raise CaptureError(f"{self.out}: a torch.profiler session is already active; "
+                               "capture with profile=False inside it (ranges still recorded)")
         self.out = rundir.prepare_new_run(self.out, overwrite=self.cfg.overwrite)
+        _ACTIVE.append(self)
+        self._state_sha256 = state_digest(self.model)  # before the step changes any buffer
         self._snap = Snapshotter(self.out / rundir.INPUTS,
                                  synthesize_above_bytes=self.cfg.synthesize_above_bytes,
                                  max_pending_bytes=self.cfg.max_pending_bytes)
         for name, mod in self.model.named_modules(remove_duplicate=False):
             self._names.setdefault(id(mod), []).append(name)
         self._static = {id(m): _static_facts(m) for m in self.model.modules()}
+        self._flags = {n: m.training for n, m in self.model.named_modules()}
         seen = set()
         for name, mod in self.model.named_modules(remove_duplicate=False):
             if id(mod) in seen or not any(selected(n, self.cfg) for n in self._names[id(mod)]):
@@ -154,6 +167,8 @@ class capture:
 
     def __exit__(self, exc_type, exc, tb):
         self.timings_s["step"] = time.perf_counter() - self._t0
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         try:
             if self._prof is not None:
                 t0 = time.perf_counter()
@@ -165,6 +180,8 @@ class capture:
             self._handles.clear()
             while self._stack:  # forward raised past some post hooks
                 frame = self._stack.pop()
+                if frame.record is None:
+                    continue
                 frame.rf.__exit__(None, None, None)
                 frame.record.capture_error = frame.record.capture_error or _short(exc)
         self.step_s = time.perf_counter() - self._t0
@@ -175,7 +192,9 @@ class capture:
     def _fqn(self, module) -> str:
         names = self._names.get(id(module), ["?"])
         if len(names) > 1 and self._stack:  # shared module: pick the path under the caller
-            parent = self._stack[-1].record.fqn
+            caller = self._stack[-1]
+            parent = caller.record.fqn if caller.record is not None else next(
+                (n for n in self._names.get(id(caller.module), [])), None)
             for n in names:
                 if n.rpartition(".")[0] == parent:
                     return n
@@ -187,9 +206,12 @@ class capture:
         # metadata is derived from inputs_ref after the step.
         t0 = time.perf_counter()
         fqn = self._fqn(module)
+        if not selected(fqn, self.cfg):  # a shared module reached through an unselected path
+            self._stack.append(_Frame(None, module, None))
+            return
         idx = self._counts.get(fqn, 0)
         self._counts[fqn] = idx + 1
-        parent = self._stack[-1].record if self._stack else None
+        parent = next((f.record for f in reversed(self._stack) if f.record is not None), None)
         with torch.autograd.profiler.record_function(f"cbtrace.copy::{fqn}"):
             ref = self._snap.take(tuple(args), dict(kwargs))
         mtype, mclass, pbytes, bbytes = self._static[id(module)]
@@ -215,7 +237,13 @@ class capture:
         if not self._stack or self._stack[-1].module is not module:
             return  # hook of a call whose pre hook did not run (registered mid-call)
         frame = self._stack.pop()
+        if frame.record is None:
+            return
         frame.rf.__exit__(None, None, None)
+        raised = sys.exc_info()[1]  # always_call hooks run inside torch's except block
+        if raised is not None:
+            frame.record.capture_error = _short(raised)
+            return
         frame.record.output_meta = json.dumps([tensor_meta(t) for t in _tensors(output)])
 
     # --- outputs ---------------------------------------------------------------------
@@ -237,6 +265,8 @@ class capture:
             rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
         rundir.write_modules(self.out, records_to_frame(self.records))
         manifest = _manifest(self.model, self.cfg, self.records, self.step_s)
+        manifest["state_sha256"] = self._state_sha256
+        manifest["training_flags"] = self._flags
         manifest["trace"] = self.trace_path.name if self.trace_path else None
         manifest["input_files"] = [str(Path(f).relative_to(self.out)) for f in files]
         manifest["input_bytes_written"] = self._snap.bytes_written
@@ -351,7 +381,6 @@ def _manifest(model, cfg: CaptureConfig, records, step_s: float) -> dict:
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "options": {k: v for k, v in asdict(cfg).items() if k not in {"spec"}},
         "seeds": {"provider_seed": cfg.seed, "torch_initial_seed": torch.initial_seed()},
-        "state_sha256": state_digest(model),
         "num_calls": len(records),
         "capture_step_s": step_s,
     }

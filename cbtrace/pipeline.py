@@ -13,12 +13,25 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 
 def resolve_device(device: str | None) -> str:
-    """"auto"/None -> cuda if available else cpu; validates an explicit cuda request."""
+    """"auto"/None -> cuda if available else cpu; validates an explicit request."""
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise CaptureError(f"--device {device}: not a device (cpu, cuda, cuda:N)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
         raise CaptureError(f"--device {device}: CUDA is not available on this machine")
     return device
+
+
+def stored_spec(spec: str) -> str:
+    """The spec as the manifest keeps it: a file.py:fn path made absolute, so replay from
+    another directory rebuilds the same model."""
+    target, sep, attr = spec.rpartition(":")
+    if sep and target.endswith(".py"):
+        return f"{Path(target).resolve()}:{attr}"
+    return spec
 
 
 def backward_of(output):
@@ -64,19 +77,37 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
                   step: str = "forward", warmup: int = 1, seed: int = 0,
                   options: dict | None = None, **capture_options) -> capture:
     """Build the provider's model and batch, warm up, capture one step into ``out``."""
+    from cbtrace import rundir
+    from cbtrace.errors import CbtraceError, ProviderError
     from cbtrace.plugins.providers.spec import resolve
 
     device = resolve_device(device)
     if dtype is not None and dtype not in DTYPES:
         raise CaptureError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if Path(out).exists() and any(Path(out).iterdir()):  # before minutes of model building
+        rundir.prepare_new_run(out)
+    spec = stored_spec(spec)
     provider = resolve(spec, seed=seed, options=options)
-    model, batch = provider.model_and_batch(device, DTYPES.get(dtype))
-    model.train(step == "train") if step in {"train"} else model.eval()
-    warm_up(provider, model, batch, step, warmup)
+    try:
+        model, batch = provider.model_and_batch(device, DTYPES.get(dtype))
+        model.train() if step == "train" else model.eval()
+        warm_up(provider, model, batch, step, warmup)
+    except CbtraceError:
+        raise
+    except torch.OutOfMemoryError as e:
+        raise CaptureError(f"{spec}: out of memory building or warming up the model "
+                           f"({str(e).splitlines()[0][:200]})") from None
+    except Exception as e:  # the user's model or options: one line, naming the spec
+        raise ProviderError(f"{spec}: failed to build or run the model "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})"
+                            ) from e
     run_opts = dict(options or {}, device=device, dtype=dtype, step=step, warmup=warmup)
     cfg = CaptureConfig(spec=spec, seed=seed, options=run_opts, **capture_options)
     with capture(model, out, config=cfg) as cap:
         run_step(provider, model, batch, step)
+    if not cap.records:
+        raise CaptureError(f"{cap.out}: no module call matched --include/--exclude/--max-depth "
+                           "(the run directory holds only the trace)")
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return cap

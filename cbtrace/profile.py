@@ -18,7 +18,7 @@ def join_insitu(run) -> "object":
     bad = ~(df["insitu_ms"] > 0)
     df.loc[bad, "error_pct"] = float("nan")
     rundir.write_modules(run, df)
-    rundir.refresh_checksums(run)
+    rundir.refresh_checksums(run, rewritten=[rundir.MODULES])
     return df
 
 

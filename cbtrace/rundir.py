@@ -18,6 +18,8 @@ from pathlib import Path
 from cbtrace.errors import RunDirError
 
 MANIFEST = "manifest.json"
+REQUIRED_COLUMNS = ("fqn", "call_index", "call_id", "parent_call_id", "depth", "module_type",
+                    "inputs_ref")
 MODULES = "modules.parquet"
 INPUTS = "inputs"
 
@@ -90,34 +92,39 @@ def read_manifest(run) -> dict:
     if not path.is_file():
         raise RunDirError(f"{run}: not a cbtrace run directory (no {MANIFEST})")
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RunDirError(f"{path}: corrupt manifest ({e})") from None
+    if not isinstance(manifest, dict):
+        raise RunDirError(f"{path}: corrupt manifest (not a JSON object)")
+    return manifest
 
 
-def refresh_checksums(run, known: dict | None = None) -> dict:
+def refresh_checksums(run, known: dict | None = None, rewritten=()) -> dict:
     """Store the sha256 of every file of the run in the manifest.
 
-    A digest is reused, not recomputed, when the writer already knew it (``known``: path ->
-    sha256) or when the file's size and mtime are what the manifest recorded last time, so
-    gigabytes of captured inputs are hashed once, while they are written.
+    New files are hashed (or take the digest their writer computed: ``known``, path -> sha256).
+    A file already recorded keeps its recorded digest unless cbtrace says it rewrote it
+    (``rewritten``: paths relative to the run), so a corrupted capture file is never blessed
+    with a new digest; replay verifies the captured inputs against them.
     """
     run = Path(run)
     manifest = read_manifest(run)
     old, old_stat = manifest.get("files", {}), manifest.get("files_stat", {})
     known = {str(Path(p).resolve().relative_to(run.resolve())): d for p, d in (known or {}).items()}
-    files, stats = {}, {}
+    rewritten = {str(r) for r in rewritten}
+    files, stats = dict(old), dict(old_stat)
     for p in sorted(run.rglob("*")):
         if not p.is_file() or p.name == MANIFEST or p.name.startswith("."):
             continue
         rel, st = str(p.relative_to(run)), p.stat()
-        stats[rel] = [st.st_size, st.st_mtime_ns]
         if rel in known:
             files[rel] = known[rel]
-        elif rel in old and old_stat.get(rel) == stats[rel]:
-            files[rel] = old[rel]
-        else:
+        elif rel not in old or rel in rewritten:
             files[rel] = sha256_file(p)
+        else:
+            continue  # recorded before and not rewritten by cbtrace: keep what was recorded
+        stats[rel] = [st.st_size, st.st_mtime_ns]
     manifest["files"], manifest["files_stat"] = files, stats
     write_manifest(run, manifest)
     return manifest
@@ -132,9 +139,13 @@ def read_modules(run):
     if not path.is_file():
         raise RunDirError(f"{run}: no {MODULES} (was the capture interrupted?)")
     try:
-        return pq.read_table(path).to_pandas()
+        df = pq.read_table(path).to_pandas()
     except (pa.ArrowInvalid, OSError) as e:
         raise RunDirError(f"{path}: corrupt Parquet file ({e})") from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise RunDirError(f"{path}: not a cbtrace modules table (missing {', '.join(missing)})")
+    return df
 
 
 def write_modules(run, df) -> None:

@@ -27,7 +27,8 @@ def run_replay(run, model=None, device=None, **options):
     device = _device(device, manifest, model)
     if model is None:
         model = rebuild_model(manifest, device, verify=cfg.verify_state)
-    records = frame_to_records(df)
+    verify_inputs(run, manifest)
+    records = [fresh_replay_fields(r) for r in frame_to_records(df)]
     by_id = {r.call_id: r for r in records}
     done = read_done(run) if cfg.resume else {}
     guard = StateGuard(model)
@@ -42,7 +43,8 @@ def run_replay(run, model=None, device=None, **options):
             if cid in done:
                 continue
             rec = by_id[cid]
-            row = replay_one(model, rec, run, device, cfg, chain, guard, budget)
+            row = replay_one(model, rec, run, device, cfg, chain, guard, budget,
+                             manifest.get("training_flags") or {})
             row["call_id"] = cid
             log.append(row)
             done[cid] = row
@@ -60,14 +62,56 @@ def run_replay(run, model=None, device=None, **options):
     out = records_to_frame(records)
     rundir.write_modules(run, out)
     manifest["replay"] = {"device": str(device), "device_name": _device_name(device),
-                          "timer": cfg.timer, "wall_s": time.perf_counter() - t0,
+                          "timer_requested": cfg.timer,
+                          "timers_used": sorted({r.timer for r in records if r.timer}),
+                          "wall_s": time.perf_counter() - t0,
                           "torch_version": torch.__version__}
     rundir.write_manifest(run, manifest)
-    rundir.refresh_checksums(run)
+    rundir.refresh_checksums(run, rewritten=[rundir.MODULES])
     return out
 
 
-def replay_one(model, rec, run, device, cfg, chain, guard, budget) -> dict:
+def fresh_replay_fields(rec):
+    """A record with every replay and in-situ field back at its default (no stale figures)."""
+    import dataclasses
+
+    from cbtrace.records import ModuleRecord
+
+    keep = {f.name for f in dataclasses.fields(ModuleRecord)}
+    defaults = ModuleRecord(**{k: getattr(rec, k) for k in CAPTURE_FIELDS})
+    return dataclasses.replace(defaults, **{k: getattr(rec, k) for k in CAPTURE_FIELDS
+                                            if k in keep})
+
+
+CAPTURE_FIELDS = ("fqn", "call_index", "call_id", "parent_call_id", "parent_fqn", "depth",
+                  "module_type", "module_class", "param_bytes", "buffer_bytes", "input_bytes",
+                  "input_shapes", "input_meta", "output_meta", "training", "grad_enabled",
+                  "autocast_dtype", "inputs_ref", "synthesized", "capture_error")
+
+
+def verify_inputs(run: Path, manifest: dict) -> None:
+    """Every captured input shard exists and matches the sha256 recorded at capture."""
+    files = manifest.get("files", {})
+    for rel in manifest.get("input_files", []):
+        path = run / rel
+        if not path.is_file():
+            raise ReplayError(f"{path}: captured input file is missing")
+        want = files.get(rel)
+        if want and rundir.sha256_file(path) != want:
+            raise ReplayError(f"{path}: captured input file is corrupt (sha256 differs from "
+                              "the manifest)")
+
+
+def set_training_flags(module, rec, flags: dict) -> None:
+    """The call's own train/eval flag, and each submodule's as it was at capture."""
+    module.training = bool(rec.training)
+    prefix = f"{rec.fqn}." if rec.fqn else ""
+    for name, sub in module.named_modules():
+        if name and f"{prefix}{name}" in flags:
+            sub.training = bool(flags[f"{prefix}{name}"])
+
+
+def replay_one(model, rec, run, device, cfg, chain, guard, budget, flags=None) -> dict:
     """Replay one call; never raises for the module's own failures (status = error)."""
     from cbtrace.plugins.inputs.load import load_call_inputs
 
@@ -83,7 +127,7 @@ def replay_one(model, rec, run, device, cfg, chain, guard, budget) -> dict:
     try:
         with guard.call():
             args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device)
-            module.train(bool(rec.training))
+            set_training_flags(module, rec, flags or {})
             return measure_call(module, rec, args, kwargs, device, cfg, chain)
     except torch.OutOfMemoryError as e:
         _free(device)
@@ -122,8 +166,18 @@ def rebuild_model(manifest: dict, device, *, verify: bool):
     dtype = opts.pop("dtype", None)
     for k in ("device", "step", "warmup"):
         opts.pop(k, None)
-    provider = resolve(spec, seed=manifest.get("seeds", {}).get("provider_seed") or 0, options=opts)
-    model, _ = provider.model_and_batch(device, DTYPES.get(dtype) if dtype else None)
+    from cbtrace.errors import CbtraceError
+
+    try:
+        provider = resolve(spec, seed=manifest.get("seeds", {}).get("provider_seed") or 0,
+                           options=opts)
+        model, _ = provider.model_and_batch(device, DTYPES.get(dtype) if dtype else None)
+    except CbtraceError as e:
+        raise ReplayError(f"cannot rebuild the run's model '{spec}' ({e}); pass model= to "
+                          "cbtrace.replay") from None
+    except Exception as e:
+        raise ReplayError(f"cannot rebuild the run's model '{spec}' ({type(e).__name__}: {e}); "
+                          "pass model= to cbtrace.replay") from None
     if verify and manifest.get("state_sha256") and state_digest(model) != manifest["state_sha256"]:
         raise ReplayError(f"{spec}: the rebuilt model's weights differ from the captured ones "
                           "(provider not deterministic?): pass model= to replay")
@@ -137,7 +191,10 @@ def _device(device, manifest, model) -> torch.device:
             return p.device if p is not None else torch.device("cpu")
         want = manifest.get("device", "cpu")
         device = want if (not want.startswith("cuda") or torch.cuda.is_available()) else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ReplayError(f"--device {device}: not a device (cpu, cuda, cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ReplayError(f"--device {device}: CUDA is not available on this machine")
     if device.type == "cuda" and device.index is None:

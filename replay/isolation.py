@@ -16,15 +16,16 @@ import torch
 class StateGuard:
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.tensors = list(model.parameters())
-        self.saved = [t.detach().to("cpu", copy=True) for t in self.tensors]
-        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        self.versions = [t._version for t in self.tensors]
+        # (owner module, name, original object, host copy, data_ptr, version) per parameter
+        self.params = [(m, n, p, p.detach().to("cpu", copy=True), p.data_ptr(), p._version)
+                       for m in model.modules() for n, p in m._parameters.items() if p is not None]
+        self.buffers = [(m, n, b, b.detach().clone())
+                        for m in model.modules() for n, b in m._buffers.items() if b is not None]
         self.restored: list[str] = []
 
     @contextlib.contextmanager
     def call(self):
-        """Wrap one replayed call: RNG, grads and train flags restored; in-place writes undone."""
+        """Wrap one replayed call: RNG, grads and train flags restored; writes undone."""
         grads = [(p, p.grad) for p in self.model.parameters()]
         flags = [(m, m.training) for m in self.model.modules()]
         rng = torch.random.get_rng_state()
@@ -43,13 +44,22 @@ class StateGuard:
 
     def _undo_writes(self) -> None:
         with torch.no_grad():
-            for b, saved in self.buffers:
-                b.copy_(saved)
-            for i, t in enumerate(self.tensors):
-                if t._version != self.versions[i]:
-                    t.copy_(self.saved[i])
-                    self.versions[i] = t._version
-                    self.restored.append(str(tuple(t.shape)))
+            for m, name, orig, saved in self.buffers:
+                if m._buffers.get(name) is not orig:  # reassigned (self.n = self.n + 1)
+                    m._buffers[name] = orig
+                    self.restored.append(name)
+                orig.copy_(saved)
+            for i, (m, name, orig, saved, ptr, version) in enumerate(self.params):
+                if m._parameters.get(name) is not orig:  # a new Parameter was assigned
+                    m._parameters[name] = orig
+                    self.restored.append(name)
+                if orig.data_ptr() != ptr:  # .data swapped for another tensor
+                    orig.data = saved.to(orig.device)
+                    self.restored.append(name)
+                elif orig._version != version:  # written in place
+                    orig.copy_(saved)
+                    self.restored.append(name)
+                self.params[i] = (m, name, orig, saved, orig.data_ptr(), orig._version)
 
 
 def state_fingerprint(model: torch.nn.Module) -> str:

@@ -12,17 +12,17 @@ from cbtrace.replay.inputs import clone_like, embedding_copies, n_copies, tensor
 def timer_chain(name: str, device: torch.device) -> list[str]:
     """Timers to try in order: the requested one, then fallbacks that work on this device."""
     if device.type != "cuda":
-        return ["cpu"]
+        return [name, "cpu"] if name not in ("auto", "cpu") else ["cpu"]
     return {"auto": ["graph", "events", "cpu"], "graph": ["graph", "events", "cpu"],
             "events": ["events", "cpu"], "cpu": ["cpu"]}.get(name, [name, "events", "cpu"])
 
 
-def call_context(rec):
-    """Grad mode and autocast as at capture time."""
+def call_context(rec, device_type: str | None = None):
+    """Grad mode and autocast as at capture time, on the replay device."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.set_grad_enabled(bool(rec.grad_enabled)))
     if rec.autocast_dtype:
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         stack.enter_context(torch.autocast(dev, dtype=getattr(torch, rec.autocast_dtype)))
     return stack
 
@@ -37,7 +37,7 @@ def make_call(module, rec, args, kwargs, device, cfg):
 
     def call(i: int = 0):
         a, k = copies[i % n]
-        with call_context(rec):
+        with call_context(rec, device.type):
             return module(*a, **k)
 
     return call, n

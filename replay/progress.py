@@ -17,9 +17,9 @@ def read_done(run: Path) -> dict[int, dict]:
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the process died mid-write
-        done[int(row["call_id"])] = row
+            done[int(row["call_id"])] = row
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue  # a torn last line (the process died mid-write), or not ours: redo it
     return done
 
 

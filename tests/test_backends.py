@@ -167,7 +167,7 @@ def test_cpu_timer_rotates_copies_and_summarises():
         t = CpuTimer().measure(call, 3, torch.device("cpu"), FAST)
     assert t.timer == "cpu" and t.runs == len(t.samples_ms) >= FAST.min_runs
     assert 0 < t.p10_ms <= t.median_ms <= t.p90_ms
-    assert sum(seen.values()) == t.runs + FAST.warmup_runs
+    assert sum(seen.values()) >= t.runs + FAST.warmup_runs  # warm-up also lasts warmup_min_s
     assert set(seen) == {0, 1, 2} and max(seen.values()) - min(seen.values()) <= 1
 
 

@@ -146,3 +146,52 @@ def test_embedding_copies_touch_other_rows():
         assert torch.equal(a[1], offsets)
         assert bag(*a).shape == (2, 16)
     assert embedding_copies(torch.nn.Linear(2, 2), (torch.ones(2),), {}, torch.device("cpu")) is None
+
+
+def test_reassigned_buffers_and_swapped_parameters_are_restored(tmp_path):
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("n", torch.zeros(1))
+
+        def forward(self, x):
+            self.n = self.n + 1  # reassigns the buffer
+            return x
+
+    class DataSwap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.lin.weight.data = self.lin.weight.data * 2  # swaps the storage
+            return self.lin(x)
+
+    model = torch.nn.Sequential(Counter(), DataSwap())
+    with cbtrace.capture(model, tmp_path / "r", profile=False):
+        model(torch.randn(2, 3))
+    before = state_fingerprint(model)
+    buf = model[0].n
+    cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    assert state_fingerprint(model) == before
+    assert model[0].n is buf
+
+
+def test_replay_again_clears_stale_figures_and_refuses_corrupt_inputs(tmp_path):
+    from cbtrace.errors import ReplayError
+
+    cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu")
+    cbtrace.replay(cap.out, **FAST)
+    before = rundir.sha256_file(cap.out / "modules.parquet")
+    shard = next((cap.out / "inputs").glob("*.parquet"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ReplayError, match="corrupt"):
+        cbtrace.replay(cap.out, **FAST)
+    assert rundir.sha256_file(cap.out / "modules.parquet") == before  # results kept
+    from cbtrace.replay.engine import fresh_replay_fields
+    from cbtrace.records import frame_to_records
+
+    rec = fresh_replay_fields(frame_to_records(rundir.read_modules(cap.out))[0])
+    assert rec.isolated_ms is None and rec.status is None and rec.insitu_ms is None

@@ -8,22 +8,29 @@ import click
 @click.option("--capture-run", type=click.Path(exists=True, file_okay=False), default=None,
               help="cbtrace run of the same model: names nn.Module events by their real paths")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
+@click.option("--force", is_flag=True, help="overwrite an existing --out file")
 @click.option("--steps-per-window", type=int, default=None, metavar="N",
               help="read N profiler steps at a time (bounded memory, for traces larger than RAM)")
-def command(traces, out, capture_run, top, steps_per_window):
+def command(traces, out, capture_run, top, force, steps_per_window):
     """Attribute time in Kineto traces (files or per-rank directories) to modules.
 
     Prints the modules with the most in-situ time (medians over steps).
     Example: cbtrace attribute logs/rank0.pt.trace.json.gz --out table.parquet
     """
-    from cbtrace.attribution.attribute import attribute, summary_text
+    from pathlib import Path
 
+    from cbtrace.attribution.attribute import attribute, summary_text
+    from cbtrace.rundir import atomic_path
+
+    if out and Path(out).exists() and not force:
+        raise click.ClickException(f"{out}: already exists (use --force to overwrite)")
     df = attribute(list(traces), capture_run=capture_run, steps_per_window=steps_per_window)
     if out:
-        if out.endswith(".csv"):
-            df.to_csv(out, index=False)
-        else:
-            df.to_parquet(out, index=False)
+        with atomic_path(Path(out)) as tmp:
+            if out.endswith(".csv"):
+                df.to_csv(tmp, index=False)
+            else:
+                df.to_parquet(tmp, index=False)
     click.echo(summary_text(df, top=top))
     if out:
         click.echo(f"wrote {len(df)} rows to {out}")

@@ -37,6 +37,8 @@ class TimingConfig:
     """Timed runs never exceeded, whatever the budget."""
     warmup_runs: int = 3
     """Untimed runs first (allocator, cuBLAS heuristics, lazy init); graph: on a side stream."""
+    warmup_min_s: float = 0.02
+    """CPU timer: also warm up for at least this long (s); first thread-pool calls can read 8 ms."""
     graph_k: int = 20
     """Calls captured back-to-back in one CUDA graph; per-call time = replay time / K."""
     graph_max_ms: float = 2.0

@@ -32,8 +32,10 @@ class CpuTimer:
         device = torch.device(device)
         cuda = device.type == "cuda"
         sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-        for i in range(cfg.warmup_runs):
-            call(i % n_copies)
+        warm, t_end = 0, time.perf_counter() + cfg.warmup_min_s
+        while warm < cfg.warmup_runs or (time.perf_counter() < t_end and warm < 10_000):
+            call(warm % n_copies)
+            warm += 1
         sync()
         flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
 
@@ -45,7 +47,7 @@ class CpuTimer:
                 if cfg.gap_s > 0:
                     time.sleep(cfg.gap_s)
                 t0 = time.perf_counter_ns()
-                call((cfg.warmup_runs + i) % n_copies)  # continue the warm-up's rotation
+                call((warm + i) % n_copies)  # continue the warm-up's rotation
                 sync()
                 out.append((time.perf_counter_ns() - t0) / 1e6)
             return out

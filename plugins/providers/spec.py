@@ -30,7 +30,11 @@ class CallableProvider(Provider):
         from cbtrace.plugins.providers.base import move_batch
 
         torch.manual_seed(self.seed)
-        out = self.factory(**self.options)
+        try:
+            out = self.factory(**self.options)
+        except Exception as e:
+            raise ProviderError(f"{self.spec}: the model callable raised "
+                                f"({type(e).__name__}: {e})") from e
         if isinstance(out, Provider):
             out.spec, out.seed = self.spec, self.seed
             return out.model_and_batch(device, dtype)
@@ -63,6 +67,10 @@ def _load_callable(spec: str):
         except Exception as e:
             raise ProviderError(f"{target}: failed to import ({type(e).__name__}: {e})") from e
     else:
+        import os
+
+        if os.getcwd() not in sys.path:  # `pkg.module:fn` of the current directory, as python -m
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(target)
         except ImportError as e:
