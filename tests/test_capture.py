@@ -147,3 +147,47 @@ def test_shared_module_gets_path_of_caller(tmp_path):
         model(torch.ones(1, 2))
     df = rundir.read_modules(tmp_path / "r")
     assert list(df["fqn"]) == ["", "a", "a.0", "b", "b.0"]
+
+
+def test_synthesized_dlrm_inputs_still_replay(tmp_path):
+    """Ids are synthesized within their observed range; sorted offsets are kept as they are."""
+    cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu", synthesize_above_bytes=64)
+    df = rundir.read_modules(cap.out)
+    assert df["synthesized"].any()
+    out = cbtrace.replay(cap.out, budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
+    bad = out[out["status"] != "ok"][["fqn", "status_reason"]]
+    assert bad.empty, bad
+
+
+def test_capture_error_recorded_and_nesting_refused(tmp_path):
+    from cbtrace.errors import CaptureError
+
+    class Bad(torch.nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bad = Bad()
+
+        def forward(self, x):
+            try:
+                self.bad(x)
+            except ValueError:
+                pass
+            return x + 1
+
+    model = Net()
+    with cbtrace.capture(model, tmp_path / "r", profile=False):
+        model(torch.ones(2))
+        with pytest.raises(CaptureError, match="already active"):
+            with cbtrace.capture(model, tmp_path / "nested", profile=False):
+                pass
+    df = rundir.read_modules(tmp_path / "r").set_index("fqn")
+    assert "ValueError: boom" in df.loc["bad", "capture_error"]
+    assert not isinstance(df.loc["", "capture_error"], str)
+    with torch.profiler.profile():
+        with pytest.raises(CaptureError, match="profiler session is already active"):
+            with cbtrace.capture(model, tmp_path / "p"):
+                pass

@@ -185,11 +185,20 @@ class TensorStore:
         return chunk
 
     def _synth_chunk(self, t: torch.Tensor) -> Chunk | None:
+        if _sorted_ints(t):
+            return None  # offsets / cumulative lengths: random values would break them; keep
         try:
             kind, stats = synth.stats_of(t)
         except (TypeError, RuntimeError, NotImplementedError):
             return None  # dtype without statistics: store its data instead
         return self.plan.add("s", 0, 0, (kind, stats, t.numel()))
+
+
+def _sorted_ints(t: torch.Tensor) -> bool:
+    """A 1-D integer tensor in non-decreasing order (EmbeddingBag offsets, jagged offsets)."""
+    if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        return False
+    return t.numel() < 2 or bool((t[1:] >= t[:-1]).all())  # a sync, for large int inputs only
 
 
 def _overlapping(items: list) -> list[list]:
