@@ -142,10 +142,15 @@ def read_modules(run):
         df = pq.read_table(path).to_pandas()
     except (pa.ArrowInvalid, OSError) as e:
         raise RunDirError(f"{path}: corrupt Parquet file ({e})") from None
-    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
-    if missing:
-        raise RunDirError(f"{path}: not a cbtrace modules table (missing {', '.join(missing)})")
     return df
+
+
+def require_columns(run, df, columns=REQUIRED_COLUMNS) -> None:
+    """A clear error when modules.parquet lacks what a command needs."""
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise RunDirError(f"{Path(run) / MODULES}: not a complete cbtrace modules table "
+                          f"(missing {', '.join(missing)})")
 
 
 def write_modules(run, df) -> None:

@@ -27,6 +27,7 @@ def run_replay(run, model=None, device=None, **options):
     device = _device(device, manifest, model)
     if model is None:
         model = rebuild_model(manifest, device, verify=cfg.verify_state)
+    rundir.require_columns(run, df, CAPTURE_FIELDS)
     verify_inputs(run, manifest)
     records = [fresh_replay_fields(r) for r in frame_to_records(df)]
     by_id = {r.call_id: r for r in records}
