@@ -26,6 +26,21 @@ def cuda_reason(device, timer: str) -> str | None:
     return None
 
 
+class CudaTimer:
+    """What the CUDA-only timers share: availability and the checked device."""
+
+    name = ""
+
+    def unavailable_reason(self, device) -> str | None:
+        return cuda_reason(device, self.name)
+
+    def _device(self, device) -> torch.device:
+        reason = self.unavailable_reason(device)
+        if reason:
+            raise TimerUnavailable(reason)
+        return torch.device(device)
+
+
 def event_pairs(n: int) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
     """n (start, end) pairs of timing CUDA events."""
     return [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -44,17 +59,11 @@ def host_enqueue_ms(call, n_copies: int, runs: int) -> float:
     return percentile(times, 50)
 
 
-class EventsTimer:
+class EventsTimer(CudaTimer):
     name = "events"
 
-    def unavailable_reason(self, device) -> str | None:
-        return cuda_reason(device, self.name)
-
     def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
-        reason = self.unavailable_reason(device)
-        if reason:
-            raise TimerUnavailable(reason)
-        device = torch.device(device)
+        device = self._device(device)
         with torch.cuda.device(device):
             warm = max(cfg.warmup_runs, 1)
             host_ms = host_enqueue_ms(call, n_copies, warm)

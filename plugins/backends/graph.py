@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from .base import Timing, TimerUnavailable, TimingConfig, join_notes, timing_from_samples
-from .events import cuda_reason, event_pairs
+from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher, spin
 from .sampling import collect
 from .stats import graph_calls
@@ -90,17 +90,11 @@ def replay_ms(g: torch.cuda.CUDAGraph) -> float:
     return start.elapsed_time(end)
 
 
-class GraphTimer:
+class GraphTimer(CudaTimer):
     name = "graph"
 
-    def unavailable_reason(self, device) -> str | None:
-        return cuda_reason(device, self.name)
-
     def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
-        reason = self.unavailable_reason(device)
-        if reason:
-            raise TimerUnavailable(reason)
-        device = torch.device(device)
+        device = self._device(device)
         with torch.cuda.device(device):
             side_stream_warmup(call, n_copies, cfg.warmup_runs)
             k = cfg.graph_k
