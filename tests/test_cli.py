@@ -50,3 +50,38 @@ def test_unknown_model_is_one_line(tmp_path):
     assert out.returncode == 1
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "nosuch" in lines[0]
+
+
+def _one_line_error(args, cwd=None):
+    out = subprocess.run([sys.executable, "-m", "cbtrace", *args], capture_output=True, text=True,
+                         cwd=cwd)
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip() and "USDT" not in ln]
+    assert out.returncode != 0 and len(lines) == 1, out.stderr[-2000:]
+    return lines[0]
+
+
+def test_bad_inputs_give_one_line_errors_and_lose_nothing(tmp_path):
+    import json
+
+    from cbtrace import rundir
+    from cbtrace.pipeline import capture_model
+
+    run = capture_model("dlrm:tiny", tmp_path / "run", device="cpu").out
+    modules = rundir.sha256_file(run / "modules.parquet")
+    trace = rundir.find_trace(run)
+    # attribute --out never overwrites silently
+    line = _one_line_error(["attribute", str(trace), "--out", str(run / "modules.parquet")])
+    assert "already exists" in line
+    assert rundir.sha256_file(run / "modules.parquet") == modules
+    # an unknown device, a run that exists, options that do not parse
+    assert "tpu" in _one_line_error(["capture", "--model", "dlrm:tiny", "--device", "tpu",
+                                     "--out", str(tmp_path / "x")])
+    assert "already exists" in _one_line_error(["capture", "--model", "dlrm:tiny", "--device",
+                                                "cpu", "--out", str(run)])
+    assert "dlrm:tiny" in _one_line_error(["capture", "--model", "dlrm:tiny", "--device", "cpu",
+                                           "-o", "batch_size=abc", "--out", str(tmp_path / "y")])
+    # a manifest that is JSON but not an object
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text(json.dumps([1, 2]))
+    assert "manifest" in _one_line_error(["replay", str(bad)])
