@@ -108,6 +108,10 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     if not cap.records:
         raise CaptureError(f"{cap.out}: no module call matched --include/--exclude/--max-depth "
                            "(the run directory holds only the trace)")
+    if not str(device).startswith("cuda"):
+        from cbtrace.insitu_host import add_host_insitu
+
+        add_host_insitu(cap.out, model, lambda: run_step(provider, model, batch, step))
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return cap

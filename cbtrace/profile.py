@@ -7,13 +7,21 @@ from cbtrace import rundir
 
 
 def join_insitu(run) -> "object":
-    """Add insitu_ms and error_pct (= 100 * (isolated / in-situ - 1)) to modules.parquet."""
+    """Add insitu_ms and error_pct (= 100 * (isolated / in-situ - 1)) to modules.parquet.
+
+    GPU runs: the call's own device time in the capture trace. CPU runs: its host time in an
+    unprofiled repeat of the step (``insitu_host_ms``), when capture recorded one.
+    """
     from cbtrace.attribution.attribute import insitu_for_run
 
     run = Path(run)
     df = rundir.read_modules(run)
     ins = insitu_for_run(run)[["fqn", "call_index", "insitu_ms"]]
     df = df.drop(columns=["insitu_ms"]).merge(ins, on=["fqn", "call_index"], how="left")
+    host = df["insitu_host_ms"] if "insitu_host_ms" in df else None
+    if not rundir.read_manifest(run).get("device", "cpu").startswith("cuda") and (
+            host is not None and host.notna().all()):
+        df["insitu_ms"] = host  # CPU: an unprofiled repeat of the step, not the traced one
     df["error_pct"] = 100.0 * (df["isolated_ms"] / df["insitu_ms"] - 1.0)
     bad = ~(df["insitu_ms"] > 0)
     df.loc[bad, "error_pct"] = float("nan")

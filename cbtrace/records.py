@@ -32,6 +32,8 @@ class ModuleRecord:
     inputs_ref: str             # JSON tree of the call's (args, kwargs), tensors by reference
     synthesized: bool = False   # True if some inputs were stored as metadata only
     capture_error: str | None = None  # message if the module raised during capture
+    insitu_host_ms: float | None = None  # CPU runs: host wall time of this call in an unprofiled
+                                         # repeat of the captured step (the CPU in-situ time)
 
     # --- replay ---
     status: str | None = None          # ok | skipped | error

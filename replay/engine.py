@@ -27,7 +27,7 @@ def run_replay(run, model=None, device=None, **options):
     device = _device(device, manifest, model)
     if model is None:
         model = rebuild_model(manifest, device, verify=cfg.verify_state)
-    rundir.require_columns(run, df, CAPTURE_FIELDS)
+    rundir.require_columns(run, df, CAPTURE_FIELDS[:-1])
     verify_inputs(run, manifest)
     records = [fresh_replay_fields(r) for r in frame_to_records(df)]
     by_id = {r.call_id: r for r in records}
@@ -79,15 +79,14 @@ def fresh_replay_fields(rec):
     from cbtrace.records import ModuleRecord
 
     keep = {f.name for f in dataclasses.fields(ModuleRecord)}
-    defaults = ModuleRecord(**{k: getattr(rec, k) for k in CAPTURE_FIELDS})
-    return dataclasses.replace(defaults, **{k: getattr(rec, k) for k in CAPTURE_FIELDS
-                                            if k in keep})
+    return ModuleRecord(**{k: getattr(rec, k) for k in CAPTURE_FIELDS if k in keep})
 
 
 CAPTURE_FIELDS = ("fqn", "call_index", "call_id", "parent_call_id", "parent_fqn", "depth",
                   "module_type", "module_class", "param_bytes", "buffer_bytes", "input_bytes",
                   "input_shapes", "input_meta", "output_meta", "training", "grad_enabled",
-                  "autocast_dtype", "inputs_ref", "synthesized", "capture_error")
+                  "autocast_dtype", "inputs_ref", "synthesized", "capture_error",
+                  "insitu_host_ms")
 
 
 def verify_inputs(run: Path, manifest: dict) -> None:

@@ -191,3 +191,19 @@ def test_capture_error_recorded_and_nesting_refused(tmp_path):
         with pytest.raises(CaptureError, match="profiler session is already active"):
             with cbtrace.capture(model, tmp_path / "p"):
                 pass
+
+
+def test_cpu_capture_records_host_insitu_and_profile_uses_it(tmp_path):
+    from cbtrace.insitu_host import descendants
+    from cbtrace.profile import join_insitu
+
+    cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
+    df = rundir.read_modules(cap.out)
+    assert df["insitu_host_ms"].notna().all() and (df["insitu_host_ms"] >= 0).all()
+    root = df[df["depth"] == 0].iloc[0]
+    assert root["insitu_host_ms"] >= df[df["depth"] == 1]["insitu_host_ms"].max()
+    assert descendants(df)[0] == len(df) - 1
+    cbtrace.replay(cap.out, budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
+    out = join_insitu(cap.out)
+    assert (out["insitu_ms"] == out["insitu_host_ms"]).all()
+    assert out["error_pct"].notna().all()
