@@ -275,10 +275,9 @@ class capture:
             manifest["error"] = _short(exc)
         t["tables_and_manifest"] = time.perf_counter() - t0
         manifest["capture_timings_s"] = t
-        rundir.write_manifest(self.out, manifest)
         t0 = time.perf_counter()
-        rundir.refresh_checksums(self.out, known=self._snap.digests)
-        t["checksums"] = time.perf_counter() - t0
+        rundir.refresh_checksums(self.out, known=self._snap.digests, manifest=manifest)
+        t["checksums_and_manifest"] = time.perf_counter() - t0
 
     def _write_trace(self) -> Path:
         import gzip

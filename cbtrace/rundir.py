@@ -100,16 +100,17 @@ def read_manifest(run) -> dict:
     return manifest
 
 
-def refresh_checksums(run, known: dict | None = None, rewritten=()) -> dict:
+def refresh_checksums(run, known: dict | None = None, rewritten=(), manifest=None) -> dict:
     """Store the sha256 of every file of the run in the manifest.
 
     New files are hashed (or take the digest their writer computed: ``known``, path -> sha256).
     A file already recorded keeps its recorded digest unless cbtrace says it rewrote it
     (``rewritten``: paths relative to the run), so a corrupted capture file is never blessed
-    with a new digest; replay verifies the captured inputs against them.
+    with a new digest; replay verifies the captured inputs against them. A ``manifest`` given
+    in memory (not yet written) is completed and written once.
     """
     run = Path(run)
-    manifest = read_manifest(run)
+    manifest = read_manifest(run) if manifest is None else manifest
     old, old_stat = manifest.get("files", {}), manifest.get("files_stat", {})
     known = {str(Path(p).resolve().relative_to(run.resolve())): d for p, d in (known or {}).items()}
     rewritten = {str(r) for r in rewritten}
