@@ -23,6 +23,7 @@ import torch
 from cbtrace import rundir
 from cbtrace.errors import CaptureError
 from cbtrace.records import ModuleRecord, records_to_frame
+from cbtrace.structure import flat_tensors
 
 
 @dataclass(kw_only=True)
@@ -65,41 +66,6 @@ def selected(fqn: str, cfg: CaptureConfig) -> bool:
     return not any(fnmatch.fnmatchcase(fqn, g) for g in cfg.exclude)
 
 
-def _nbytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
-
-
-def _tensors(obj, out=None):
-    """Flatten every tensor reachable in a nested structure (tuples, lists, dicts, dataclasses)."""
-    import dataclasses
-
-    out = [] if out is None else out
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            _tensors(v, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _tensors(v, out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _tensors(getattr(obj, f.name), out)
-    elif hasattr(obj, "values") and hasattr(obj, "lengths") and callable(obj.values):
-        for name in ("values", "weights_or_none", "lengths", "offsets"):
-            fn = getattr(obj, name, None)
-            v = fn() if callable(fn) else None
-            if isinstance(v, torch.Tensor):
-                out.append(v)
-    return out
-
-
 _ACTIVE: list = []  # the capture in progress, if any (captures do not nest)
 
 
@@ -125,6 +91,7 @@ class capture:
         self._stack: list[_Frame] = []
         self._counts: dict[str, int] = {}
         self._names: dict[int, list[str]] = {}
+        self._selected: dict[str, bool] = {}
         self._prof = None
         self.trace_path: Path | None = None
         self.timings_s: dict[str, float] = {}  # where capture time went (also in the manifest)
@@ -147,17 +114,17 @@ class capture:
                                  max_pending_bytes=self.cfg.max_pending_bytes)
         for name, mod in self.model.named_modules(remove_duplicate=False):
             self._names.setdefault(id(mod), []).append(name)
+            self._selected[name] = selected(name, self.cfg)  # once: hooks only look it up
         self._static = {id(m): _static_facts(m) for m in self.model.modules()}
         self._flags = {n: m.training for n, m in self.model.named_modules()}
         seen = set()
         for name, mod in self.model.named_modules(remove_duplicate=False):
-            if id(mod) in seen or not any(selected(n, self.cfg) for n in self._names[id(mod)]):
+            if id(mod) in seen or not any(self._selected[n] for n in self._names[id(mod)]):
                 continue
             seen.add(id(mod))
             self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(mod.register_forward_hook(self._post, with_kwargs=True,
                                                            always_call=True))
-        self._rng = torch.random.get_rng_state()
         self._t0 = time.perf_counter()
         if self.cfg.profile:
             self._prof = torch.profiler.profile(activities=_activities(), record_shapes=True,
@@ -198,7 +165,7 @@ class capture:
             for n in names:
                 if n.rpartition(".")[0] == parent:
                     return n
-        return next((n for n in names if selected(n, self.cfg)), names[0])
+        return next((n for n in names if self._selected.get(n)), names[0])
 
     def _pre(self, module, args, kwargs):
         # Runs inside the traced step: keep it lean (every Python call here becomes a trace
@@ -206,7 +173,7 @@ class capture:
         # metadata is derived from inputs_ref after the step.
         t0 = time.perf_counter()
         fqn = self._fqn(module)
-        if not selected(fqn, self.cfg):  # a shared module reached through an unselected path
+        if not self._selected.get(fqn):  # a shared module reached through an unselected path
             self._stack.append(_Frame(None, module, None))
             return
         idx = self._counts.get(fqn, 0)
@@ -244,7 +211,7 @@ class capture:
         if raised is not None:
             frame.record.capture_error = _short(raised)
             return
-        frame.record.output_meta = json.dumps([tensor_meta(t) for t in _tensors(output)])
+        frame.record.output_meta = json.dumps([tensor_meta(t) for t in flat_tensors(output)])
 
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
@@ -352,8 +319,8 @@ def state_digest(model) -> str:
     h = hashlib.sha256()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
-                 if t.numel() else b"")
+        if t.numel():
+            h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
     return h.hexdigest()
 
 
@@ -361,12 +328,12 @@ def _manifest(model, cfg: CaptureConfig, records, step_s: float) -> dict:
     import platform
 
     import cbtrace
+    from cbtrace.peaks import device_name
 
     dev = "cpu"
     for p in list(model.parameters())[:1]:
         dev = str(p.device)
-    name = (torch.cuda.get_device_name(torch.device(dev)) if dev.startswith("cuda")
-            else platform.processor() or platform.machine())
+    name = device_name(dev)
     return {
         "cbtrace_version": cbtrace.__version__,
         "torch_version": torch.__version__,

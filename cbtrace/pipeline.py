@@ -36,9 +36,9 @@ def stored_spec(spec: str) -> str:
 
 def backward_of(output):
     """A scalar to call backward() on: the loss if the model returns one, else a mean."""
-    from cbtrace.capture import _tensors
+    from cbtrace.structure import flat_tensors
 
-    ts = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
+    ts = [t for t in flat_tensors(output) if t.requires_grad and t.is_floating_point()]
     if not ts:
         raise CaptureError("--step train: the model output has no tensor that requires grad")
     scalar = [t for t in ts if t.dim() == 0]
@@ -90,7 +90,7 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     provider = resolve(spec, seed=seed, options=options)
     try:
         model, batch = provider.model_and_batch(device, DTYPES.get(dtype))
-        model.train() if step == "train" else model.eval()
+        model.train(step == "train")
         warm_up(provider, model, batch, step, warmup)
     except CbtraceError:
         raise

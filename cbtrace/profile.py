@@ -16,12 +16,12 @@ def join_insitu(run) -> "object":
 
     run = Path(run)
     df = rundir.read_modules(run)
-    ins = insitu_for_run(run)[["fqn", "call_index", "insitu_ms"]]
-    df = df.drop(columns=["insitu_ms"]).merge(ins, on=["fqn", "call_index"], how="left")
-    host = df["insitu_host_ms"] if "insitu_host_ms" in df else None
-    if not rundir.read_manifest(run).get("device", "cpu").startswith("cuda") and (
-            host is not None and host.notna().all()):
-        df["insitu_ms"] = host  # CPU: an unprofiled repeat of the step, not the traced one
+    on_gpu = rundir.read_manifest(run).get("device", "cpu").startswith("cuda")
+    if not on_gpu and "insitu_host_ms" in df and df["insitu_host_ms"].notna().all():
+        df["insitu_ms"] = df["insitu_host_ms"]  # CPU: an unprofiled repeat, not the trace
+    else:
+        ins = insitu_for_run(run)[["fqn", "call_index", "insitu_ms"]]
+        df = df.drop(columns=["insitu_ms"]).merge(ins, on=["fqn", "call_index"], how="left")
     df["error_pct"] = 100.0 * (df["isolated_ms"] / df["insitu_ms"] - 1.0)
     bad = ~(df["insitu_ms"] > 0)
     df.loc[bad, "error_pct"] = float("nan")

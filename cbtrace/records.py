@@ -76,6 +76,18 @@ class ModuleRecord:
 
 
 
+def capture_fields() -> tuple[str, ...]:
+    """The fields capture fills (everything before ``status``); replay starts from these."""
+    names = field_names()
+    return tuple(names[:names.index("status")])
+
+
+def required_fields() -> tuple[str, ...]:
+    """Fields without a default: a modules table lacking one is not a capture."""
+    return tuple(f.name for f in dataclasses.fields(ModuleRecord)
+                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+
 def field_names() -> list[str]:
     """All column names of modules.parquet, in order."""
     return [f.name for f in dataclasses.fields(ModuleRecord)]

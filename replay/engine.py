@@ -9,7 +9,8 @@ import torch
 
 from cbtrace import rundir
 from cbtrace.errors import ReplayError
-from cbtrace.records import frame_to_records, records_to_frame
+from cbtrace.records import (ModuleRecord, capture_fields, frame_to_records, records_to_frame,
+                             required_fields)
 from cbtrace.replay.config import ReplayConfig
 from cbtrace.replay.isolation import StateGuard
 from cbtrace.replay.measure import measure_call, timer_chain
@@ -27,7 +28,7 @@ def run_replay(run, model=None, device=None, **options):
     device = _device(device, manifest, model)
     if model is None:
         model = rebuild_model(manifest, device, verify=cfg.verify_state)
-    rundir.require_columns(run, df, CAPTURE_FIELDS[:-1])
+    rundir.require_columns(run, df, required_fields())
     verify_inputs(run, manifest)
     records = [fresh_replay_fields(r) for r in frame_to_records(df)]
     by_id = {r.call_id: r for r in records}
@@ -74,28 +75,20 @@ def run_replay(run, model=None, device=None, **options):
 
 def fresh_replay_fields(rec):
     """A record with every replay and in-situ field back at its default (no stale figures)."""
-    import dataclasses
-
-    from cbtrace.records import ModuleRecord
-
-    keep = {f.name for f in dataclasses.fields(ModuleRecord)}
-    return ModuleRecord(**{k: getattr(rec, k) for k in CAPTURE_FIELDS if k in keep})
-
-
-CAPTURE_FIELDS = ("fqn", "call_index", "call_id", "parent_call_id", "parent_fqn", "depth",
-                  "module_type", "module_class", "param_bytes", "buffer_bytes", "input_bytes",
-                  "input_shapes", "input_meta", "output_meta", "training", "grad_enabled",
-                  "autocast_dtype", "inputs_ref", "synthesized", "capture_error",
-                  "insitu_host_ms")
+    return ModuleRecord(**{k: getattr(rec, k) for k in capture_fields()})
 
 
 def verify_inputs(run: Path, manifest: dict) -> None:
-    """Every captured input shard exists and matches the sha256 recorded at capture."""
-    files = manifest.get("files", {})
+    """Every captured input shard exists and matches the sha256 recorded at capture; a shard
+    whose size and mtime are as recorded is not read again (gigabytes on a GPT-2 run)."""
+    files, stats = manifest.get("files", {}), manifest.get("files_stat", {})
     for rel in manifest.get("input_files", []):
         path = run / rel
         if not path.is_file():
             raise ReplayError(f"{path}: captured input file is missing")
+        st = path.stat()
+        if stats.get(rel) == [st.st_size, st.st_mtime_ns]:
+            continue
         want = files.get(rel)
         if want and rundir.sha256_file(path) != want:
             raise ReplayError(f"{path}: captured input file is corrupt (sha256 differs from "
@@ -146,11 +139,11 @@ def footprint_bytes(rec) -> int:
 
 
 def _meta_bytes(m) -> int:
-    n = 1
-    for s in m.get("shape", []):
-        n *= s
-    return n * torch.empty((), dtype=getattr(torch, m.get("dtype", "float32").replace(
-        "torch.", ""))).element_size()
+    import math
+
+    from cbtrace.flops import itemsize
+
+    return math.prod(m.get("shape", [])) * itemsize(m.get("dtype", "float32"))
 
 
 def rebuild_model(manifest: dict, device, *, verify: bool):

@@ -3,29 +3,24 @@ from __future__ import annotations
 
 import torch
 
+from cbtrace.structure import flat_tensors, map_tensors
+
 
 def clone_like(x):
-    """Deep copy of a nested structure; tensors keep dtype, shape, strides and requires_grad."""
-    if isinstance(x, torch.Tensor):
-        y = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
-        with torch.no_grad():
-            y.copy_(x)
-        return y.requires_grad_(x.requires_grad) if x.is_leaf and x.is_floating_point() else y
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(clone_like(v) for v in x))
-    if isinstance(x, (tuple, list)):
-        return type(x)(clone_like(v) for v in x)
-    if isinstance(x, dict):
-        return {k: clone_like(v) for k, v in x.items()}
-    if type(x).__name__ in {"KeyedJaggedTensor", "JaggedTensor", "KeyedTensor"}:
-        return x  # read-only in practice; torchrec objects are rebuilt on load
-    return x
+    """Deep copy of a nested structure; tensors keep dtype, shape, strides and requires_grad.
+    torchrec objects are shared: modules only read them."""
+    return map_tensors(_clone, x)
+
+
+def _clone(x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        y.copy_(x)
+    return y.requires_grad_(x.requires_grad) if x.is_leaf and x.is_floating_point() else y
 
 
 def tensor_bytes(x) -> int:
-    from cbtrace.capture import _tensors
-
-    return sum(t.numel() * t.element_size() for t in _tensors(x))
+    return sum(t.numel() * t.element_size() for t in flat_tensors(x))
 
 
 def n_copies(input_bytes: int, device: torch.device, max_copies: int) -> int:

@@ -1,6 +1,7 @@
 """After replay: aggregate skipped parents from children, residuals, MFU/MBU/bound."""
 from __future__ import annotations
 
+from cbtrace import metrics
 from cbtrace.replay.tree import children_of, post_order
 
 
@@ -12,8 +13,8 @@ def finalize(records, *, device_name: str) -> None:
         rec, children = by_id[cid], [by_id[k] for k in kids.get(cid, [])]
         if rec.status == "skipped" and children:
             aggregate_from_children(rec, children)
-        elif rec.status == "ok" and children and all(c.isolated_ms is not None for c in children):
-            rec.residual_ms = rec.isolated_ms - sum(c.isolated_ms for c in children)
+        elif rec.status == "ok" and children:
+            rec.residual_ms = metrics.residual(rec.isolated_ms, [c.isolated_ms for c in children])
     for rec in records:
         add_utilisation(rec, device_name)
 
@@ -38,7 +39,6 @@ def aggregate_from_children(rec, children) -> None:
 
 def add_utilisation(rec, device_name: str) -> None:
     """mfu/hfu/mbu against datasheet peaks (and calibrated ones), and the bound."""
-    from cbtrace import metrics
     from cbtrace.peaks import peak_for
 
     if not rec.isolated_ms:

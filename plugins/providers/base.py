@@ -88,19 +88,20 @@ def move_batch(batch, device, dtype=None):
     """Move every tensor of a (nested) batch; floating tensors are cast to ``dtype`` if given."""
     import torch
 
-    def mv(x):
-        if isinstance(x, torch.Tensor):
-            if dtype is not None and x.is_floating_point():
-                return x.to(device=device, dtype=dtype)
-            return x.to(device)
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*(mv(v) for v in x))
-        if isinstance(x, (tuple, list)):
-            return type(x)(mv(v) for v in x)
-        if isinstance(x, dict):
-            return {k: mv(v) for k, v in x.items()}
-        if hasattr(x, "to") and type(x).__name__ in {"KeyedJaggedTensor", "JaggedTensor"}:
-            return x.to(torch.device(device))
-        return x
+    from cbtrace.structure import map_tensors
 
-    return mv(batch)
+    def mv(x):
+        if dtype is not None and x.is_floating_point():
+            return x.to(device=device, dtype=dtype)
+        return x.to(device)
+
+    return map_tensors(mv, batch, torchrec=lambda x: x.to(torch.device(device)))
+
+
+def pick_preset(provider: str, presets: dict, name: str):
+    """``presets[name]``, or a ProviderError naming the provider and the known presets."""
+    if name not in presets:
+        from cbtrace.errors import ProviderError
+
+        raise ProviderError(f"{provider}: unknown preset '{name}' (known: {', '.join(presets)})")
+    return presets[name]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from cbtrace.plugins.providers.base import RecSysProvider, TableConfig
+from cbtrace.plugins.providers.base import RecSysProvider, TableConfig, pick_preset
 
 
 @dataclass
@@ -140,18 +140,16 @@ class DLRMProvider(RecSysProvider):
     def config(self) -> DLRMConfig:
         import dataclasses
 
-        name = self.options.get("preset", "default")
-        if name not in PRESETS:
-            from cbtrace.errors import ProviderError
-            raise ProviderError(f"dlrm: unknown preset '{name}' (known: {', '.join(PRESETS)})")
-        c = PRESETS[name]["config"]
+        c = self._preset()["config"]
         if "num_embeddings" in self.options:
             c = dataclasses.replace(c, num_embeddings=int(self.options["num_embeddings"]))
         return c
 
+    def _preset(self) -> dict:
+        return pick_preset("dlrm", PRESETS, self.options.get("preset", "default"))
+
     def batch_size(self) -> int:
-        name = self.options.get("preset", "default")
-        return int(self.options.get("batch_size", PRESETS.get(name, PRESETS["default"])["batch_size"]))
+        return int(self.options.get("batch_size", self._preset()["batch_size"]))
 
     def tables(self):
         c = self.config()

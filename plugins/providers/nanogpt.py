@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cbtrace.plugins.providers.base import Provider
+from cbtrace.plugins.providers.base import Provider, pick_preset
 
 
 @dataclass
@@ -128,11 +128,7 @@ class NanoGPTProvider(Provider):
     options: dict = field(default_factory=dict)
 
     def _preset(self):
-        name = self.options.get("preset", "gpt2")
-        if name not in PRESETS:
-            from cbtrace.errors import ProviderError
-            raise ProviderError(f"nanogpt: unknown preset '{name}' (known: {', '.join(PRESETS)})")
-        return PRESETS[name]
+        return pick_preset("nanogpt", PRESETS, self.options.get("preset", "gpt2"))
 
     def build_model(self, device):
         return GPT(self._preset()["config"]).to(device)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cbtrace.errors import ProviderError
-from cbtrace.plugins.providers.base import RecSysProvider, TableConfig
+from cbtrace.plugins.providers.base import RecSysProvider, TableConfig, pick_preset
 
 PRESETS = {
     "default": dict(tables=26, rows=1_000_000, dim=64, dense=13, hidden=1024, deep_fm=512,
@@ -24,10 +24,7 @@ class TorchRecDeepFMProvider(RecSysProvider):
     options: dict = field(default_factory=dict)
 
     def _p(self):
-        name = self.options.get("preset", "default")
-        if name not in PRESETS:
-            raise ProviderError(f"torchrec: unknown preset '{name}' (known: {', '.join(PRESETS)})")
-        return PRESETS[name]
+        return pick_preset("torchrec", PRESETS, self.options.get("preset", "default"))
 
     def tables(self):
         p = self._p()

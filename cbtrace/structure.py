@@ -1,0 +1,51 @@
+"""Walking nested inputs and outputs: tuples, NamedTuples, lists, dicts, dataclasses, torchrec."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+TORCHREC = {"KeyedJaggedTensor", "JaggedTensor", "KeyedTensor"}
+
+
+def is_torchrec(x) -> bool:
+    return type(x).__name__ in TORCHREC and type(x).__module__.startswith("torchrec")
+
+
+def map_tensors(fn, obj, torchrec=None):
+    """``obj`` rebuilt with ``fn(t)`` for every tensor; torchrec objects go to ``torchrec(x)``
+    (default: kept as they are); anything else is kept."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(fn, v, torchrec) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(fn, v, torchrec) for v in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(fn, v, torchrec) for k, v in obj.items()}
+    if torchrec is not None and is_torchrec(obj):
+        return torchrec(obj)
+    return obj
+
+
+def flat_tensors(obj, out=None) -> list:
+    """Every tensor reachable in ``obj`` (dataclass fields and torchrec components included)."""
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            flat_tensors(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            flat_tensors(v, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            flat_tensors(getattr(obj, f.name), out)
+    elif is_torchrec(obj):
+        for name in ("values", "weights_or_none", "lengths", "offsets"):
+            fn = getattr(obj, name, None)
+            v = fn() if callable(fn) else None
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+    return out
