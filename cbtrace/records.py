@@ -40,6 +40,7 @@ class ModuleRecord:
     status_reason: str | None = None
     timer: str | None = None           # graph | events | cpu (the backend that produced isolated_ms)
     timer_fallback: str | None = None  # why the preferred timer was not used
+    timer_notes: str | None = None     # how it timed: "K=20" calls per graph, spin, "cold", ...
     isolated_ms: float | None = None   # median of the timed runs
     isolated_ms_p10: float | None = None
     isolated_ms_p90: float | None = None

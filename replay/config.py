@@ -16,6 +16,11 @@ class ReplayConfig:
     """Untimed calls before timing."""
     graph_k: int = 20
     """Calls captured in one CUDA graph by the graph timer."""
+    cold: bool = False
+    """Time each call alone after an L2 flush, as ``triton.testing.do_bench`` does, instead of
+    ``graph_k`` calls back to back: the graph timer then captures one call per graph (host
+    launch latency still stays out of the events). Default off: K calls back to back match the
+    call's in-situ time in a real step; cold matches the kernel-benchmark convention."""
     max_copies: int = 8
     """Most input copies rotated between timed calls (against L2 warmth)."""
     memory_budget_bytes: int | None = None

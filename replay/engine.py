@@ -64,7 +64,7 @@ def run_replay(run, model=None, device=None, **options):
     out = records_to_frame(records)
     rundir.write_modules(run, out)
     manifest["replay"] = {"device": str(device), "device_name": _device_name(device),
-                          "timer_requested": cfg.timer,
+                          "timer_requested": cfg.timer, "cold": cfg.cold,
                           "timers_used": sorted({r.timer for r in records if r.timer}),
                           "wall_s": time.perf_counter() - t0,
                           "torch_version": torch.__version__}

@@ -50,7 +50,7 @@ def time_call(call, n: int, device, chain: list[str], cfg) -> tuple[object, str 
 
     backends = registry.backends()
     tcfg = TimingConfig(budget_s=cfg.budget_s, min_runs=cfg.min_runs,
-                        warmup_runs=cfg.warmup_runs, graph_k=cfg.graph_k)
+                        warmup_runs=cfg.warmup_runs, graph_k=1 if cfg.cold else cfg.graph_k)
     reasons = []
     for name in chain:
         backend = backends.get(name)
@@ -105,7 +105,8 @@ def measure_call(module, rec, args, kwargs, device, cfg, chain) -> dict:
     call, n = make_call(module, rec, args, kwargs, device, cfg)
     timing, fallback = time_call(call, n, device, chain, cfg)
     prof = profile_call(lambda: call(0), device, runs=cfg.profile_runs)
-    row = dict(status="ok", timer=timing.timer, timer_fallback=fallback,
+    notes = "; ".join(n for n in (timing.notes, "cold" if cfg.cold else None) if n) or None
+    row = dict(status="ok", timer=timing.timer, timer_fallback=fallback, timer_notes=notes,
                isolated_ms=timing.median_ms, isolated_ms_p10=timing.p10_ms,
                isolated_ms_p90=timing.p90_ms, runs=timing.runs,
                kernel_count=prof.kernel_count, device_ms=prof.device_ms, wall_ms=prof.wall_ms,

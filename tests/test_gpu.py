@@ -31,6 +31,20 @@ def test_capture_and_replay_on_cuda_with_graph_timer(tmp_path):
     assert (lin["mfu"] > 0).all() and (lin["compute_dtype"] == "bfloat16").all()
 
 
+def test_cold_mode_times_one_call_per_graph(tmp_path):
+    provider = resolve("nanogpt:tiny")
+    model, batch = provider.model_and_batch("cuda", torch.bfloat16)
+    model.eval()
+    with cbtrace.capture(model, tmp_path / "r"):
+        provider.run(model, batch)
+    warm = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("call_id")
+    cold = cbtrace.replay(tmp_path / "r", model=model, cold=True, **FAST).set_index("call_id")
+    g = cold[cold["timer"] == "graph"]
+    assert len(g) and g["timer_notes"].str.startswith("K=1").all()
+    assert warm.loc[g.index, "timer_notes"].str.startswith("K=20").any()
+    assert (g["isolated_ms"] > 0).all()
+
+
 def test_real_oom_is_skipped_and_parent_aggregated(tmp_path):
     class Hog(torch.nn.Module):
         n = 1

@@ -67,6 +67,15 @@ def test_rebuilds_model_from_spec_and_fills_figures(gpt_run):
     assert rundir.read_modules(gpt_run)["isolated_ms"].notna().all()
 
 
+def test_cold_flag_reaches_every_row_and_the_manifest(gpt_run):
+    df = cbtrace.replay(gpt_run, cold=True, **FAST)
+    ok = df[df["status"] == "ok"]
+    assert len(ok) and ok["timer_notes"].str.contains("cold").all()
+    assert rundir.read_manifest(gpt_run)["replay"]["cold"] is True
+    df = cbtrace.replay(gpt_run, **FAST)  # and a plain replay clears the notes again
+    assert not df["timer_notes"].fillna("").str.contains("cold").any()
+
+
 def test_skip_and_aggregate_under_memory_budget(tmp_path):
     cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
     df0 = rundir.read_modules(cap.out)

@@ -9,9 +9,12 @@ import click
 @click.option("--budget-s", type=float, default=None, help="timing budget per call (seconds)")
 @click.option("--memory-budget", "memory_budget_bytes", type=int, default=None, metavar="BYTES",
               help="skip calls whose estimated footprint exceeds this")
+@click.option("--cold", is_flag=True,
+              help="time each call alone after an L2 flush (triton do_bench's convention) "
+                   "instead of K calls back to back in one CUDA graph (in-situ-like)")
 @click.option("--resume", is_flag=True, help="continue an interrupted replay")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
-def command(run, device, timer, budget_s, memory_budget_bytes, resume, top):
+def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
     Writes the results into RUN/modules.parquet and prints the slowest modules.
@@ -20,7 +23,7 @@ def command(run, device, timer, budget_s, memory_budget_bytes, resume, top):
     import cbtrace
     from cbtrace.replay.summary import summary_text
 
-    opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes)
+    opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold)
     if budget_s is not None:
         opts["budget_s"] = budget_s
     df = cbtrace.replay(run, device=device, **opts)
