@@ -56,7 +56,9 @@ def plain_profiled_step(provider, model, batch, device, out_dir) -> float:
     return time.perf_counter() - t0
 
 
-def captured_step(provider, model, batch, device, out_dir) -> tuple[float, int]:
+def captured_step(provider, model, batch, device, out_dir) -> tuple[float, int, dict]:
+    import json
+
     import cbtrace
 
     run = Path(out_dir) / "run"
@@ -67,7 +69,8 @@ def captured_step(provider, model, batch, device, out_dir) -> tuple[float, int]:
         sync(device)
     dt = time.perf_counter() - t0
     stored = sum(p.stat().st_size for p in (run / "inputs").glob("*.parquet"))
-    return dt, stored
+    timings = json.loads((run / "manifest.json").read_text())["capture_timings_s"]
+    return dt, stored, timings
 
 
 def bench(spec, device, dtype, work):
@@ -83,10 +86,11 @@ def bench(spec, device, dtype, work):
         for i in range(REPEATS):
             d = Path(tempfile.mkdtemp(dir=work))
             plain.append(plain_profiled_step(provider, model, batch, device, d))
-            t, stored = captured_step(provider, model, batch, device, d)
-            cap.append(t)
+            t, stored, timings = captured_step(provider, model, batch, device, d)
+            cap.append((t, timings))
             shutil.rmtree(d)
-    return sorted(plain)[REPEATS // 2], sorted(cap)[REPEATS // 2], stored
+    cap.sort(key=lambda x: x[0])
+    return sorted(plain)[REPEATS // 2], cap[REPEATS // 2], stored
 
 
 def main():
@@ -96,11 +100,15 @@ def main():
     print(f"device: {name}; disk write bandwidth {bw / 1e6:.0f} MB/s (fsync, {DISK_PROBE_MB} MB)")
     print(f"{'model':<14}{'dev':<6}{'plain s':>9}{'capture s':>11}{'stored MB':>11}"
           f"{'MB/s':>8}{'bound s':>9}{'ratio':>7}  goal<=1.5")
+    breakdown = []
     for spec, device, dtype in CASES:
-        plain, cap, stored = bench(spec, device, dtype, work)
+        plain, (cap, timings), stored = bench(spec, device, dtype, work)
         bound = plain + stored / bw
         print(f"{spec:<14}{device:<6}{plain:>9.3f}{cap:>11.3f}{stored / 1e6:>11.1f}"
               f"{stored / 1e6 / cap:>8.0f}{bound:>9.3f}{cap / bound:>7.2f}")
+        breakdown.append((spec, timings))
+    for spec, timings in breakdown:  # where the median capture's time went (s)
+        print(f"  {spec}: " + ", ".join(f"{k} {v:.3f}" for k, v in timings.items()))
 
 
 if __name__ == "__main__":

@@ -215,22 +215,30 @@ class capture:
 
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
-        t = self.timings_s
+        from concurrent.futures import ThreadPoolExecutor
+
         from cbtrace.plugins.inputs import shards
 
+        t = self.timings_s
         shards.PHASE_S.clear()
         t0 = time.perf_counter()
-        files = self._snap.flush()
-        t["inputs_write"] = time.perf_counter() - t0
+        # The inputs are written by a pool of threads while this one exports the trace and
+        # writes the modules table (both mostly outside the GIL, so they overlap).
+        with ThreadPoolExecutor(1, thread_name_prefix="cbtrace-inputs") as bg:
+            flushing = bg.submit(self._timed_flush)
+            if self._prof is not None:
+                t1 = time.perf_counter()
+                self.trace_path = self._write_trace()
+                t["trace_write"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            for rec in self.records:
+                rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
+            rundir.write_modules(self.out, records_to_frame(self.records))
+            t["modules_table"] = time.perf_counter() - t1
+            files = flushing.result()
+        t["inputs_and_trace"] = time.perf_counter() - t0
         t.update({f"inputs_{k}_thread_s": v for k, v in shards.PHASE_S.items()})
-        if self._prof is not None:
-            t0 = time.perf_counter()
-            self.trace_path = self._write_trace()
-            t["trace_write"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for rec in self.records:
-            rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
-        rundir.write_modules(self.out, records_to_frame(self.records))
         manifest = _manifest(self.model, self.cfg, self.records, self.step_s)
         manifest["state_sha256"] = self._state_sha256
         manifest["training_flags"] = self._flags
@@ -240,11 +248,15 @@ class capture:
         manifest["complete"] = exc is None
         if exc is not None:
             manifest["error"] = _short(exc)
-        t["tables_and_manifest"] = time.perf_counter() - t0
         manifest["capture_timings_s"] = t
-        t0 = time.perf_counter()
         rundir.refresh_checksums(self.out, known=self._snap.digests, manifest=manifest)
         t["checksums_and_manifest"] = time.perf_counter() - t0
+
+    def _timed_flush(self):
+        t0 = time.perf_counter()
+        files = self._snap.flush()
+        self.timings_s["inputs_write"] = time.perf_counter() - t0
+        return files
 
     def _write_trace(self) -> Path:
         import gzip

@@ -6,10 +6,13 @@ Small rows are batched into row groups of about ``GROUP_BYTES``, large ones get 
 so loading one call's inputs reads little more than its rows. Columns:
 ``chunk`` (id), ``part`` (0..n-1), ``kind`` ("d" data, "s" stats), ``crc32``, ``data``.
 Files are written to a temp file, fsynced, then renamed: a reader never sees half a shard.
+Writing streams: each large part is written as its own row group as soon as it is on the host,
+and the kernel is asked to start writing it to disk at once (``start_writeback``).
 """
 from __future__ import annotations
 
 import bisect
+import ctypes
 import functools
 import hashlib
 import os
@@ -17,7 +20,6 @@ import tempfile
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,7 @@ import pyarrow.parquet as pq
 
 from cbtrace.errors import SerializationError
 
-PART_BYTES = 64 << 20
+PART_BYTES = 32 << 20
 GROUP_BYTES = 4 << 20
 SCHEMA = pa.schema([("chunk", pa.int64()), ("part", pa.int32()), ("kind", pa.string()),
                     ("crc32", pa.int64()), ("data", pa.binary())])
@@ -42,7 +44,8 @@ def _binary(arr: np.ndarray) -> pa.Array:
     return pa.Array.from_buffers(pa.binary(), 1, [None, pa.py_buffer(offsets), pa.py_buffer(arr)])
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so renames into it survive a crash (best effort)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -55,17 +58,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _groups(rows):
-    """Consecutive rows batched until a group holds GROUP_BYTES."""
-    group, size = [], 0
-    for r in rows:
-        group.append(r)
-        size += r[3].nbytes
-        if size >= GROUP_BYTES:
-            yield group
-            group, size = [], 0
-    if group:
-        yield group
+@functools.cache
+def _sync_file_range():
+    """libc's sync_file_range (Linux), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing the file's dirty pages now, without waiting.
+
+    Left alone, a large write sits in the page cache until fsync (background writeback only
+    starts at 10 % of RAM dirty), so the disk idles while shards are encoded and then all of it
+    waits at the end; kicked after each large row group, the disk works alongside.
+    """
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE; an error only means no early start
 
 
 # Seconds spent in each phase of write_shard, summed over threads (capture reports them).
@@ -80,63 +93,96 @@ def _add_phase(name: str, t0: float) -> float:
     return now
 
 
-def write_shard(path: Path, rows, digests: dict | None = None) -> int:
+def write_shard(path: Path, rows, digests: dict | None = None, sync_dir: bool = True) -> int:
     """Write rows of (chunk_id, part, kind, uint8 ndarray) atomically; returns data bytes.
 
-    If ``digests`` is given, the finished file's sha256 is stored under ``path`` (hashed from the
-    page cache right after the write, so the manifest need not read the shard again).
+    ``rows`` is consumed one at a time and each array is used (checksummed, and written or
+    copied into a pending row group) before the next row is drawn, so a producer may hand out
+    views of one reused staging buffer. If ``digests`` is given, the file's sha256 is stored
+    under ``path`` (read back from the page cache right after writing, so the manifest need not
+    read the shard again). ``sync_dir=False`` leaves the directory fsync to the caller (once
+    for many shards).
     """
     path = Path(path)
-    t = time.perf_counter()
-    rows = [(c, p, k, np.ascontiguousarray(a, dtype=np.uint8).reshape(-1)) for c, p, k, a in rows]
-    t = _add_phase("to_host", t)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     try:
-        # checksums run in threads (zlib releases the GIL) while earlier rows are written
-        with ThreadPoolExecutor(2) as pool:
-            _write_rows(tmp, rows, pool)
-        t = _add_phase("parquet_write", t)
-        fd = os.open(tmp, os.O_RDONLY)
         try:
+            n = _write_rows(tmp, fd, rows)
+            t = time.perf_counter()
+            if digests is not None:
+                digests[path] = _sha256_fd(fd)
+                t = _add_phase("sha256", t)
             os.fsync(fd)
+            _add_phase("fsync", t)
         finally:
             os.close(fd)
-        t = _add_phase("fsync", t)
-        if digests is not None:
-            digests[path] = _sha256(tmp)
-            _add_phase("sha256", t)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return sum(r[3].nbytes for r in rows)
+    if sync_dir:
+        fsync_dir(path.parent)
+    return n
 
 
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
+_read_buf = threading.local()
+
+
+def _sha256_fd(fd: int) -> str:
+    """sha256 of a file's bytes, read through one reused buffer per thread."""
+    buf = getattr(_read_buf, "buf", None)
+    if buf is None:
+        buf = _read_buf.buf = memoryview(bytearray(8 << 20))
+    h, offset = hashlib.sha256(), 0
+    while n := os.preadv(fd, [buf], offset):
+        h.update(buf[:n])
+        offset += n
     return h.hexdigest()
 
 
-def _write_rows(where, rows, pool) -> None:
+def _table(group) -> pa.Table:
+    cols = [pa.array([r[0] for r in group], pa.int64()),
+            pa.array([r[1] for r in group], pa.int32()),
+            pa.array([r[2] for r in group], pa.string()),
+            pa.array([r[3] for r in group], pa.int64()),
+            pa.chunked_array([_binary(r[4]) for r in group], pa.binary())]
+    return pa.Table.from_arrays(cols, schema=SCHEMA)
+
+
+def _write_rows(where, fd: int, rows) -> int:
+    """Stream rows into a Parquet file: rows of GROUP_BYTES or more get a row group of their
+    own, written at once (and the file's writeback started); smaller ones are copied and
+    batched until a group holds GROUP_BYTES."""
+    total, group, size = 0, [], 0
     with pq.ParquetWriter(where, SCHEMA, compression="none", use_dictionary=False,
                           write_statistics=False) as writer:
-        crcs = [pool.submit(zlib.crc32, r[3]) for r in rows]
-        done = 0
-        for group in _groups(rows):
-            cols = [pa.array([r[0] for r in group], pa.int64()),
-                    pa.array([r[1] for r in group], pa.int32()),
-                    pa.array([r[2] for r in group], pa.string()),
-                    pa.array([c.result() for c in crcs[done:done + len(group)]], pa.int64()),
-                    pa.chunked_array([_binary(r[3]) for r in group], pa.binary())]
-            done += len(group)
-            writer.write_table(pa.Table.from_arrays(cols, schema=SCHEMA),
-                               row_group_size=len(group))
+        it = iter(rows)
+        while True:
+            t = time.perf_counter()
+            row = next(it, None)
+            t = _add_phase("to_host", t)
+            if row is None:
+                break
+            c, p, k, arr = row
+            arr = np.ascontiguousarray(arr, dtype=np.uint8).reshape(-1)
+            crc = zlib.crc32(arr)
+            total += arr.nbytes
+            t = _add_phase("crc32", t)
+            big = arr.nbytes >= GROUP_BYTES
+            if not big:
+                group.append((c, p, k, crc, arr.copy()))
+                size += arr.nbytes
+            if group and (big or size >= GROUP_BYTES):
+                writer.write_table(_table(group), row_group_size=len(group))
+                group, size = [], 0
+            if big:
+                writer.write_table(_table([(c, p, k, crc, arr)]), row_group_size=1)
+                start_writeback(fd)
+            _add_phase("parquet_write", t)
+        if group:
+            writer.write_table(_table(group), row_group_size=len(group))
+    return total
 
 
 def _first_line(e: Exception) -> str:
