@@ -8,7 +8,7 @@ from dataclasses import dataclass
 class ReplayConfig:
     timer: str = "auto"
     """graph | events | cpu | auto (graph on CUDA where capture works, else events; cpu on CPU)."""
-    budget_s: float = 0.05
+    budget_s: float = 0.03
     """Time budget for the timed runs of one call (adaptive count within it, >= min_runs)."""
     min_runs: int = 10
     """At least this many timed calls, whatever the budget."""

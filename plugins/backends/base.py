@@ -41,7 +41,7 @@ class TimingConfig:
     """CPU timer: also warm up for at least this long (s); first thread-pool calls can read 8 ms."""
     graph_k: int = 20
     """Calls captured back-to-back in one CUDA graph; per-call time = replay time / K."""
-    graph_max_ms: float = 2.0
+    graph_max_ms: float = 1.0
     """K shrinks (to >= 1) to keep one replay under this (ms): long GEMM runs drop the SM clock."""
     flush_l2: bool = True
     """Memset a big buffer before each timed run/replay (GPU): cold L2 and a do_bench-style gap."""
