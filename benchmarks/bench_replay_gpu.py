@@ -109,7 +109,8 @@ def agreement(t):
           dist(e(t.isolated_ms, t.do_bench_cudagraph_ms)))
     print("  default (K/graph) vs in situ             ", dist(e(t.isolated_ms, t.insitu_ms)))
     print("  cold vs in situ                          ", dist(e(t.cold_ms, t.insitu_ms)))
-    worst = t.assign(err=e(t.cold_ms, t.do_bench_ms)).sort_values("err", key=abs).tail(6)
+    worst = t.assign(err=e(t.cold_ms, t.do_bench_ms)).dropna(subset=["err"])
+    worst = worst.sort_values("err", key=abs).tail(6)
     cols = ["fqn", "module_type", "kernel_count", "host_ms", "cold_ms", "do_bench_ms",
             "do_bench_again_ms", "do_bench_graph_ms", "err"]
     print(worst[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
@@ -147,6 +148,10 @@ def bench(name, out_dir):
     model = rebuild_model(manifest, torch.device("cuda"), verify=False)
     refs = do_bench_refs(run, df, model)
     ref = pd.DataFrame.from_dict(refs, orient="index").rename_axis("call_id").reset_index()
+    if ref.empty:
+        ref = pd.DataFrame(columns=["call_id", "do_bench_ms", "do_bench_again_ms",
+                                    "do_bench_graph_ms", "do_bench_cudagraph_ms"])
+    ref["call_id"] = ref["call_id"].astype(df["call_id"].dtype)
     t = df.merge(ref, on="call_id", how="left")
     t.to_csv(Path(out_dir) / f"{name}_modules.csv", index=False)
     (run / "do_bench.json").write_text(json.dumps(ref.to_dict("records")))

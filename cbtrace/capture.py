@@ -226,15 +226,21 @@ class capture:
         # writes the modules table (both mostly outside the GIL, so they overlap).
         with ThreadPoolExecutor(1, thread_name_prefix="cbtrace-inputs") as bg:
             flushing = bg.submit(self._timed_flush)
-            if self._prof is not None:
+            try:
+                if self._prof is not None:
+                    t1 = time.perf_counter()
+                    self.trace_path = self._write_trace()
+                    t["trace_write"] = time.perf_counter() - t1
                 t1 = time.perf_counter()
-                self.trace_path = self._write_trace()
-                t["trace_write"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
-            for rec in self.records:
-                rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
-            rundir.write_modules(self.out, records_to_frame(self.records))
-            t["modules_table"] = time.perf_counter() - t1
+                for rec in self.records:
+                    rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
+                rundir.write_modules(self.out, records_to_frame(self.records))
+                t["modules_table"] = time.perf_counter() - t1
+            except BaseException as e:
+                failed = flushing.exception()  # waits: no write is left running
+                if failed is not None and hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(f"writing the inputs failed too: {_short(failed)}")
+                raise
             files = flushing.result()
         t["inputs_and_trace"] = time.perf_counter() - t0
         t.update({f"inputs_{k}_thread_s": v for k, v in shards.PHASE_S.items()})

@@ -32,7 +32,10 @@ def run_replay(run, model=None, device=None, **options):
     verify_inputs(run, manifest)
     records = [fresh_replay_fields(r) for r in frame_to_records(df)]
     by_id = {r.call_id: r for r in records}
-    done = read_done(run) if cfg.resume else {}
+    settings = timing_settings(cfg)
+    # rows timed with other settings (e.g. --cold vs default) are done again, never mixed
+    done = ({cid: r for cid, r in read_done(run).items() if r.get("settings") == settings}
+            if cfg.resume else {})
     guard = StateGuard(model)
     chain = timer_chain(cfg.timer, device)
     budget = cfg.memory_budget_bytes
@@ -48,6 +51,7 @@ def run_replay(run, model=None, device=None, **options):
             row = replay_one(model, rec, run, device, cfg, chain, guard, budget,
                              manifest.get("training_flags") or {})
             row["call_id"] = cid
+            row["settings"] = settings
             log.append(row)
             done[cid] = row
             bar(rec.fqn or "<root>")
@@ -71,6 +75,12 @@ def run_replay(run, model=None, device=None, **options):
     rundir.write_manifest(run, manifest)
     rundir.refresh_checksums(run, rewritten=[rundir.MODULES])
     return out
+
+
+def timing_settings(cfg) -> dict:
+    """The options that change what a row measures (kept with each progress row); the time
+    budget only changes how many runs are taken, so a resume may use another one."""
+    return {"timer": cfg.timer, "cold": cfg.cold, "graph_k": cfg.graph_k}
 
 
 def fresh_replay_fields(rec):

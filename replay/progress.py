@@ -45,9 +45,13 @@ class ProgressLog:
             self._synced = time.monotonic()
 
     def close(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
+        if self.f.closed:
+            return
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+        finally:
+            self.f.close()
 
 
 def _plain(x):

@@ -76,6 +76,16 @@ def test_cold_flag_reaches_every_row_and_the_manifest(gpt_run):
     assert not df["timer_notes"].fillna("").str.contains("cold").any()
 
 
+def test_resume_redoes_rows_timed_with_other_settings(tmp_path):
+    run = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu").out
+    first = cbtrace.replay(run, **FAST)
+    again = cbtrace.replay(run, resume=True, **FAST)  # same settings: every row kept
+    assert (again["isolated_ms"].values == first["isolated_ms"].values).all()
+    cold = cbtrace.replay(run, resume=True, cold=True, **FAST)  # other settings: all redone
+    ok = cold[cold["status"] == "ok"]
+    assert len(ok) and ok["timer_notes"].str.contains("cold").all()
+
+
 def test_skip_and_aggregate_under_memory_budget(tmp_path):
     cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
     df0 = rundir.read_modules(cap.out)

@@ -63,7 +63,7 @@ def _sync_file_range():
     """libc's sync_file_range (Linux), or None."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
+    except Exception:  # no such libc call (macOS), or no CDLL(None) (Windows)
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     return fn
@@ -135,6 +135,11 @@ def _sha256_fd(fd: int) -> str:
     if buf is None:
         buf = _read_buf.buf = memoryview(bytearray(8 << 20))
     h, offset = hashlib.sha256(), 0
+    if not hasattr(os, "preadv"):  # Windows, older macOS
+        os.lseek(fd, 0, os.SEEK_SET)
+        while block := os.read(fd, len(buf)):
+            h.update(block)
+        return h.hexdigest()
     while n := os.preadv(fd, [buf], offset):
         h.update(buf[:n])
         offset += n

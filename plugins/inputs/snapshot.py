@@ -100,7 +100,8 @@ class Snapshotter:
         def one(item):
             shard, chunks = item
             path = self.inputs_dir / shards.shard_name(shard)
-            n = shards.write_shard(path, _rows(chunks), self.digests, sync_dir=False)
+            n = shards.write_shard(path, _rows(chunks, self._plan.part_bytes), self.digests,
+                                   sync_dir=False)
             for c in chunks:
                 c.payload = None  # free the copy
             return path, n, sum(c.nbytes for c in chunks)
@@ -117,12 +118,13 @@ def _sync_devices(payloads) -> None:
     """Wait for the copies queued on any CUDA stream (the step may have used side streams)."""
     import torch
 
-    devices = {p.device for p in payloads if isinstance(p, torch.Tensor) and p.is_cuda}
+    tensors = (p[1] if isinstance(p, tuple) else p for p in payloads)  # stats: (kind, t, n)
+    devices = {t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
     for d in devices:
         torch.cuda.synchronize(d)
 
 
-def _rows(chunks):
+def _rows(chunks, part_bytes: int):
     """(chunk_id, part, kind, uint8 ndarray) rows. Parts of device copies are views of this
     thread's pinned staging buffer, valid until the next row is drawn (write_shard's contract)."""
     import numpy as np
@@ -133,7 +135,7 @@ def _rows(chunks):
             doc = synth.stats_doc(kind, stats.cpu().tolist(), numel)
             yield c.id, 0, "s", np.frombuffer(json.dumps(doc).encode(), np.uint8)
             continue
-        for i, part in enumerate(_host_parts(c.payload, shards.PART_BYTES)):
+        for i, part in enumerate(_host_parts(c.payload, part_bytes)):
             yield c.id, i, "d", part
 
 
