@@ -22,6 +22,8 @@ import torch
 
 from cbtrace import rundir
 from cbtrace.errors import CaptureError
+from cbtrace.helper_thread import HelperThread, InlineHelper
+from cbtrace.plugins.inputs.tensor_store import run_copies
 from cbtrace.records import ModuleRecord, records_to_frame
 from cbtrace.structure import flat_tensors
 
@@ -68,6 +70,11 @@ def selected(fqn: str, cfg: CaptureConfig) -> bool:
 
 _ACTIVE: list = []  # the capture in progress, if any (captures do not nest)
 
+# The ops behind torch.autograd.profiler.record_function (a user_annotation range), called
+# directly: the context manager's own Python layers made ~17 trace events per range.
+_RANGE_ENTER = torch.ops.profiler._record_function_enter_new
+_RANGE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+
 
 @dataclass
 class _Frame:
@@ -93,6 +100,7 @@ class capture:
         self._names: dict[int, list[str]] = {}
         self._selected: dict[str, bool] = {}
         self._prof = None
+        self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread while profiling)
         self.trace_path: Path | None = None
         self.timings_s: dict[str, float] = {}  # where capture time went (also in the manifest)
 
@@ -130,12 +138,16 @@ class capture:
             self._prof = torch.profiler.profile(activities=_activities(), record_shapes=True,
                                                 with_stack=True)
             self._prof.__enter__()
+            # started after the profiler, so the profiler neither traces it nor records its ops
+            self._helper = HelperThread(stream=_current_stream(self.model))
         return self
 
     def __exit__(self, exc_type, exc, tb):
         self.timings_s["step"] = time.perf_counter() - self._t0
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        self._helper.close()
+        self._helper = InlineHelper()
         try:
             if self._prof is not None:
                 t0 = time.perf_counter()
@@ -149,7 +161,7 @@ class capture:
                 frame = self._stack.pop()
                 if frame.record is None:
                     continue
-                frame.rf.__exit__(None, None, None)
+                _RANGE_EXIT(frame.rf)
                 frame.record.capture_error = frame.record.capture_error or _short(exc)
         self.step_s = time.perf_counter() - self._t0
         self._finish(exc)
@@ -168,19 +180,36 @@ class capture:
         return next((n for n in names if self._selected.get(n)), names[0])
 
     def _pre(self, module, args, kwargs):
-        # Runs inside the traced step: keep it lean (every Python call here becomes a trace
-        # event under with_stack). Static facts come from a table built in __enter__; input
-        # metadata is derived from inputs_ref after the step.
+        # Runs inside the traced step, where with_stack makes every Python call an event: the
+        # bookkeeping (fqn, parent, walking and planning the inputs, the record) runs on the
+        # helper thread, which the profiler does not trace; this thread only copies the data.
         t0 = time.perf_counter()
-        fqn = self._fqn(module)
+        names = self._names.get(id(module))
+        fqn = names[0] if names is not None and len(names) == 1 else self._fqn(module)
         if not self._selected.get(fqn):  # a shared module reached through an unselected path
             self._stack.append(_Frame(None, module, None))
             return
+        grad, autocast = torch.is_grad_enabled(), _autocast_dtype()  # this thread's modes
+        copy_range = _RANGE_ENTER(f"cbtrace.copy::{fqn}", None)
+        try:
+            rec, copies = self._helper.call(self._plan_call, module, fqn, args, kwargs, grad,
+                                            autocast)
+            try:
+                run_copies(copies)
+            except BaseException as e:
+                rec.capture_error = f"copying its inputs failed: {_short(e)}"
+                raise
+        finally:
+            _RANGE_EXIT(copy_range)
+        self._stack.append(_Frame(rec, module, _RANGE_ENTER(f"cbtrace::{fqn}", None)))
+        self.timings_s["hooks"] = self.timings_s.get("hooks", 0.0) + time.perf_counter() - t0
+
+    def _plan_call(self, module, fqn, args, kwargs, grad, autocast):
+        """The call's record and its input copies to run (on the helper thread)."""
         idx = self._counts.get(fqn, 0)
         self._counts[fqn] = idx + 1
         parent = next((f.record for f in reversed(self._stack) if f.record is not None), None)
-        with torch.autograd.profiler.record_function(f"cbtrace.copy::{fqn}"):
-            ref = self._snap.take(tuple(args), dict(kwargs))
+        ref, copies = self._snap.plan(tuple(args), dict(kwargs))
         mtype, mclass, pbytes, bbytes = self._static[id(module)]
         rec = ModuleRecord(
             fqn=fqn, call_index=idx, call_id=len(self.records),
@@ -189,29 +218,23 @@ class capture:
             depth=parent.depth + 1 if parent else 0,
             module_type=mtype, module_class=mclass, param_bytes=pbytes, buffer_bytes=bbytes,
             input_bytes=self._snap.last_input_bytes, input_shapes="[]", input_meta="[]",
-            output_meta="[]", training=module.training, grad_enabled=torch.is_grad_enabled(),
-            autocast_dtype=_autocast_dtype(), inputs_ref=ref,
-            synthesized=self._snap.last_synthesized)
+            output_meta="[]", training=module.training, grad_enabled=grad,
+            autocast_dtype=autocast, inputs_ref=ref, synthesized=self._snap.last_synthesized)
         self.records.append(rec)
-        rf = torch.autograd.profiler.record_function(f"cbtrace::{fqn}")
-        rf.__enter__()
-        self._stack.append(_Frame(rec, module, rf))
-        self.timings_s["hooks"] = self.timings_s.get("hooks", 0.0) + time.perf_counter() - t0
+        return rec, copies
 
     def _post(self, module, args, kwargs, output):
-        from cbtrace.plugins.inputs.snapshot import tensor_meta
-
         if not self._stack or self._stack[-1].module is not module:
             return  # hook of a call whose pre hook did not run (registered mid-call)
         frame = self._stack.pop()
         if frame.record is None:
             return
-        frame.rf.__exit__(None, None, None)
+        _RANGE_EXIT(frame.rf)
         raised = sys.exc_info()[1]  # always_call hooks run inside torch's except block
         if raised is not None:
             frame.record.capture_error = _short(raised)
             return
-        frame.record.output_meta = json.dumps([tensor_meta(t) for t in flat_tensors(output)])
+        frame.record.output_meta = self._helper.call(_output_meta, output)
 
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
@@ -278,6 +301,21 @@ class capture:
                     gzip.open(out, "wb", compresslevel=3) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
         return path
+
+
+def _output_meta(output) -> str:
+    from cbtrace.plugins.inputs.snapshot import tensor_meta
+
+    return json.dumps([tensor_meta(t) for t in flat_tensors(output)])
+
+
+def _current_stream(model):
+    """The CUDA stream the step runs on, if the model is on a GPU (helper work joins it)."""
+    for t in model.parameters():
+        if t.is_cuda:
+            return torch.cuda.current_stream(t.device)
+        break
+    return None
 
 
 def _static_facts(module) -> tuple[str, str, int, int]:

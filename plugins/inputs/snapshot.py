@@ -20,9 +20,9 @@ from pathlib import Path
 
 from cbtrace.plugins.inputs import shards, synth
 from cbtrace.plugins.inputs.codec import EncodeContext, by_name
-from cbtrace.plugins.inputs.tensor_store import ShardPlan, TensorStore, tensor_meta
+from cbtrace.plugins.inputs.tensor_store import ShardPlan, TensorStore, run_copies, tensor_meta
 
-__all__ = ["Snapshotter", "tensor_meta", "FORMAT_VERSION"]
+__all__ = ["Snapshotter", "tensor_meta", "run_copies", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 SHARD_BYTES = 128 << 20
@@ -62,6 +62,17 @@ class Snapshotter:
 
     def take(self, args: tuple, kwargs: dict) -> str:
         """Copy the call's inputs now; return its ``inputs_ref`` JSON."""
+        ref, copies = self.plan(args, kwargs)
+        run_copies(copies)
+        return ref
+
+    def plan(self, args: tuple, kwargs: dict) -> tuple[str, list]:
+        """The call's ``inputs_ref`` JSON and the copies still to run (``run_copies``) before the
+        call may go on; ``take`` does both. Pending shards are written early here, before any
+        chunk of this call exists, once more than ``max_pending_bytes`` are held."""
+        if self.max_pending_bytes is not None and self._plan.pending_bytes > self.max_pending_bytes:
+            self._plan.close()
+            self._write(self._plan.pop_closed())
         pending: list = []
 
         def put_tensor(t):
@@ -72,13 +83,10 @@ class Snapshotter:
         ctx = EncodeContext(self._serializers, put_tensor, self._type_cache)
         arg_nodes = [ctx.encode(a) for a in args]
         kw_nodes = {str(k): ctx.encode(v) for k, v in kwargs.items()}
-        used, self.last_input_bytes, self.last_synthesized = self._store.commit(pending)
+        used, self.last_input_bytes, self.last_synthesized, copies = self._store.commit(pending)
         doc = {"v": FORMAT_VERSION, "args": arg_nodes, "kwargs": kw_nodes,
                "chunks": {str(i): c.ref() for i, c in sorted(used.items())}}
-        if self.max_pending_bytes is not None and self._plan.pending_bytes > self.max_pending_bytes:
-            self._plan.close()
-            self._write(self._plan.pop_closed())
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False), copies
 
     def flush(self) -> list[Path]:
         """Write every pending chunk; returns all shard files written so far."""
@@ -135,7 +143,8 @@ def _rows(chunks, part_bytes: int):
             doc = synth.stats_doc(kind, stats.cpu().tolist(), numel)
             yield c.id, 0, "s", np.frombuffer(json.dumps(doc).encode(), np.uint8)
             continue
-        for i, part in enumerate(_host_parts(c.payload, part_bytes)):
+        data = c.payload if c.payload is not None else c.nbytes
+        for i, part in enumerate(_host_parts(data, part_bytes)):
             yield c.id, i, "d", part
 
 
@@ -151,8 +160,13 @@ def _host_parts(t, part_bytes: int):
     thread on the H200 host; pinned ones run at PCIe speed (54 GB/s measured there). Stages
     return to torch's pinned-memory cache when the writer threads end.
     """
+    import numpy as np
     import torch
 
+    if isinstance(t, int):  # a chunk whose copy failed (the capture failed): zeros, same size
+        for lo in range(0, max(t, 1), part_bytes):
+            yield np.zeros(min(part_bytes, t - lo), np.uint8)
+        return
     if t.device.type != "cuda":
         arr = (t if t.device.type == "cpu" else t.cpu()).numpy()
         for lo in range(0, max(arr.size, 1), part_bytes):

@@ -56,7 +56,8 @@ class Chunk:
     nparts: int
     lo: int              # byte offset of the copy in the original storage
     nbytes: int          # bytes copied (0 for stats)
-    payload: object      # device uint8 tensor, or (stats kind, tensor, numel); None once written
+    payload: object      # device uint8 tensor, or (stats kind, tensor, numel); None until
+                         # copied (run_copies) and again once written
 
     def ref(self) -> list:
         return [self.shard, self.row, self.nparts, self.lo, self.nbytes, self.kind]
@@ -109,8 +110,13 @@ class TensorStore:
         self.synth_above = synthesize_above_bytes
         self._seen: dict[tuple, _Seen] = {}
 
-    def commit(self, pending: list) -> tuple[dict, int, bool]:
-        """Fill the nodes of ``pending`` [(tensor, node)]; -> (chunks used, bytes, synthesized)."""
+    def commit(self, pending: list) -> tuple[dict, int, bool, list]:
+        """Fill the nodes of ``pending`` [(tensor, node)].
+
+        Returns (chunks used, bytes, synthesized, copies): ``copies`` lists (chunk, source) for
+        each new chunk, whose data the caller copies with ``run_copies`` before the call runs.
+        """
+        copies: list = []
         used: dict[int, Chunk] = {}
         groups: dict[tuple, list] = {}
         spans: dict[tuple, list] = {}
@@ -139,11 +145,11 @@ class TensorStore:
                 node.update(unsupported(t, f"tensor: {e}"))
         for key, items in groups.items():
             for cluster in _overlapping(items):
-                chunk = self._chunk_for(key, cluster)
+                chunk = self._chunk_for(key, cluster, copies)
                 used[chunk.id] = chunk
                 for _, _, node, _, _ in cluster:
                     node["c"] = chunk.id
-        return used, sum(_union_bytes(s) for s in spans.values()), synthesized
+        return used, sum(_union_bytes(s) for s in spans.values()), synthesized, copies
 
     @staticmethod
     def _meta(t: torch.Tensor) -> dict:
@@ -161,7 +167,7 @@ class TensorStore:
         """Drop dedup entries whose storage has been freed."""
         self._seen = {k: v for k, v in self._seen.items() if v.storage() is not None}
 
-    def _chunk_for(self, key, cluster) -> Chunk:
+    def _chunk_for(self, key, cluster, copies: list) -> Chunk:
         st = cluster[0][1]
         lo = min(c[3] for c in cluster)
         hi = max(c[4] for c in cluster)
@@ -178,8 +184,8 @@ class TensorStore:
         with torch.no_grad():
             src = torch.empty(0, dtype=torch.uint8, device=cluster[0][0].device)
             src.set_(st, lo, (hi - lo,), (1,))
-            data = src.clone()  # on the tensor's own device: no host sync
-        chunk = self.plan.add("d", hi - lo, lo, data)
+        chunk = self.plan.add("d", hi - lo, lo, None)
+        copies.append((chunk, src))
         if version is not None:
             seen.chunks.append((version, lo, hi, chunk))
         return chunk
@@ -192,6 +198,16 @@ class TensorStore:
         except (TypeError, RuntimeError, NotImplementedError):
             return None  # dtype without statistics: store its data instead
         return self.plan.add("s", 0, 0, (kind, stats, t.numel()))
+
+
+def run_copies(copies: list) -> None:
+    """Copy each new chunk's storage span (on the tensor's own device: no host sync).
+
+    Capture plans a call's chunks on a helper thread the profiler does not trace and runs the
+    copies here, on the calling thread, so they stay inside its ``cbtrace.copy::`` range.
+    """
+    for chunk, src in copies:
+        chunk.payload = src.clone()
 
 
 def _sorted_ints(t: torch.Tensor) -> bool:
