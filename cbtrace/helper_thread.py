@@ -29,7 +29,7 @@ class HelperThread:
 
     def __init__(self, stream=None):
         self._stream = stream  # CUDA stream of the caller: kernels fn launches are ordered on it
-        self._go, self._done = threading.Lock(), threading.Lock()
+        self._go, self._done, self._one = threading.Lock(), threading.Lock(), threading.Lock()
         self._go.acquire()
         self._done.acquire()
         self._job = self._out = None
@@ -40,11 +40,12 @@ class HelperThread:
     def call(self, fn, *args):
         if self._stop:
             return fn(*args)
-        self._job = (fn, args)
-        self._go.release()
-        self._done.acquire()
-        out, err = self._out
-        self._out = None
+        with self._one:  # hooks may fire on several threads (e.g. nn.DataParallel replicas)
+            self._job = (fn, args)
+            self._go.release()
+            self._done.acquire()
+            out, err = self._out
+            self._out = None
         if err is not None:
             raise err
         return out

@@ -91,6 +91,18 @@ def test_helper_thread_returns_raises_and_closes():
     with pytest.raises(ZeroDivisionError):
         h.call(lambda: 1 / 0)
     assert h.call(str.upper, "ok") == "OK"  # still usable after an error
+    results = []
+
+    def caller(i):
+        results.append(all(h.call(lambda k: k * 2, i * 1000 + j) == 2 * (i * 1000 + j)
+                           for j in range(200)))
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 4  # concurrent callers each get their own answers
     h.close()
     h.close()
     assert h.call(threading.get_ident) == me  # after close: inline
