@@ -7,7 +7,6 @@ the inputs, modules.parquet and the manifest. Run: python benchmarks/bench_captu
 import gzip
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path

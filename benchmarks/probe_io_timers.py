@@ -9,7 +9,6 @@ Run: python benchmarks/probe_io_timers.py [DIR]
 import hashlib
 import os
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,7 +56,6 @@ def io_part(d: Path):
             list(pool.map(lambda _: hashlib.sha256(mv).hexdigest(), range(total // shard)))
         print(f"sha256 {threads} thr: {rate(total, time.perf_counter() - t0)}")
     import pyarrow as pa
-    import pyarrow.parquet as pq
     sys.path.insert(0, ".")
     from cbtrace.plugins.inputs import shards
 
@@ -66,7 +64,7 @@ def io_part(d: Path):
     sink = pa.BufferOutputStream()
     with ThreadPoolExecutor(2) as pool:
         shards._write_rows(sink, rows, pool)
-    out = sink.getvalue()
+    sink.getvalue()
     print(f"parquet encode to memory 1 thr: {rate(shard, time.perf_counter() - t0)}")
     t0 = time.perf_counter()
     shards.write_shard(d / "s.parquet", rows, {})
@@ -133,7 +131,6 @@ def timer_part():
     c = GPTConfig()
     x = torch.randn(8, 1024, 768, device=dev, dtype=dt)
     h = torch.randn(8, 1024, 3072, device=dev, dtype=dt)
-    xs = torch.randn(8192, 768, device=dev, dtype=dt)
     cases = {
         "ln": (torch.nn.LayerNorm(768), (x,)),
         "c_attn": (torch.nn.Linear(768, 2304), (x,)),
