@@ -43,7 +43,12 @@ class HelperThread:
         with self._one:  # hooks may fire on several threads (e.g. nn.DataParallel replicas)
             self._job = (fn, args)
             self._go.release()
-            self._done.acquire()
+            try:
+                self._done.acquire()
+            except BaseException:  # e.g. Ctrl-C: let the job end, so no later call reads
+                self._done.acquire()  # this one's answer
+                self._out = None
+                raise
             out, err = self._out
             self._out = None
         if err is not None:
