@@ -9,11 +9,13 @@ overhead, which attribution subtracts), then the call runs inside ``cbtrace::<fq
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ from cbtrace import rundir
 from cbtrace.errors import CaptureError
 from cbtrace.helper_thread import HelperThread, InlineHelper
 from cbtrace.plugins.inputs.tensor_store import run_copies
-from cbtrace.records import ModuleRecord, records_to_frame
+from cbtrace.records import COPY_FAILED, ModuleRecord, records_to_frame
 from cbtrace.structure import flat_tensors
 
 
@@ -81,6 +83,7 @@ class _Frame:
     record: ModuleRecord | None  # None: a call through an unselected path (passes through)
     module: torch.nn.Module
     rf: object
+    pending: BaseException | None = None  # exception already being handled when it was called
 
 
 class capture:
@@ -101,13 +104,13 @@ class capture:
         self._selected: dict[str, bool] = {}
         self._prof = None
         self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread while profiling)
+        self._lock = threading.RLock()
+        self._cuda = False
         self.trace_path: Path | None = None
         self.timings_s: dict[str, float] = {}  # where capture time went (also in the manifest)
 
     # --- context manager -------------------------------------------------------------
     def __enter__(self):
-        from cbtrace.plugins.inputs.snapshot import Snapshotter
-
         if _ACTIVE:
             raise CaptureError(f"{self.out}: a cbtrace capture is already active; captures "
                                "cannot nest")
@@ -116,6 +119,16 @@ class capture:
                                "capture with profile=False inside it (ranges still recorded)")
         self.out = rundir.prepare_new_run(self.out, overwrite=self.cfg.overwrite)
         _ACTIVE.append(self)
+        try:
+            self._start()
+        except BaseException:  # leave nothing half-open: hooks, profiler, helper, _ACTIVE
+            self._undo_start()
+            raise
+        return self
+
+    def _start(self) -> None:
+        from cbtrace.plugins.inputs.snapshot import Snapshotter
+
         self._state_sha256 = state_digest(self.model)  # before the step changes any buffer
         self._snap = Snapshotter(self.out / rundir.INPUTS,
                                  synthesize_above_bytes=self.cfg.synthesize_above_bytes,
@@ -125,6 +138,8 @@ class capture:
             self._selected[name] = selected(name, self.cfg)  # once: hooks only look it up
         self._static = {id(m): _static_facts(m) for m in self.model.modules()}
         self._flags = {n: m.training for n, m in self.model.named_modules()}
+        self._cuda = any(t.is_cuda for t in self.model.parameters()) or any(
+            t.is_cuda for t in self.model.buffers())
         seen = set()
         for name, mod in self.model.named_modules(remove_duplicate=False):
             if id(mod) in seen or not any(self._selected[n] for n in self._names[id(mod)]):
@@ -139,16 +154,30 @@ class capture:
                                                 with_stack=True)
             self._prof.__enter__()
             # started after the profiler, so the profiler neither traces it nor records its ops
-            self._helper = HelperThread(stream=_current_stream(self.model))
-        return self
+            self._helper = HelperThread()
+
+    def _undo_start(self) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._helper.close()
+        self._helper = InlineHelper()
+        if self._prof is not None:
+            try:
+                self._prof.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+            self._prof = None
 
     def __exit__(self, exc_type, exc, tb):
         self.timings_s["step"] = time.perf_counter() - self._t0
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        self._helper.close()
-        self._helper = InlineHelper()
         try:
+            self._helper.close()
+            self._helper = InlineHelper()
             if self._prof is not None:
                 t0 = time.perf_counter()
                 self._prof.__exit__(exc_type, exc, tb)
@@ -183,33 +212,39 @@ class capture:
         # Runs inside the traced step, where with_stack makes every Python call an event: the
         # bookkeeping (fqn, parent, walking and planning the inputs, the record) runs on the
         # helper thread, which the profiler does not trace; this thread only copies the data.
-        t0 = time.perf_counter()
-        names = self._names.get(id(module))
-        fqn = names[0] if names is not None and len(names) == 1 else self._fqn(module)
-        if not self._selected.get(fqn):  # a shared module reached through an unselected path
-            self._stack.append(_Frame(None, module, None))
-            return
-        grad, autocast = torch.is_grad_enabled(), _autocast_dtype()  # this thread's modes
-        copy_range = _RANGE_ENTER(f"cbtrace.copy::{fqn}", None)
-        try:
-            rec, copies = self._helper.call(self._plan_call, module, fqn, args, kwargs, grad,
-                                            autocast)
+        with self._lock:  # hooks may fire on several threads (e.g. nn.DataParallel replicas)
+            t0 = time.perf_counter()
+            pending = sys.exc_info()[1]  # an exception being handled around this call
+            names = self._names.get(id(module))
+            fqn = names[0] if names is not None and len(names) == 1 else self._fqn(module)
+            if not self._selected.get(fqn):  # a shared module reached through an unselected path
+                self._stack.append(_Frame(None, module, None, pending))
+                return
+            grad, autocast = torch.is_grad_enabled(), _autocast_dtype()  # this thread's modes
+            stream = torch.cuda.current_stream() if self._cuda else None
+            copy_range = _RANGE_ENTER(f"cbtrace.copy::{fqn}", None)
             try:
-                run_copies(copies)
-            except BaseException as e:
-                rec.capture_error = f"copying its inputs failed: {_short(e)}"
-                raise
-        finally:
-            _RANGE_EXIT(copy_range)
-        self._stack.append(_Frame(rec, module, _RANGE_ENTER(f"cbtrace::{fqn}", None)))
-        self.timings_s["hooks"] = self.timings_s.get("hooks", 0.0) + time.perf_counter() - t0
+                rec, copies = self._helper.call(self._plan_call, module, fqn, args, kwargs,
+                                                grad, autocast, stream)
+                try:
+                    run_copies(copies)
+                except BaseException as e:
+                    rec.capture_error = f"{COPY_FAILED}: {_short(e)}"
+                    raise
+            finally:
+                _RANGE_EXIT(copy_range)
+            rf = _RANGE_ENTER(f"cbtrace::{fqn}", None)
+            self._stack.append(_Frame(rec, module, rf, pending))
+            self.timings_s["hooks"] = self.timings_s.get("hooks", 0.0) + time.perf_counter() - t0
 
-    def _plan_call(self, module, fqn, args, kwargs, grad, autocast):
-        """The call's record and its input copies to run (on the helper thread)."""
+    def _plan_call(self, module, fqn, args, kwargs, grad, autocast, stream):
+        """The call's record and its input copies to run (on the helper thread; kernels it
+        launches, e.g. statistics of synthesized inputs, go to the caller's stream)."""
         idx = self._counts.get(fqn, 0)
         self._counts[fqn] = idx + 1
         parent = next((f.record for f in reversed(self._stack) if f.record is not None), None)
-        ref, copies = self._snap.plan(tuple(args), dict(kwargs))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            ref, copies = self._snap.plan(tuple(args), dict(kwargs))
         mtype, mclass, pbytes, bbytes = self._static[id(module)]
         rec = ModuleRecord(
             fqn=fqn, call_index=idx, call_id=len(self.records),
@@ -224,17 +259,18 @@ class capture:
         return rec, copies
 
     def _post(self, module, args, kwargs, output):
-        if not self._stack or self._stack[-1].module is not module:
-            return  # hook of a call whose pre hook did not run (registered mid-call)
-        frame = self._stack.pop()
-        if frame.record is None:
-            return
-        _RANGE_EXIT(frame.rf)
-        raised = sys.exc_info()[1]  # always_call hooks run inside torch's except block
-        if raised is not None:
-            frame.record.capture_error = _short(raised)
-            return
-        frame.record.output_meta = self._helper.call(_output_meta, output)
+        with self._lock:
+            if not self._stack or self._stack[-1].module is not module:
+                return  # hook of a call whose pre hook did not run (registered mid-call)
+            frame = self._stack.pop()
+            if frame.record is None:
+                return
+            _RANGE_EXIT(frame.rf)
+            raised = sys.exc_info()[1]  # always_call hooks run inside torch's except block
+            if raised is not None and raised is not frame.pending:  # the call itself raised
+                frame.record.capture_error = _short(raised)
+                return
+            frame.record.output_meta = self._helper.call(_output_meta, output)
 
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
@@ -307,15 +343,6 @@ def _output_meta(output) -> str:
     from cbtrace.plugins.inputs.snapshot import tensor_meta
 
     return json.dumps([tensor_meta(t) for t in flat_tensors(output)])
-
-
-def _current_stream(model):
-    """The CUDA stream the step runs on, if the model is on a GPU (helper work joins it)."""
-    for t in model.parameters():
-        if t.is_cuda:
-            return torch.cuda.current_stream(t.device)
-        break
-    return None
 
 
 def _static_facts(module) -> tuple[str, str, int, int]:

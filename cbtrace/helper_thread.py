@@ -5,12 +5,16 @@ bookkeeping in capture's hooks (walking and planning the inputs, building the re
 of the events of a captured tiny model's trace (6,414 of 6,852), and stopping the profiler and
 exporting that trace cost more than the step itself. torch.profiler instruments the threads that
 exist when it starts; a thread started afterwards is neither traced nor op-recorded. The hook
-hands its work to such a thread and waits: one lock release and one acquire per call.
+hands its work to such a thread and waits: a few C-level calls per hand-off (queue put, lock
+acquire), each call with its own result slot.
 """
 from __future__ import annotations
 
-import contextlib
+import _thread
+import queue
 import threading
+
+_WAKE_S = 1.0  # how often a waiting caller checks that the helper is still alive
 
 
 class InlineHelper:
@@ -25,57 +29,46 @@ class InlineHelper:
 
 class HelperThread:
     """One worker thread; ``call(fn, *args)`` runs ``fn`` there and returns (or raises) its
-    result. Calls never overlap: the caller waits, so ``fn`` may read the caller's state."""
+    result while the caller waits, so ``fn`` may read the caller's state. Jobs run one at a
+    time, in the order they were handed over; after ``close()`` calls run inline."""
 
-    def __init__(self, stream=None):
-        self._stream = stream  # CUDA stream of the caller: kernels fn launches are ordered on it
-        self._go, self._done, self._one = threading.Lock(), threading.Lock(), threading.Lock()
-        self._go.acquire()
-        self._done.acquire()
-        self._job = self._out = None
-        self._stop = False
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="cbtrace-capture", daemon=True)
         self._thread.start()
+        self._ident = self._thread.ident
 
     def call(self, fn, *args):
-        if self._stop:
+        if self._closed or _thread.get_ident() == self._ident:  # closed, or called from fn
             return fn(*args)
-        with self._one:  # hooks may fire on several threads (e.g. nn.DataParallel replicas)
-            self._job = (fn, args)
-            self._go.release()
-            try:
-                self._done.acquire()
-            except BaseException:  # e.g. Ctrl-C: let the job end, so no later call reads
-                self._done.acquire()  # this one's answer
-                self._out = None
-                raise
-            out, err = self._out
-            self._out = None
-        if err is not None:
-            raise err
-        return out
+        done = _thread.allocate_lock()
+        done.acquire()
+        box = [None, None]
+        self._jobs.put((fn, args, done, box))
+        while not done.acquire(timeout=_WAKE_S):
+            if not self._thread.is_alive():
+                raise RuntimeError("cbtrace's capture helper thread died")
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
 
     def close(self) -> None:
-        if not self._stop:
-            self._stop = True
-            self._go.release()
+        """Finish the jobs already handed over, then stop the thread."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
             self._thread.join()
 
     def _loop(self) -> None:
-        ctx = contextlib.nullcontext()
-        if self._stream is not None:
-            import torch
-
-            ctx = torch.cuda.stream(self._stream)
-        with ctx:
-            while True:
-                self._go.acquire()
-                if self._stop:
-                    return
-                fn, args = self._job
-                self._job = None
-                try:
-                    self._out = (fn(*args), None)
-                except BaseException as e:  # noqa: BLE001 - handed back to the caller
-                    self._out = (None, e)
-                self._done.release()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, done, box = job
+            try:
+                box[0] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                box[1] = e
+            finally:
+                done.release()

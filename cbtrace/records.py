@@ -77,6 +77,9 @@ class ModuleRecord:
 
 
 
+COPY_FAILED = "copying its inputs failed"  # capture_error prefix: the stored inputs are zeros
+
+
 def capture_fields() -> tuple[str, ...]:
     """The fields capture fills (everything before ``status``); replay starts from these."""
     names = field_names()

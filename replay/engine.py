@@ -9,8 +9,8 @@ import torch
 
 from cbtrace import rundir
 from cbtrace.errors import ReplayError
-from cbtrace.records import (ModuleRecord, capture_fields, frame_to_records, records_to_frame,
-                             required_fields)
+from cbtrace.records import (COPY_FAILED, ModuleRecord, capture_fields, frame_to_records,
+                             records_to_frame, required_fields)
 from cbtrace.replay.config import ReplayConfig
 from cbtrace.replay.isolation import StateGuard
 from cbtrace.replay.measure import measure_call, timer_chain
@@ -118,6 +118,8 @@ def replay_one(model, rec, run, device, cfg, chain, guard, budget, flags=None) -
     """Replay one call; never raises for the module's own failures (status = error)."""
     from cbtrace.plugins.inputs.load import load_call_inputs
 
+    if (rec.capture_error or "").startswith(COPY_FAILED):
+        return dict(status="error", status_reason=f"inputs not captured ({rec.capture_error})")
     try:
         module = model.get_submodule(rec.fqn) if rec.fqn else model
     except AttributeError:

@@ -5,6 +5,7 @@ import json
 import threading
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -106,6 +107,83 @@ def test_helper_thread_returns_raises_and_closes():
     h.close()
     h.close()
     assert h.call(threading.get_ident) == me  # after close: inline
+
+
+def test_failed_copy_caught_by_the_model_is_never_reused(tmp_path, monkeypatch):
+    from cbtrace.plugins.inputs import tensor_store
+
+    real, calls = tensor_store.run_copies, {"n": 0}
+
+    def fail_first(copies):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first call of the child
+            raise RuntimeError("simulated OOM")
+        real(copies)
+
+    class Retry(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            try:
+                return self.lin(x)
+            except RuntimeError:  # e.g. an OOM fallback
+                return self.lin(x)
+
+    monkeypatch.setattr("cbtrace.capture.run_copies", fail_first)
+    model, x = Retry(), torch.randn(2, 4)
+    with cbtrace.capture(model, tmp_path / "r"):
+        model(x)
+    df = rundir.read_modules(tmp_path / "r").set_index(["fqn", "call_index"])
+    assert df.loc[("lin", 0), "capture_error"].startswith("copying its inputs failed")
+    assert pd.isna(df.loc[("lin", 1), "capture_error"])
+    (got,), _ = cbtrace.load_inputs(tmp_path / "r", "lin", call_index=1)
+    assert torch.equal(got, x)  # its own copy, not the failed call's zeros
+    out = cbtrace.replay(tmp_path / "r", model=model, budget_s=0.01, min_runs=3, warmup_runs=1,
+                         profile_runs=1).set_index(["fqn", "call_index"])
+    assert out.loc[("lin", 0), "status"] == "error"
+    assert "inputs not captured" in out.loc[("lin", 0), "status_reason"]
+    assert out.loc[("lin", 1), "status"] == "ok"
+
+
+def test_failed_start_leaves_nothing_half_open(tmp_path, monkeypatch):
+    from cbtrace import capture as capture_mod
+
+    def broken():
+        raise RuntimeError("no thread for you")
+
+    monkeypatch.setattr(capture_mod, "HelperThread", broken)
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="no thread"):
+        with cbtrace.capture(model, tmp_path / "a"):
+            pass
+    assert not capture_mod._ACTIVE and not model._forward_pre_hooks and not model._forward_hooks
+    assert not torch.autograd.profiler._is_profiler_enabled
+    monkeypatch.undo()
+    with cbtrace.capture(model, tmp_path / "b"):  # and the next capture works
+        model(torch.randn(2, 4))
+    assert len(rundir.read_modules(tmp_path / "b")) == 1
+
+
+def test_call_inside_an_except_block_is_not_an_error(tmp_path):
+    class Fallback(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            try:
+                raise KeyError("cache miss")
+            except KeyError:
+                return self.lin(x)  # runs while the KeyError is being handled
+
+    model = Fallback()
+    with cbtrace.capture(model, tmp_path / "r"):
+        model(torch.randn(2, 4))
+    df = rundir.read_modules(tmp_path / "r").set_index("fqn")
+    assert pd.isna(df.loc["lin", "capture_error"])
+    assert json.loads(df.loc["lin", "output_meta"])[0]["shape"] == [2, 4]
 
 
 def test_failed_input_copy_marks_the_call_and_keeps_the_run_consistent(tmp_path, monkeypatch):

@@ -113,8 +113,9 @@ class TensorStore:
     def commit(self, pending: list) -> tuple[dict, int, bool, list]:
         """Fill the nodes of ``pending`` [(tensor, node)].
 
-        Returns (chunks used, bytes, synthesized, copies): ``copies`` lists (chunk, source) for
-        each new chunk, whose data the caller copies with ``run_copies`` before the call runs.
+        Returns (chunks used, bytes, synthesized, copies): ``copies`` lists each new chunk with
+        its source span, which the caller copies with ``run_copies`` before the call runs; a
+        chunk becomes reusable by later calls only once its copy exists.
         """
         copies: list = []
         used: dict[int, Chunk] = {}
@@ -185,9 +186,9 @@ class TensorStore:
             src = torch.empty(0, dtype=torch.uint8, device=cluster[0][0].device)
             src.set_(st, lo, (hi - lo,), (1,))
         chunk = self.plan.add("d", hi - lo, lo, None)
-        copies.append((chunk, src))
-        if version is not None:
-            seen.chunks.append((version, lo, hi, chunk))
+        # reusable by later calls only once its copy exists (run_copies registers it)
+        entry = (seen.chunks, (version, lo, hi, chunk)) if version is not None else None
+        copies.append((chunk, src, entry))
         return chunk
 
     def _synth_chunk(self, t: torch.Tensor) -> Chunk | None:
@@ -206,8 +207,10 @@ def run_copies(copies: list) -> None:
     Capture plans a call's chunks on a helper thread the profiler does not trace and runs the
     copies here, on the calling thread, so they stay inside its ``cbtrace.copy::`` range.
     """
-    for chunk, src in copies:
+    for chunk, src, entry in copies:
         chunk.payload = src.clone()
+        if entry is not None:
+            entry[0].append(entry[1])
 
 
 def _sorted_ints(t: torch.Tensor) -> bool:
