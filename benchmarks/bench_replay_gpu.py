@@ -23,21 +23,14 @@ REF_WARMUP_MS, REF_REP_MS = 25, 100
 
 
 def one_call_graph(fn):
-    """A CUDA graph of one fn() call (warmed up on a side stream), or None if capture fails."""
+    """A CUDA graph of one fn() call (the graph timer's warm-up and capture), or None."""
+    from cbtrace.plugins.backends.base import TimerUnavailable
+    from cbtrace.plugins.backends.graph import capture, side_stream_warmup
+
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g
-    except Exception:  # noqa: BLE001 - no graph reference for this call
-        torch.cuda.synchronize()
+        side_stream_warmup(lambda i: fn(), 1, 3)
+        return capture(lambda i: fn(), 1, 1)
+    except TimerUnavailable:  # no graph reference for this call
         return None
 
 

@@ -94,13 +94,9 @@ def graph_events(fn, k=20, flush=True, reps=10):
     buf = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     ev = [(torch.cuda.Event(enable_timing=True, external=True),
            torch.cuda.Event(enable_timing=True, external=True)) for _ in range(k)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    from cbtrace.plugins.backends.graph import side_stream_warmup
+
+    side_stream_warmup(lambda i: fn(), 1, 3)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for a, b in ev:

@@ -159,11 +159,8 @@ class capture:
     def _undo_start(self) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._helper.close()
-        self._helper = InlineHelper()
+        self._remove_hooks()
+        self._stop_helper()
         if self._prof is not None:
             try:
                 self._prof.__exit__(None, None, None)
@@ -176,16 +173,13 @@ class capture:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         try:
-            self._helper.close()
-            self._helper = InlineHelper()
+            self._stop_helper()
             if self._prof is not None:
                 t0 = time.perf_counter()
                 self._prof.__exit__(exc_type, exc, tb)
                 self.timings_s["profiler_stop"] = time.perf_counter() - t0
         finally:
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
+            self._remove_hooks()
             while self._stack:  # forward raised past some post hooks
                 frame = self._stack.pop()
                 if frame.record is None:
@@ -197,6 +191,16 @@ class capture:
         return False
 
     # --- hooks -----------------------------------------------------------------------
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _stop_helper(self) -> None:
+        """Let the helper thread finish; hooks called later (none should be) run inline."""
+        self._helper.close()
+        self._helper = InlineHelper()
+
     def _fqn(self, module) -> str:
         names = self._names.get(id(module), ["?"])
         if len(names) > 1 and self._stack:  # shared module: pick the path under the caller

@@ -109,17 +109,22 @@ def test_helper_thread_returns_raises_and_closes():
     assert h.call(threading.get_ident) == me  # after close: inline
 
 
-def test_failed_copy_caught_by_the_model_is_never_reused(tmp_path, monkeypatch):
+def fail_second_copy(monkeypatch):
+    """Make capture's second input copy (the first child call's) raise a simulated OOM."""
     from cbtrace.plugins.inputs import tensor_store
 
     real, calls = tensor_store.run_copies, {"n": 0}
 
-    def fail_first(copies):
+    def flaky(copies):
         calls["n"] += 1
-        if calls["n"] == 2:  # the first call of the child
-            raise RuntimeError("simulated OOM")
+        if calls["n"] == 2:
+            raise RuntimeError("simulated OOM while copying")
         real(copies)
 
+    monkeypatch.setattr("cbtrace.capture.run_copies", flaky)
+
+
+def test_failed_copy_caught_by_the_model_is_never_reused(tmp_path, monkeypatch):
     class Retry(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -131,7 +136,7 @@ def test_failed_copy_caught_by_the_model_is_never_reused(tmp_path, monkeypatch):
             except RuntimeError:  # e.g. an OOM fallback
                 return self.lin(x)
 
-    monkeypatch.setattr("cbtrace.capture.run_copies", fail_first)
+    fail_second_copy(monkeypatch)
     model, x = Retry(), torch.randn(2, 4)
     with cbtrace.capture(model, tmp_path / "r"):
         model(x)
@@ -187,18 +192,7 @@ def test_call_inside_an_except_block_is_not_an_error(tmp_path):
 
 
 def test_failed_input_copy_marks_the_call_and_keeps_the_run_consistent(tmp_path, monkeypatch):
-    from cbtrace.plugins.inputs import tensor_store
-
-    real = tensor_store.run_copies
-    calls = {"n": 0}
-
-    def flaky(copies):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("simulated OOM while copying")
-        real(copies)
-
-    monkeypatch.setattr("cbtrace.capture.run_copies", flaky)
+    fail_second_copy(monkeypatch)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     with pytest.raises(RuntimeError, match="simulated OOM"):
         with cbtrace.capture(model, tmp_path / "r"):

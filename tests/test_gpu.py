@@ -12,12 +12,18 @@ pytestmark = pytest.mark.gpu
 FAST = dict(budget_s=0.02, min_runs=5, warmup_runs=2, profile_runs=1)
 
 
-def test_capture_and_replay_on_cuda_with_graph_timer(tmp_path):
+def tiny_cuda_capture(run):
+    """nanogpt:tiny in bf16 on the GPU, captured into ``run``; returns the live model."""
     provider = resolve("nanogpt:tiny")
     model, batch = provider.model_and_batch("cuda", torch.bfloat16)
     model.eval()
-    with cbtrace.capture(model, tmp_path / "r"):
+    with cbtrace.capture(model, run):
         provider.run(model, batch)
+    return model
+
+
+def test_capture_and_replay_on_cuda_with_graph_timer(tmp_path):
+    model = tiny_cuda_capture(tmp_path / "r")
     args, _ = cbtrace.load_inputs(tmp_path / "r", "transformer.h.0.attn")
     assert args[0].is_cuda and args[0].dtype == torch.bfloat16
     before = state_fingerprint(model)
@@ -32,11 +38,7 @@ def test_capture_and_replay_on_cuda_with_graph_timer(tmp_path):
 
 
 def test_cold_mode_times_one_call_per_graph(tmp_path):
-    provider = resolve("nanogpt:tiny")
-    model, batch = provider.model_and_batch("cuda", torch.bfloat16)
-    model.eval()
-    with cbtrace.capture(model, tmp_path / "r"):
-        provider.run(model, batch)
+    model = tiny_cuda_capture(tmp_path / "r")
     warm = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("call_id")
     cold = cbtrace.replay(tmp_path / "r", model=model, cold=True, **FAST).set_index("call_id")
     g = cold[cold["timer"] == "graph"]

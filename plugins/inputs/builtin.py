@@ -52,24 +52,24 @@ class TensorSerializer(Serializer):
         return ctx.tensor(node)
 
 
-class NoneSerializer(_Exact):
-    name, types = "none", (type(None),)
+class _Singleton(_Exact):
+    """The one value of its type: stored as its name only."""
+
+    value = None
 
     def encode(self, obj, ctx):
         return {}
 
     def decode(self, node, ctx):
-        return None
+        return self.value
 
 
-class EllipsisSerializer(_Exact):
-    name, types = "ellipsis", (type(Ellipsis),)
+class NoneSerializer(_Singleton):
+    name, types, value = "none", (type(None),), None
 
-    def encode(self, obj, ctx):
-        return {}
 
-    def decode(self, node, ctx):
-        return Ellipsis
+class EllipsisSerializer(_Singleton):
+    name, types, value = "ellipsis", (type(Ellipsis),), Ellipsis
 
 
 class BoolSerializer(_Exact):

@@ -143,9 +143,18 @@ def _rows(chunks, part_bytes: int):
             doc = synth.stats_doc(kind, stats.cpu().tolist(), numel)
             yield c.id, 0, "s", np.frombuffer(json.dumps(doc).encode(), np.uint8)
             continue
-        data = c.payload if c.payload is not None else c.nbytes
-        for i, part in enumerate(_host_parts(data, part_bytes)):
+        parts = (_host_parts(c.payload, part_bytes) if c.payload is not None
+                 else _zero_parts(c.nbytes, part_bytes))  # its copy failed: the capture failed
+        for i, part in enumerate(parts):
             yield c.id, i, "d", part
+
+
+def _zero_parts(nbytes: int, part_bytes: int):
+    """Zeros in the parts a chunk of ``nbytes`` was planned with (its rows stay in place)."""
+    import numpy as np
+
+    for lo in range(0, max(nbytes, 1), part_bytes):
+        yield np.zeros(min(part_bytes, nbytes - lo), np.uint8)
 
 
 _stage = threading.local()
@@ -160,13 +169,8 @@ def _host_parts(t, part_bytes: int):
     thread on the H200 host; pinned ones run at PCIe speed (54 GB/s measured there). Stages
     return to torch's pinned-memory cache when the writer threads end.
     """
-    import numpy as np
     import torch
 
-    if isinstance(t, int):  # a chunk whose copy failed (the capture failed): zeros, same size
-        for lo in range(0, max(t, 1), part_bytes):
-            yield np.zeros(min(part_bytes, t - lo), np.uint8)
-        return
     if t.device.type != "cuda":
         arr = (t if t.device.type == "cpu" else t.cpu()).numpy()
         for lo in range(0, max(arr.size, 1), part_bytes):
