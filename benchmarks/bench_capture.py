@@ -1,8 +1,10 @@
 """Capture overhead: a captured step vs a plain profiled step, against disk write bandwidth.
 
 Goal (issue 2): capture <= 1.5 x (plain profiled step + captured bytes / disk bandwidth).
-Both sides export a gzipped Kineto trace; the capture side also copies, serializes and writes
-the inputs, modules.parquet and the manifest. Run: python benchmarks/bench_capture.py [SPEC DEVICE DTYPE]...
+All sides export a gzipped Kineto trace; the capture side also copies, serializes and writes
+the inputs, modules.parquet and the manifest. A third side, the *floor*, is the plain step with
+the two hooks per module a capture needs, doing nothing but open and close its range: what any
+hook-based capture costs before it copies, records or writes anything (``floor/b``). Run: python benchmarks/bench_capture.py [SPEC DEVICE DTYPE]...
 """
 import gzip
 import os
@@ -16,7 +18,7 @@ import torch
 CASES = [("nanogpt:tiny", "cpu", None)]
 if torch.cuda.is_available():
     CASES.append(("nanogpt", "cuda", "bf16"))
-REPEATS = 3          # take the median of this many of each
+REPEATS = 5          # take the median of this many of each
 DISK_PROBE_MB = 512  # bytes written (with fsync) to measure disk bandwidth
 
 
@@ -40,17 +42,34 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def plain_profiled_step(provider, model, batch, device, out_dir) -> float:
-    from cbtrace.capture import _activities
+def plain_profiled_step(provider, model, batch, device, out_dir, hooks=False) -> float:
+    """A profiled step and its gzipped trace export; ``hooks``: every module also gets the
+    pre/post hooks a capture needs, doing nothing but open and close its ``cbtrace::`` range
+    (the floor of what any capture adds to the step, before copying or writing anything)."""
+    from cbtrace.capture import _RANGE_ENTER, _RANGE_EXIT, TRACE_GZIP_LEVEL, _activities
+
+    stack, handles = [], []
+
+    def pre(mod, args, kwargs):
+        stack.append(_RANGE_ENTER("cbtrace::", None))
+
+    def post(mod, args, kwargs, out):
+        _RANGE_EXIT(stack.pop())
 
     sync(device)
     t0 = time.perf_counter()
+    for mod in model.modules() if hooks else ():
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
     with torch.profiler.profile(activities=_activities(), record_shapes=True, with_stack=True) as p:
         provider.run(model, batch)
         sync(device)
+    for h in handles:
+        h.remove()
     raw = Path(out_dir) / "plain.json"
     p.export_chrome_trace(str(raw))
-    with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb", compresslevel=3) as dst:
+    with open(raw, "rb") as src, \
+            gzip.open(str(raw) + ".gz", "wb", compresslevel=TRACE_GZIP_LEVEL) as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
     return time.perf_counter() - t0
 
@@ -81,15 +100,17 @@ def bench(spec, device, dtype, work):
     model.eval()
     with torch.no_grad():
         warm_up(provider, model, batch, "forward", 2)
-        plain, cap, stored = [], [], 0
+        plain, floor, cap, stored = [], [], [], 0
         for i in range(REPEATS):
             d = Path(tempfile.mkdtemp(dir=work))
             plain.append(plain_profiled_step(provider, model, batch, device, d))
+            floor.append(plain_profiled_step(provider, model, batch, device, d, hooks=True))
             t, stored, timings = captured_step(provider, model, batch, device, d)
             cap.append((t, timings))
             shutil.rmtree(d)
     cap.sort(key=lambda x: x[0])
-    return sorted(plain)[REPEATS // 2], cap[REPEATS // 2], stored
+    mid = REPEATS // 2
+    return sorted(plain)[mid], sorted(floor)[mid], cap[mid], stored
 
 
 def main():
@@ -97,14 +118,14 @@ def main():
     bw = disk_bandwidth(work)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"device: {name}; disk write bandwidth {bw / 1e6:.0f} MB/s (fsync, {DISK_PROBE_MB} MB)")
-    print(f"{'model':<14}{'dev':<6}{'plain s':>9}{'capture s':>11}{'stored MB':>11}"
-          f"{'MB/s':>8}{'bound s':>9}{'ratio':>7}  goal<=1.5")
+    print(f"{'model':<14}{'dev':<6}{'plain s':>9}{'floor s':>9}{'capture s':>11}{'stored MB':>11}"
+          f"{'MB/s':>8}{'bound s':>9}{'floor/b':>8}{'ratio':>7}  goal<=1.5")
     breakdown = []
     for spec, device, dtype in CASES:
-        plain, (cap, timings), stored = bench(spec, device, dtype, work)
+        plain, floor, (cap, timings), stored = bench(spec, device, dtype, work)
         bound = plain + stored / bw
-        print(f"{spec:<14}{device:<6}{plain:>9.3f}{cap:>11.3f}{stored / 1e6:>11.1f}"
-              f"{stored / 1e6 / cap:>8.0f}{bound:>9.3f}{cap / bound:>7.2f}")
+        print(f"{spec:<14}{device:<6}{plain:>9.3f}{floor:>9.3f}{cap:>11.3f}{stored / 1e6:>11.1f}"
+              f"{stored / 1e6 / cap:>8.0f}{bound:>9.3f}{floor / bound:>8.2f}{cap / bound:>7.2f}")
         breakdown.append((spec, timings))
     for spec, timings in breakdown:  # where the median capture's time went (s)
         print(f"  {spec}: " + ", ".join(f"{k} {v:.3f}" for k, v in timings.items()))

@@ -23,18 +23,23 @@ class InlineHelper:
     def call(self, fn, *args):
         return fn(*args)
 
+    def submit(self, fn, *args) -> None:
+        fn(*args)
+
     def close(self) -> None:
         pass
 
 
 class HelperThread:
     """One worker thread; ``call(fn, *args)`` runs ``fn`` there and returns (or raises) its
-    result while the caller waits, so ``fn`` may read the caller's state. Jobs run one at a
-    time, in the order they were handed over; after ``close()`` calls run inline."""
+    result while the caller waits, so ``fn`` may read the caller's state; ``submit(fn, *args)``
+    hands work over without waiting. Jobs run one at a time, in the order they were handed
+    over; after ``close()`` they run inline."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._submit_error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="cbtrace-capture", daemon=True)
         self._thread.start()
         self._ident = self._thread.ident
@@ -53,12 +58,24 @@ class HelperThread:
             raise box[1]
         return box[0]
 
+    def submit(self, fn, *args) -> None:
+        """Run ``fn(*args)`` there later, in order with the other jobs, without waiting; the
+        first error of such a job is raised by ``close()``."""
+        if self._closed or _thread.get_ident() == self._ident:
+            fn(*args)
+            return
+        self._jobs.put((fn, args, None, None))
+
     def close(self) -> None:
-        """Finish the jobs already handed over, then stop the thread."""
+        """Finish the jobs already handed over, then stop the thread; raises the first error of
+        a submitted job, if any."""
         if not self._closed:
             self._closed = True
             self._jobs.put(None)
             self._thread.join()
+        if self._submit_error is not None:
+            err, self._submit_error = self._submit_error, None
+            raise err
 
     def _loop(self) -> None:
         while True:
@@ -66,6 +83,12 @@ class HelperThread:
             if job is None:
                 return
             fn, args, done, box = job
+            if done is None:  # submitted: nobody waits for it
+                try:
+                    fn(*args)
+                except BaseException as e:  # noqa: BLE001 - raised by close()
+                    self._submit_error = self._submit_error or e
+                continue
             try:
                 box[0] = fn(*args)
             except BaseException as e:  # noqa: BLE001 - handed back to the caller

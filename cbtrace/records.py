@@ -105,6 +105,14 @@ def records_to_frame(records):
     return pd.DataFrame(rows, columns=field_names())
 
 
+def records_to_table(records):
+    """ModuleRecords -> pyarrow Table with every column, without pandas (capture's writer)."""
+    import pyarrow as pa
+
+    names = field_names()
+    return pa.Table.from_pydict({n: [getattr(r, n) for r in records] for n in names})
+
+
 def frame_to_records(df) -> list[ModuleRecord]:
     """pandas DataFrame -> ModuleRecords; unknown columns are ignored, NaN becomes None."""
     import math

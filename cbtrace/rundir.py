@@ -155,11 +155,12 @@ def require_columns(run, df, columns=REQUIRED_COLUMNS) -> None:
 
 
 def write_modules(run, df) -> None:
-    """Write the modules table atomically (never leaves a half-written file)."""
+    """Write the modules table (a DataFrame or a pyarrow Table) atomically (never leaves a
+    half-written file)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pandas(df, preserve_index=False)
+    table = df if isinstance(df, pa.Table) else pa.Table.from_pandas(df, preserve_index=False)
     with atomic_path(Path(run) / MODULES) as tmp:
         pq.write_table(table, tmp)
 

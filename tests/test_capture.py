@@ -80,7 +80,7 @@ def test_hook_bookkeeping_stays_out_of_the_trace(tmp_path):
     calls = len(rundir.read_modules(cap.out))
     assert cats[("user_annotation", "cbtrace")] == calls
     assert cats[("user_annotation", "cbtrace.copy")] == calls
-    assert sum(e.get("name") == "aten::clone" for e in events) > 0
+    assert sum(e.get("name") == "aten::copy_" for e in events) > 0
 
 
 def test_helper_thread_returns_raises_and_closes():
@@ -107,6 +107,33 @@ def test_helper_thread_returns_raises_and_closes():
     h.close()
     h.close()
     assert h.call(threading.get_ident) == me  # after close: inline
+
+
+def test_helper_thread_submit_runs_in_order_and_close_raises_its_error():
+    from cbtrace.helper_thread import HelperThread
+
+    h, seen = HelperThread(), []
+    for i in range(50):
+        h.submit(seen.append, i)
+    assert h.call(len, seen) == 50 and seen == list(range(50))  # a call waits behind them
+    h.submit(lambda: 1 / 0)
+    h.submit(seen.append, "after")  # an error does not stop later jobs
+    with pytest.raises(ZeroDivisionError):
+        h.close()
+    assert seen[-1] == "after"
+    h.close()  # reported once
+    h.submit(seen.append, "inline")
+    assert seen[-1] == "inline"
+
+
+def test_output_meta_of_every_call(tmp_path):
+    cap = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu")
+    df = rundir.read_modules(cap.out)
+    for fqn, meta in zip(df["fqn"], df["output_meta"]):
+        metas = json.loads(meta)
+        assert metas and all("shape" in m and "dtype" in m for m in metas), fqn
+    head = json.loads(df.loc[df["fqn"] == "lm_head", "output_meta"].iloc[0])
+    assert head[0]["shape"][-1] == cap.model.lm_head.out_features
 
 
 def fail_second_copy(monkeypatch):

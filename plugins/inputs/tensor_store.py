@@ -188,7 +188,7 @@ class TensorStore:
         chunk = self.plan.add("d", hi - lo, lo, None)
         # reusable by later calls only once its copy exists (run_copies registers it)
         entry = (seen.chunks, (version, lo, hi, chunk)) if version is not None else None
-        copies.append((chunk, src, entry))
+        copies.append((chunk, src, torch.empty_like(src), entry))
         return chunk
 
     def _synth_chunk(self, t: torch.Tensor) -> Chunk | None:
@@ -202,13 +202,16 @@ class TensorStore:
 
 
 def run_copies(copies: list) -> None:
-    """Copy each new chunk's storage span (on the tensor's own device: no host sync).
+    """Copy each new chunk's storage span into the buffer planned for it (on the tensor's own
+    device: no host sync).
 
-    Capture plans a call's chunks on a helper thread the profiler does not trace and runs the
-    copies here, on the calling thread, so they stay inside its ``cbtrace.copy::`` range.
+    Capture plans a call's chunks, and allocates their buffers, on a helper thread the profiler
+    does not trace, and runs the copies here, on the calling thread, so they stay inside its
+    ``cbtrace.copy::`` range: one ``aten::copy_`` each.
     """
-    for chunk, src, entry in copies:
-        chunk.payload = src.clone()
+    for chunk, src, dst, entry in copies:
+        dst.copy_(src)
+        chunk.payload = dst
         if entry is not None:
             entry[0].append(entry[1])
 
