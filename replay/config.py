@@ -19,8 +19,14 @@ class ReplayConfig:
     cold: bool = False
     """Time each call alone after an L2 flush, as ``triton.testing.do_bench`` does, instead of
     ``graph_k`` calls back to back: the graph timer then captures one call per graph (host
-    launch latency still stays out of the events). Default off: K calls back to back match the
-    call's in-situ time in a real step; cold matches the kernel-benchmark convention."""
+    launch latency still stays out of the events), and warms up and samples for do_bench's
+    durations (``cold_warmup_s``, ``cold_budget_s``), so the SM clock settles where do_bench's
+    does. Default off: K calls back to back match the call's in-situ time in a real step; cold
+    matches the kernel-benchmark convention."""
+    cold_warmup_s: float = 0.025
+    """Cold mode: flushed replays run before sampling (do_bench's ``warmup=25`` ms)."""
+    cold_budget_s: float = 0.1
+    """Cold mode: time budget of the timed runs of one call (do_bench's ``rep=100`` ms)."""
     max_copies: int = 8
     """Most input copies rotated between timed calls (against L2 warmth)."""
     memory_budget_bytes: int | None = None

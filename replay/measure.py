@@ -49,8 +49,12 @@ def time_call(call, n: int, device, chain: list[str], cfg) -> tuple[object, str 
     from cbtrace.plugins.backends.base import TimerUnavailable, TimingConfig
 
     backends = registry.backends()
-    tcfg = TimingConfig(budget_s=cfg.budget_s, min_runs=cfg.min_runs,
-                        warmup_runs=cfg.warmup_runs, graph_k=1 if cfg.cold else cfg.graph_k)
+    if cfg.cold:  # do_bench's convention: one call per graph, its warm-up and run durations
+        tcfg = TimingConfig(budget_s=cfg.cold_budget_s, min_runs=cfg.min_runs,
+                            warmup_runs=cfg.warmup_runs, graph_k=1, warmup_s=cfg.cold_warmup_s)
+    else:
+        tcfg = TimingConfig(budget_s=cfg.budget_s, min_runs=cfg.min_runs,
+                            warmup_runs=cfg.warmup_runs, graph_k=cfg.graph_k)
     reasons = []
     for name in chain:
         backend = backends.get(name)

@@ -149,6 +149,20 @@ def test_collect_fills_the_budget_then_stops():
     assert wall < 0.1 + 0.05
 
 
+def test_warm_for_runs_the_sampler_for_its_time_and_not_at_zero():
+    from cbtrace.plugins.backends.sampling import warm_for
+
+    log = []
+    t0 = time.perf_counter()
+    warm_for(sleeper(0.002, log), 0.05)
+    assert time.perf_counter() - t0 >= 0.05 and 3 <= len(log) <= 8  # 5 x 2 ms per round
+    log.clear()
+    warm_for(sleeper(0.002, log), 0.0)
+    assert log == []
+    with pytest.raises(ValueError):
+        TimingConfig(warmup_s=-1)
+
+
 def test_collect_honours_min_and_max_runs():
     assert len(collect(sleeper(0.0, []), TimingConfig(budget_s=10, min_runs=3, max_runs=17))) == 17
     assert len(collect(sleeper(0.005, []), TimingConfig(budget_s=0, min_runs=4))) == 4

@@ -1,4 +1,6 @@
 """GPU paths of capture and replay (run on the H200 with -m gpu; skipped elsewhere)."""
+import time
+
 import pytest
 import torch
 
@@ -40,9 +42,14 @@ def test_capture_and_replay_on_cuda_with_graph_timer(tmp_path):
 def test_cold_mode_times_one_call_per_graph(tmp_path):
     model = tiny_cuda_capture(tmp_path / "r")
     warm = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("call_id")
+    t0 = time.perf_counter()
     cold = cbtrace.replay(tmp_path / "r", model=model, cold=True, **FAST).set_index("call_id")
+    wall = time.perf_counter() - t0
     g = cold[cold["timer"] == "graph"]
     assert len(g) and g["timer_notes"].str.match(r"K=1\b").all()
+    # do_bench's durations: 25 ms of warm-up and 100 ms of timed runs per call
+    assert wall > len(cold[cold["status"] == "ok"]) * 0.125
+    assert (g["runs"] > FAST["min_runs"]).all()
     assert warm.loc[g.index, "timer_notes"].str.match(r"K=20\b").any()
     assert (g["isolated_ms"] > 0).all()
 

@@ -15,7 +15,7 @@ from cbtrace.pipeline import capture_model
 from cbtrace.plugins.providers.spec import resolve
 from cbtrace.replay.isolation import state_fingerprint
 
-FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
+FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1, cold_budget_s=0.01)
 
 
 @pytest.fixture(scope="module")

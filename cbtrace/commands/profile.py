@@ -9,7 +9,8 @@ from cbtrace.commands._options import model_options, parse_kv
 @click.option("--timer", type=click.Choice(["auto", "graph", "events", "cpu"]), default="auto",
               show_default=True)
 @click.option("--cold", is_flag=True,
-              help="replay each call alone after an L2 flush (do_bench's convention)")
+              help="replay each call alone after an L2 flush, for do_bench's warm-up and run "
+                   "durations (do_bench's convention, launch-free)")
 @click.option("--tb-logdir", type=click.Path(file_okay=False), default=None,
               help="also place the run and its annotated trace where TensorBoard finds them")
 def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthesize_above_bytes,

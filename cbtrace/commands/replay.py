@@ -10,8 +10,9 @@ import click
 @click.option("--memory-budget", "memory_budget_bytes", type=int, default=None, metavar="BYTES",
               help="skip calls whose estimated footprint exceeds this")
 @click.option("--cold", is_flag=True,
-              help="time each call alone after an L2 flush (triton do_bench's convention) "
-                   "instead of K calls back to back in one CUDA graph (in-situ-like)")
+              help="time each call alone after an L2 flush, for do_bench's 25 ms warm-up and "
+                   "100 ms of runs (triton do_bench's convention, launch-free) instead of K "
+                   "calls back to back in one CUDA graph (in-situ-like)")
 @click.option("--resume", is_flag=True, help="continue an interrupted replay")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, top):

@@ -39,6 +39,8 @@ class TimingConfig:
     """Untimed runs first (allocator, cuBLAS heuristics, lazy init); graph: on a side stream."""
     warmup_min_s: float = 0.02
     """CPU timer: also warm up for at least this long (s); first thread-pool calls can read 8 ms."""
+    warmup_s: float = 0.0
+    """GPU timers: before sampling, run flushed timed-like replays (discarded) for this long (s)."""
     graph_k: int = 20
     """Calls captured back-to-back in one CUDA graph; per-call time = replay time / K."""
     graph_max_ms: float = 1.0
@@ -60,6 +62,8 @@ class TimingConfig:
         if not 1 <= self.min_runs <= self.max_runs:
             raise ValueError(f"need 1 <= min_runs <= max_runs, got {self.min_runs}, "
                              f"{self.max_runs}")
+        if self.warmup_s < 0:
+            raise ValueError(f"warmup_s must be >= 0, got {self.warmup_s}")
         if self.warmup_runs < 0:
             raise ValueError(f"warmup_runs must be >= 0, got {self.warmup_runs}")
         if self.graph_k < 1:

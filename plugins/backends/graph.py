@@ -14,7 +14,7 @@ import torch
 from .base import Timing, TimerUnavailable, TimingConfig, join_notes, timing_from_samples
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher, spin
-from .sampling import collect
+from .sampling import collect, warm_for
 from .stats import graph_calls
 
 
@@ -110,7 +110,9 @@ class GraphTimer(CudaTimer):
                     g.replay()
                 torch.cuda.synchronize()
                 flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
-                samples = collect(self._sampler(g, k, device, cfg, flusher), cfg)
+                sampler = self._sampler(g, k, device, cfg, flusher)
+                warm_for(sampler, cfg.warmup_s)
+                samples = collect(sampler, cfg)
             finally:
                 g.reset()
         return timing_from_samples(samples, self.name, join_notes(f"K={k}", flusher.note))

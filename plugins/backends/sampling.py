@@ -25,3 +25,11 @@ def collect(sample: Callable[[int, int], list[float]], cfg: TimingConfig) -> lis
         n = plan_runs(per_run_s=elapsed / len(samples), left_s=cfg.budget_s - elapsed,
                       done=len(samples), min_runs=cfg.min_runs, max_runs=cfg.max_runs)
     return samples
+
+
+def warm_for(sample: Callable[[int, int], list[float]], seconds: float, n: int = 5) -> None:
+    """Run ``sample`` (results discarded) for at least ``seconds``: the device settles at the
+    clock the timed runs will see, as do_bench's 25 ms warm-up does. No-op for 0."""
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        sample(0, n)
