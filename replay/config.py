@@ -19,12 +19,15 @@ class ReplayConfig:
     cold: bool = False
     """Time each call alone after an L2 flush, as ``triton.testing.do_bench`` does, instead of
     ``graph_k`` calls back to back: the graph timer then captures one call per graph (host
-    launch latency still stays out of the events), and warms up and samples for do_bench's
-    durations (``cold_warmup_s``, ``cold_budget_s``), so the SM clock settles where do_bench's
-    does. Default off: K calls back to back match the call's in-situ time in a real step; cold
-    matches the kernel-benchmark convention."""
+    launch latency still stays out of the events), warms up for at least do_bench's 25 ms and
+    until the time stops drifting (``cold_settle_tol``), then samples for do_bench's 100 ms: the
+    sustained rate, at the SM clock a long benchmark loop settles at. Default off: K calls back
+    to back match the call's in-situ time in a real step; cold matches the kernel-benchmark
+    convention."""
     cold_warmup_s: float = 0.025
     """Cold mode: flushed replays run before sampling (do_bench's ``warmup=25`` ms)."""
+    cold_settle_tol: float = 0.01
+    """Cold mode: also warm up until 25 ms windows agree to this (relative; 0: off; <= 1 s)."""
     cold_budget_s: float = 0.1
     """Cold mode: time budget of the timed runs of one call (do_bench's ``rep=100`` ms)."""
     max_copies: int = 8

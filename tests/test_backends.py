@@ -163,6 +163,37 @@ def test_warm_for_runs_the_sampler_for_its_time_and_not_at_zero():
         TimingConfig(warmup_s=-1)
 
 
+def test_settled_hand_worked():
+    assert not stats.settled(None, 1.0, 0.01)
+    assert stats.settled(1.0, 1.009, 0.01) and stats.settled(1.0, 0.991, 0.01)
+    assert not stats.settled(1.0, 1.02, 0.01) and not stats.settled(0.0, 1.0, 0.01)
+
+
+def drifting(times_ms, log):
+    """A sampler whose per-call time follows ``times_ms`` round by round (then stays)."""
+    def sample(first, n):
+        log.append(n)
+        time.sleep(0.001 * n)
+        return [times_ms[min(len(log) - 1, len(times_ms) - 1)]] * n
+    return sample
+
+
+def test_warm_until_settled_waits_for_the_drift_to_stop():
+    from cbtrace.plugins.backends.sampling import warm_until_settled
+
+    cfg = TimingConfig(settle_tol=0.01, settle_window_s=0.01, settle_max_s=1.0, warmup_s=0.0)
+    log = []  # 2 rounds of 5 x 1 ms per 10 ms window: window medians 0.86, 0.95, 1.0, 1.0, ...
+    note = warm_until_settled(drifting([0.86, 0.86, 0.95, 0.95] + [1.0] * 100, log), cfg)
+    assert 8 <= len(log) <= 12 and note.startswith("settled in")
+    log = []
+    note = warm_until_settled(drifting([1.0] * 100, log), cfg)
+    assert len(log) <= 6 and note is None  # already steady: two windows, nothing to say
+    log = []
+    cfg = TimingConfig(settle_tol=0.01, settle_window_s=0.01, settle_max_s=0.05)
+    note = warm_until_settled(drifting([1.0 + 0.1 * i for i in range(100)], log), cfg)
+    assert note.startswith("still drifting")
+
+
 def test_collect_honours_min_and_max_runs():
     assert len(collect(sleeper(0.0, []), TimingConfig(budget_s=10, min_runs=3, max_runs=17))) == 17
     assert len(collect(sleeper(0.005, []), TimingConfig(budget_s=0, min_runs=4))) == 4

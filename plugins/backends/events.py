@@ -12,7 +12,7 @@ import torch
 
 from .base import Timing, TimerUnavailable, TimingConfig, join_notes, timing_from_samples
 from .l2 import L2Flusher, spin
-from .sampling import collect, warm_for
+from .sampling import collect, warm_until_settled
 from .stats import percentile, spin_for
 
 
@@ -81,7 +81,7 @@ class EventsTimer(CudaTimer):
                 torch.cuda.synchronize()
                 return [start.elapsed_time(end) for start, end in pairs]
 
-            warm_for(sample, cfg.warmup_s)
+            warm = warm_until_settled(sample, cfg)
             samples = collect(sample, cfg)
-        notes = join_notes(f"spin={spin_ms:.3f}ms host={host_ms:.3f}ms", flusher.note)
+        notes = join_notes(f"spin={spin_ms:.3f}ms host={host_ms:.3f}ms", flusher.note, warm)
         return timing_from_samples(samples, self.name, notes)

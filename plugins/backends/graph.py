@@ -14,7 +14,7 @@ import torch
 from .base import Timing, TimerUnavailable, TimingConfig, join_notes, timing_from_samples
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher, spin
-from .sampling import collect, warm_for
+from .sampling import collect, warm_until_settled
 from .stats import graph_calls
 
 
@@ -111,11 +111,11 @@ class GraphTimer(CudaTimer):
                 torch.cuda.synchronize()
                 flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
                 sampler = self._sampler(g, k, device, cfg, flusher)
-                warm_for(sampler, cfg.warmup_s)
+                warm = warm_until_settled(sampler, cfg)
                 samples = collect(sampler, cfg)
             finally:
                 g.reset()
-        return timing_from_samples(samples, self.name, join_notes(f"K={k}", flusher.note))
+        return timing_from_samples(samples, self.name, join_notes(f"K={k}", flusher.note, warm))
 
     @staticmethod
     def _sampler(g, k: int, device, cfg: TimingConfig, flusher: L2Flusher):

@@ -45,3 +45,11 @@ def graph_calls(*, per_call_ms: float, k_max: int, max_replay_ms: float) -> int:
 def spin_for(*, host_ms: float, lo_ms: float, hi_ms: float) -> float:
     """Spin before a start event: twice the host enqueue time plus 20 us, within [lo_ms, hi_ms]."""
     return min(max(2 * host_ms + 0.02, lo_ms), hi_ms)
+
+
+def settled(previous_ms: float | None, current_ms: float, tol: float) -> bool:
+    """Whether a call's time stopped drifting: this window's median is within ``tol``
+    (relative) of the previous window's. False without a previous window."""
+    if previous_ms is None or previous_ms <= 0:
+        return False
+    return abs(current_ms / previous_ms - 1) <= tol
