@@ -169,28 +169,38 @@ def test_settled_hand_worked():
     assert not stats.settled(1.0, 1.02, 0.01) and not stats.settled(0.0, 1.0, 0.01)
 
 
-def drifting(times_ms, log):
-    """A sampler whose per-call time follows ``times_ms`` round by round (then stays)."""
+def drifting(ms_at, log):
+    """A sampler whose per-call time is ``ms_at(seconds since its first round)``."""
+    t0 = []
+
     def sample(first, n):
+        t0.append(t0[0] if t0 else time.perf_counter())
         log.append(n)
-        time.sleep(0.001 * n)
-        return [times_ms[min(len(log) - 1, len(times_ms) - 1)]] * n
+        time.sleep(0.0002 * n)
+        return [ms_at(time.perf_counter() - t0[0])] * n
     return sample
 
 
 def test_warm_until_settled_waits_for_the_drift_to_stop():
     from cbtrace.plugins.backends.sampling import warm_until_settled
 
-    cfg = TimingConfig(settle_tol=0.01, settle_window_s=0.01, settle_max_s=1.0, warmup_s=0.0)
-    log = []  # 2 rounds of 5 x 1 ms per 10 ms window: window medians 0.86, 0.95, 1.0, 1.0, ...
-    note = warm_until_settled(drifting([0.86, 0.86, 0.95, 0.95] + [1.0] * 100, log), cfg)
-    assert 8 <= len(log) <= 12 and note.startswith("settled in")
-    log = []
-    note = warm_until_settled(drifting([1.0] * 100, log), cfg)
-    assert len(log) <= 6 and note is None  # already steady: two windows, nothing to say
-    log = []
-    cfg = TimingConfig(settle_tol=0.01, settle_window_s=0.01, settle_max_s=0.05)
-    note = warm_until_settled(drifting([1.0 + 0.1 * i for i in range(100)], log), cfg)
+    def timed(ms_at, **kw):
+        t0 = time.perf_counter()
+        note = warm_until_settled(drifting(ms_at, []), TimingConfig(settle_tol=0.01, **kw))
+        return note, time.perf_counter() - t0
+
+    # 0.86 -> 1.0 ms over 60 ms (2.3 % per 10 ms window), then steady
+    ramp = lambda t: 0.86 + 0.14 * min(t / 0.06, 1.0)  # noqa: E731
+    note, spent = timed(ramp, settle_window_s=0.01, settle_lag=1)
+    assert note.startswith("settled in") and spent >= 0.06
+    note, spent = timed(lambda t: 1.0, settle_window_s=0.01, settle_lag=1)
+    assert note is None and spent < 0.05  # already steady: two windows, nothing to say
+    # a slow slide, 0.8 % per 10 ms: windows next door agree, three apart they do not
+    slide = lambda t: 1.0 + 0.08 * min(t / 0.1, 1.0)  # noqa: E731
+    assert timed(slide, settle_window_s=0.01, settle_lag=1)[1] < 0.08
+    note, spent = timed(slide, settle_window_s=0.01, settle_lag=3)
+    assert note.startswith("settled in") and spent >= 0.1
+    note, _ = timed(lambda t: 1.0 + 10 * t, settle_window_s=0.01, settle_max_s=0.05)
     assert note.startswith("still drifting")
 
 

@@ -45,6 +45,8 @@ class TimingConfig:
     """GPU timers: also warm up until one window's median is within this of the last (0: off)."""
     settle_window_s: float = 0.025
     """Length of one such warm-up window (s)."""
+    settle_lag: int = 3
+    """A window's median is compared with the one this many windows before (>= 1)."""
     settle_max_s: float = 1.0
     """Longest warm-up when waiting for the time to settle (s); the row then says so."""
     graph_k: int = 20
@@ -68,9 +70,11 @@ class TimingConfig:
         if not 1 <= self.min_runs <= self.max_runs:
             raise ValueError(f"need 1 <= min_runs <= max_runs, got {self.min_runs}, "
                              f"{self.max_runs}")
-        if self.warmup_s < 0 or self.settle_tol < 0 or self.settle_window_s <= 0:
-            raise ValueError("need warmup_s >= 0, settle_tol >= 0 and settle_window_s > 0, got "
-                             f"{self.warmup_s}, {self.settle_tol}, {self.settle_window_s}")
+        if (self.warmup_s < 0 or self.settle_tol < 0 or self.settle_window_s <= 0
+                or self.settle_lag < 1):
+            raise ValueError("need warmup_s >= 0, settle_tol >= 0, settle_window_s > 0 and "
+                             f"settle_lag >= 1, got {self.warmup_s}, {self.settle_tol}, "
+                             f"{self.settle_window_s}, {self.settle_lag}")
         if self.warmup_runs < 0:
             raise ValueError(f"warmup_runs must be >= 0, got {self.warmup_runs}")
         if self.graph_k < 1:

@@ -38,8 +38,8 @@ def warm_for(sample: Callable[[int, int], list[float]], seconds: float, n: int =
 def warm_until_settled(sample: Callable[[int, int], list[float]], cfg: TimingConfig,
                        n: int = 5) -> str | None:
     """Warm up for ``cfg.warmup_s``; with ``cfg.settle_tol`` also until the median of one
-    ``cfg.settle_window_s`` window of runs is within that tolerance of the previous window's,
-    for at most ``cfg.settle_max_s``. Heavy GEMMs run back to back lower the SM clock for
+    ``cfg.settle_window_s`` window of runs is within that tolerance of the median
+    ``cfg.settle_lag`` windows before, for at most ``cfg.settle_max_s``. Heavy GEMMs run back to back lower the SM clock for
     ~0.3 s on an H200 (an lm_head GEMM 0.86 -> 1.0 ms), so a fixed warm-up leaves the timed
     runs wherever the clock happens to be. Returns a note for the row (None when nothing
     to say)."""
@@ -47,14 +47,16 @@ def warm_until_settled(sample: Callable[[int, int], list[float]], cfg: TimingCon
         warm_for(sample, cfg.warmup_s, n)
         return None
     t0 = time.perf_counter()
-    previous = None
-    while True:
+    medians: list[float] = []  # one per window; compared settle_lag windows apart, since a
+    while True:                # clock sliding ~1 % per window never looks unsettled next door
         w_end, got = time.perf_counter() + cfg.settle_window_s, []
         while not got or time.perf_counter() < w_end:
             got.extend(sample(0, n))
-        current, spent = percentile(got, 50), time.perf_counter() - t0
-        if spent >= cfg.warmup_s and settled(previous, current, cfg.settle_tol):
-            return f"settled in {spent * 1e3:.0f} ms" if spent > 4 * cfg.settle_window_s else None
+        medians.append(percentile(got, 50))
+        spent = time.perf_counter() - t0
+        before = medians[-1 - cfg.settle_lag] if len(medians) > cfg.settle_lag else None
+        if spent >= cfg.warmup_s and settled(before, medians[-1], cfg.settle_tol):
+            quick = len(medians) <= 2 * (cfg.settle_lag + 1)
+            return None if quick else f"settled in {spent * 1e3:.0f} ms"
         if spent >= cfg.settle_max_s:
             return f"still drifting after {spent:.1f} s of warm-up"
-        previous = current
