@@ -81,7 +81,7 @@ class EventsTimer(CudaTimer):
                 torch.cuda.synchronize()
                 return [start.elapsed_time(end) for start, end in pairs]
 
-            warm = warm_until_settled(sample, cfg)
+            settle = warm_until_settled(sample, cfg)
             samples = collect(sample, cfg)
-        notes = join_notes(f"spin={spin_ms:.3f}ms host={host_ms:.3f}ms", flusher.note, warm)
+        notes = join_notes(f"spin={spin_ms:.3f}ms host={host_ms:.3f}ms", flusher.note, settle)
         return timing_from_samples(samples, self.name, notes)

@@ -111,11 +111,11 @@ class GraphTimer(CudaTimer):
                 torch.cuda.synchronize()
                 flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
                 sampler = self._sampler(g, k, device, cfg, flusher)
-                warm = warm_until_settled(sampler, cfg)
+                settle = warm_until_settled(sampler, cfg)
                 samples = collect(sampler, cfg)
             finally:
                 g.reset()
-        return timing_from_samples(samples, self.name, join_notes(f"K={k}", flusher.note, warm))
+        return timing_from_samples(samples, self.name, join_notes(f"K={k}", flusher.note, settle))
 
     @staticmethod
     def _sampler(g, k: int, device, cfg: TimingConfig, flusher: L2Flusher):
