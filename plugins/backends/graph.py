@@ -115,7 +115,8 @@ class GraphTimer(CudaTimer):
                 samples = collect(sampler, cfg)
             finally:
                 g.reset()
-        return timing_from_samples(samples, self.name, join_notes(f"K={k}", flusher.note, settle))
+        notes = join_notes(f"K={k}", flusher.note, settle)
+        return timing_from_samples(samples, self.name, notes)
 
     @staticmethod
     def _sampler(g, k: int, device, cfg: TimingConfig, flusher: L2Flusher):
