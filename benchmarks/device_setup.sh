@@ -1,7 +1,7 @@
 # Source this on the device machine (repo root): installs cbtrace and its missing deps into /tmp/site.
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . >/tmp/site_install.log 2>&1 || { cat /tmp/site_install.log; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site . >/tmp/site_install.log 2>&1 || { cat /tmp/site_install.log; exit 1; }
 export PYTHONPATH=/tmp/site
 export PYTHONUNBUFFERED=1
 cd /tmp && python3 -c "import cbtrace, cbtrace.replay, cbtrace.plugins.backends, msgspec, torch; print('cbtrace ok; torch', torch.__version__, torch.cuda.get_device_name())" && cd - >/dev/null
