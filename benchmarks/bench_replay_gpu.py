@@ -35,8 +35,8 @@ def one_call_graph(fn):
 
 
 def do_bench_refs(run, df, model):
-    """Per ok call of >= MIN_MS / 2: do_bench over a one-call CUDA graph (the same convention
-    without host launch latency) twice, do_bench median twice and do_bench_cudagraph, in ms."""
+    """Per ok call of >= MIN_MS / 2: do_bench median twice, do_bench over a one-call CUDA graph
+    (the same convention without host launch latency) and do_bench_cudagraph, in ms."""
     import triton.testing as tt
 
     from cbtrace.plugins.inputs.load import load_call_inputs
@@ -59,13 +59,11 @@ def do_bench_refs(run, df, model):
         args, kwargs = load_call_inputs(Path(run), rec.inputs_ref, device="cuda")
         with call_context(rec):  # entered once, as a user of do_bench would
             fn = lambda: module(*args, **kwargs)  # noqa: E731
-            # the launch-free reference first: run after 250 ms of the eager do_bench loops it
-            # inherited their heat (lm_head's heavy GEMM read 1.01 ms there, 0.99 fresh)
+            db, db2 = bench(fn), bench(fn)
             g = one_call_graph(fn)
             dbg = bench(g.replay) if g is not None else float("nan")
             dbg2 = bench(g.replay) if g is not None else float("nan")
             del g
-            db, db2 = bench(fn), bench(fn)
             try:
                 with torch.cuda.stream(torch.cuda.Stream()):
                     cg = tt.do_bench_cudagraph(fn, rep=REF_REP_MS, return_mode="median")
