@@ -86,6 +86,7 @@ def _raw_op(overload):
 _RANGE_ENTER = _raw_op(torch.ops.profiler._record_function_enter_new.default)
 _RANGE_EXIT = _raw_op(torch.ops.profiler._record_function_exit._RecordFunction)
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_TENSOR, _STRIDED = torch.Tensor, torch.strided
 
 # A frame of the hook stack: (record or None for a call through an unselected path, module,
 # range handle, exception already being handled when it was called). A plain tuple: building
@@ -167,7 +168,10 @@ class capture:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         self._remove_hooks()
-        self._stop_helper()
+        try:
+            self._stop_helper()
+        except BaseException:  # noqa: BLE001 - the original error is the one to report
+            pass
         if self._prof is not None:
             try:
                 self._prof.__exit__(None, None, None)
@@ -179,8 +183,12 @@ class capture:
         self.timings_s["step"] = time.perf_counter() - self._t0
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        helper_error = None
         try:
-            self._stop_helper()
+            try:
+                self._stop_helper()
+            except BaseException as e:  # a handed-over job failed: stop and write the run first
+                helper_error = e
             if self._prof is not None:
                 t0 = time.perf_counter()
                 self._prof.__exit__(exc_type, exc, tb)
@@ -194,7 +202,9 @@ class capture:
                 _RANGE_EXIT(rf)
                 rec.capture_error = rec.capture_error or _short(exc)
         self.step_s = time.perf_counter() - self._t0
-        self._finish(exc)
+        self._finish(exc if exc is not None else helper_error)
+        if helper_error is not None and exc is None:
+            raise helper_error
         return False
 
     # --- hooks -----------------------------------------------------------------------
@@ -281,7 +291,13 @@ class capture:
             if raised is not None and raised is not pending:  # the call itself raised
                 rec.capture_error = _short(raised)
                 return
-            self._helper.submit(_set_output_meta, rec, output)  # no need to wait for it
+            if (output.__class__ is _TENSOR and output.layout is _STRIDED
+                    and not output.is_nested):  # the common case: metadata now, JSON later
+                meta = (output.shape, output.stride(), output.storage_offset(), output.dtype,
+                        output.device, output.requires_grad)
+                self._helper.submit(_set_tensor_meta, rec, meta)
+            else:  # containers may change once the caller has them: read them now, off-trace
+                self._helper.call(_set_output_meta, rec, output)
 
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
@@ -351,12 +367,24 @@ class capture:
 
 
 def _set_output_meta(rec: ModuleRecord, output) -> None:
-    from cbtrace.plugins.inputs.snapshot import tensor_meta
-
     try:
+        from cbtrace.plugins.inputs.snapshot import tensor_meta
+
         rec.output_meta = json.dumps([tensor_meta(t) for t in flat_tensors(output)])
     except Exception as e:  # noqa: BLE001 - an odd output must not fail the capture
         rec.output_meta = json.dumps([{"error": _short(e)}])
+
+
+def _set_tensor_meta(rec: ModuleRecord, meta: tuple) -> None:
+    """output_meta of a call whose output is one plain tensor, from the metadata the post hook
+    read (shape, stride, offset, dtype, device, requires_grad): the caller may change the tensor
+    in place (``y.unsqueeze_(0)``) before this runs."""
+    from cbtrace.plugins.inputs.tensor_store import dtype_name
+
+    shape, stride, offset, dtype, device, grad = meta
+    rec.output_meta = json.dumps([{"shape": list(shape), "dtype": dtype_name(dtype),
+                                   "stride": list(stride), "storage_offset": offset,
+                                   "device": str(device), "requires_grad": grad}])
 
 
 def _static_facts(module) -> tuple[str, str, int, int]:

@@ -44,3 +44,9 @@ class ReplayConfig:
     """Show a progress bar (default: when stderr is a terminal)."""
     verify_state: bool = True
     """Check that a model rebuilt from the spec matches the captured state digest."""
+
+    def __post_init__(self):
+        bad = {k: getattr(self, k) for k in ("budget_s", "cold_budget_s", "cold_warmup_s",
+                                             "cold_settle_tol") if getattr(self, k) < 0}
+        if bad:
+            raise ValueError(f"replay settings must be >= 0: {bad}")

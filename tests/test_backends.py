@@ -22,7 +22,7 @@ from cbtrace.plugins.backends.graph import GraphTimer
 from cbtrace.plugins.backends.l2 import L2Flusher
 from cbtrace.plugins.backends.profiled import (
     Row, aten_op_count, device_totals, peak_live_bytes, profile_call)
-from cbtrace.plugins.backends.sampling import collect
+from cbtrace.plugins.backends.sampling import collect, warm_until_settled
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
@@ -169,39 +169,54 @@ def test_settled_hand_worked():
     assert not stats.settled(1.0, 1.02, 0.01) and not stats.settled(0.0, 1.0, 0.01)
 
 
-def drifting(ms_at, log):
-    """A sampler whose per-call time is ``ms_at(seconds since its first round)``."""
+def drifting(ms_at, log, run_s=0.0002):
+    """A sampler whose per-call time is ``ms_at(seconds since its first round)``; each run
+    sleeps ``run_s``; ``log`` gets the number of runs of each round."""
     t0 = []
 
     def sample(first, n):
         t0.append(t0[0] if t0 else time.perf_counter())
         log.append(n)
-        time.sleep(0.0002 * n)
+        time.sleep(run_s * n)
         return [ms_at(time.perf_counter() - t0[0])] * n
     return sample
 
 
+def settle(ms_at, run_s=0.0002, **kw):
+    log = []
+    note = warm_until_settled(drifting(ms_at, log, run_s), TimingConfig(settle_tol=0.01, **kw))
+    return note, log
+
+
 def test_warm_until_settled_waits_for_the_drift_to_stop():
-    from cbtrace.plugins.backends.sampling import warm_until_settled
-
-    def timed(ms_at, **kw):
-        t0 = time.perf_counter()
-        note = warm_until_settled(drifting(ms_at, []), TimingConfig(settle_tol=0.01, **kw))
-        return note, time.perf_counter() - t0
-
     # 0.86 -> 1.0 ms over 60 ms (2.3 % per 10 ms window), then steady
     ramp = lambda t: 0.86 + 0.14 * min(t / 0.06, 1.0)  # noqa: E731
-    note, spent = timed(ramp, settle_window_s=0.01, settle_lag=1)
-    assert note.startswith("settled in") and spent >= 0.06
-    note, spent = timed(lambda t: 1.0, settle_window_s=0.01, settle_lag=1)
-    assert note is None and spent < 0.05  # already steady: two windows, nothing to say
+    note, log = settle(ramp, settle_window_s=0.01, settle_lag=1)
+    assert note.startswith("settled in") and float(note.split()[2]) >= 60
+    note, log = settle(lambda t: 1.0, settle_window_s=0.01, settle_lag=1)
+    assert note is None  # already steady: two windows, nothing to say
     # a slow slide, 0.8 % per 10 ms: windows next door agree, three apart they do not
     slide = lambda t: 1.0 + 0.08 * min(t / 0.1, 1.0)  # noqa: E731
-    assert timed(slide, settle_window_s=0.01, settle_lag=1)[1] < 0.08
-    note, spent = timed(slide, settle_window_s=0.01, settle_lag=3)
-    assert note.startswith("settled in") and spent >= 0.1
-    note, _ = timed(lambda t: 1.0 + 10 * t, settle_window_s=0.01, settle_max_s=0.05)
+    assert settle(slide, settle_window_s=0.01, settle_lag=1)[0] is None  # fooled: quick
+    note, _ = settle(slide, settle_window_s=0.01, settle_lag=3)
+    assert note.startswith("settled in") and float(note.split()[2]) >= 100
+    note, _ = settle(lambda t: 1.0 + 10 * t, settle_window_s=0.01, settle_max_s=0.05)
     assert note.startswith("still drifting")
+
+
+def test_warm_until_settled_sizes_rounds_for_slow_calls_and_says_when_it_could_not_check():
+    # a 20 ms call in 25 ms windows: one run per round, and 4 windows do not fit in 50 ms
+    note, log = settle(lambda t: 20.0, run_s=0.02, settle_window_s=0.025, settle_max_s=0.05)
+    assert log[0] == 1 and set(log) == {1} and note.startswith("settling not checked")
+    with pytest.raises(ValueError):
+        warm_until_settled(lambda first, n: [], TimingConfig(settle_tol=0.01))
+
+
+def test_settle_settings_are_validated():
+    for bad in (dict(settle_tol=-0.1), dict(settle_lag=0), dict(settle_window_s=0),
+                dict(warmup_s=0.5, settle_max_s=0.1), dict(warmup_s=-1)):
+        with pytest.raises(ValueError):
+            TimingConfig(**bad)
 
 
 def test_collect_honours_min_and_max_runs():

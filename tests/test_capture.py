@@ -81,6 +81,12 @@ def test_hook_bookkeeping_stays_out_of_the_trace(tmp_path):
     assert cats[("user_annotation", "cbtrace")] == calls
     assert cats[("user_annotation", "cbtrace.copy")] == calls
     assert sum(e.get("name") == "aten::copy_" for e in events) > 0
+    # the copy buffers are allocated on the helper: a copy range holds copies and nothing else
+    spans = [(e["tid"], e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("name", "").startswith("cbtrace.copy::")]
+    inside = [e["name"] for e in events if e.get("cat") == "cpu_op" and any(
+        tid == e["tid"] and lo <= e["ts"] <= hi for tid, lo, hi in spans)]
+    assert inside and set(inside) <= {"aten::copy_"}, collections.Counter(inside)
 
 
 def test_helper_thread_returns_raises_and_closes():
@@ -177,6 +183,70 @@ def test_failed_copy_caught_by_the_model_is_never_reused(tmp_path, monkeypatch):
     assert out.loc[("lin", 0), "status"] == "error"
     assert "inputs not captured" in out.loc[("lin", 0), "status_reason"]
     assert out.loc[("lin", 1), "status"] == "ok"
+
+
+def test_copy_buffer_that_cannot_be_planned_is_made_in_the_call(tmp_path, monkeypatch):
+    from cbtrace.plugins.inputs import tensor_store
+
+    real, calls = torch.empty_like, {"n": 0}
+
+    def flaky(t, *a, **k):  # planning's buffer for the second chunk: a simulated OOM
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("simulated OOM while planning")
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(tensor_store.torch, "empty_like", flaky)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    x = torch.randn(2, 4)
+    with cbtrace.capture(model, tmp_path / "r"):
+        model(x)
+    monkeypatch.undo()
+    df = rundir.read_modules(tmp_path / "r")
+    assert sorted(df["fqn"]) == ["", "0", "1"] and df["capture_error"].isna().all()
+    (got,), _ = cbtrace.load_inputs(tmp_path / "r", "1")
+    assert torch.equal(got, model[0](x))
+
+
+def test_output_meta_is_taken_at_the_call_not_later(tmp_path):
+    class Grow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            y.unsqueeze_(0)  # changes lin's output's metadata after lin returned
+            return {"y": y}
+
+    model = Grow()
+    for profile in (True, False):
+        with cbtrace.capture(model, tmp_path / f"r{profile}", profile=profile):
+            model(torch.randn(2, 4))
+        df = rundir.read_modules(tmp_path / f"r{profile}").set_index("fqn")
+        assert json.loads(df.loc["lin", "output_meta"])[0]["shape"] == [2, 8]
+        assert json.loads(df.loc["lin", "output_meta"])[0]["stride"] == [8, 1]
+        assert json.loads(df.loc["", "output_meta"])[0]["shape"] == [1, 2, 8]
+
+
+def test_a_failed_helper_job_still_stops_the_profiler_and_writes_the_run(tmp_path, monkeypatch):
+    from cbtrace import capture as capture_mod
+
+    def boom(rec, meta):
+        raise KeyboardInterrupt  # what a handed-over job can still raise
+    monkeypatch.setattr(capture_mod, "_set_tensor_meta", boom)
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(KeyboardInterrupt):
+        with cbtrace.capture(model, tmp_path / "a"):
+            model(torch.randn(2, 4))
+    assert not torch.autograd.profiler._is_profiler_enabled and not capture_mod._ACTIVE
+    manifest = rundir.read_manifest(tmp_path / "a")
+    assert manifest["complete"] is False and "KeyboardInterrupt" in manifest["error"]
+    assert len(rundir.read_modules(tmp_path / "a")) == 1
+    monkeypatch.undo()
+    with cbtrace.capture(model, tmp_path / "b"):  # and the next capture works
+        model(torch.randn(2, 4))
+    assert rundir.read_manifest(tmp_path / "b")["complete"]
 
 
 def test_failed_start_leaves_nothing_half_open(tmp_path, monkeypatch):

@@ -76,6 +76,19 @@ def test_cold_flag_reaches_every_row_and_the_manifest(gpt_run):
     assert not df["timer_notes"].fillna("").str.contains("cold").any()
 
 
+def test_replay_settings_are_validated_and_cold_warm_up_counts_for_resume():
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.engine import timing_settings
+
+    for bad in ("budget_s", "cold_budget_s", "cold_warmup_s", "cold_settle_tol"):
+        with pytest.raises(ValueError, match=bad):
+            ReplayConfig(**{bad: -1})
+    cold, warm = ReplayConfig(cold=True), ReplayConfig(cold=True, cold_settle_tol=0.02)
+    assert timing_settings(cold) != timing_settings(warm)
+    assert timing_settings(ReplayConfig()) == timing_settings(ReplayConfig(cold_settle_tol=0.5))
+    assert timing_settings(ReplayConfig()) == timing_settings(ReplayConfig(budget_s=1.0))
+
+
 def test_resume_redoes_rows_timed_with_other_settings(tmp_path):
     run = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu").out
     first = cbtrace.replay(run, **FAST)

@@ -71,10 +71,11 @@ class TimingConfig:
             raise ValueError(f"need 1 <= min_runs <= max_runs, got {self.min_runs}, "
                              f"{self.max_runs}")
         if (self.warmup_s < 0 or self.settle_tol < 0 or self.settle_window_s <= 0
-                or self.settle_lag < 1):
-            raise ValueError("need warmup_s >= 0, settle_tol >= 0, settle_window_s > 0 and "
-                             f"settle_lag >= 1, got {self.warmup_s}, {self.settle_tol}, "
-                             f"{self.settle_window_s}, {self.settle_lag}")
+                or self.settle_lag < 1 or self.settle_max_s < self.warmup_s):
+            raise ValueError("need warmup_s >= 0, settle_tol >= 0, settle_window_s > 0, "
+                             "settle_lag >= 1 and settle_max_s >= warmup_s, got "
+                             f"{self.warmup_s}, {self.settle_tol}, {self.settle_window_s}, "
+                             f"{self.settle_lag}, {self.settle_max_s}")
         if self.warmup_runs < 0:
             raise ValueError(f"warmup_runs must be >= 0, got {self.warmup_runs}")
         if self.graph_k < 1:

@@ -39,19 +39,26 @@ def warm_until_settled(sample: Callable[[int, int], list[float]], cfg: TimingCon
                        n: int = 5) -> str | None:
     """Warm up for ``cfg.warmup_s``; with ``cfg.settle_tol`` also until the median of one
     ``cfg.settle_window_s`` window of runs is within that tolerance of the median
-    ``cfg.settle_lag`` windows before, for at most ``cfg.settle_max_s``. Heavy GEMMs run back to back lower the SM clock for
-    ~0.3 s on an H200 (an lm_head GEMM 0.86 -> 1.0 ms), so a fixed warm-up leaves the timed
-    runs wherever the clock happens to be. Returns a note for the row (None when nothing
-    to say)."""
+    ``cfg.settle_lag`` windows before, for at most ``cfg.settle_max_s``. Heavy GEMMs run back
+    to back lower the SM clock for ~0.3 s on an H200 (an lm_head GEMM 0.86 -> 1.0 ms), so a
+    fixed warm-up leaves the timed runs wherever the clock happens to be. Runs per round are
+    sized so a window holds several rounds. Returns a note for the row (None when nothing to
+    say)."""
     if not cfg.settle_tol:
         warm_for(sample, cfg.warmup_s, n)
         return None
     t0 = time.perf_counter()
+    first = sample(0, 1)  # one run sizes the rounds: a slow call must still fill windows
+    per_run_s = time.perf_counter() - t0
+    n = max(1, min(n, int(cfg.settle_window_s / 4 / max(per_run_s, 1e-9))))
     medians: list[float] = []  # one per window; compared settle_lag windows apart, since a
     while True:                # clock sliding ~1 % per window never looks unsettled next door
         w_end, got = time.perf_counter() + cfg.settle_window_s, []
         while not got or time.perf_counter() < w_end:
-            got.extend(sample(0, n))
+            runs = sample(0, n)
+            if len(runs) != n:
+                raise ValueError(f"sample returned {len(runs)} values for {n} runs")
+            got.extend(runs)
         medians.append(percentile(got, 50))
         spent = time.perf_counter() - t0
         before = medians[-1 - cfg.settle_lag] if len(medians) > cfg.settle_lag else None
@@ -59,4 +66,7 @@ def warm_until_settled(sample: Callable[[int, int], list[float]], cfg: TimingCon
             quick = len(medians) <= 2 * (cfg.settle_lag + 1)
             return None if quick else f"settled in {spent * 1e3:.0f} ms"
         if spent >= cfg.settle_max_s:
+            if before is None:
+                return (f"settling not checked: {len(medians)} warm-up windows in "
+                        f"{spent:.1f} s ({first[0]:.3g} ms per call)")
             return f"still drifting after {spent:.1f} s of warm-up"

@@ -188,7 +188,7 @@ class TensorStore:
         chunk = self.plan.add("d", hi - lo, lo, None)
         # reusable by later calls only once its copy exists (run_copies registers it)
         entry = (seen.chunks, (version, lo, hi, chunk)) if version is not None else None
-        copies.append((chunk, src, torch.empty_like(src), entry))
+        copies.append((chunk, src, _buffer_like(src), entry))
         return chunk
 
     def _synth_chunk(self, t: torch.Tensor) -> Chunk | None:
@@ -210,10 +210,23 @@ def run_copies(copies: list) -> None:
     ``cbtrace.copy::`` range: one ``aten::copy_`` each.
     """
     for chunk, src, dst, entry in copies:
-        dst.copy_(src)
+        if dst is None:  # planning could not allocate it: allocate (or fail) here, in the call
+            dst = src.clone()
+        else:
+            dst.copy_(src)
         chunk.payload = dst
         if entry is not None:
             entry[0].append(entry[1])
+
+
+def _buffer_like(src: torch.Tensor) -> torch.Tensor | None:
+    """An empty copy buffer, or None when allocating it fails (e.g. out of memory): planning
+    must not raise, or the call would lose its record; ``run_copies`` then allocates it on
+    the calling thread, where a failure marks the call."""
+    try:
+        return torch.empty_like(src)
+    except Exception:  # noqa: BLE001 - OutOfMemoryError, AcceleratorError, ...
+        return None
 
 
 def _sorted_ints(t: torch.Tensor) -> bool:
