@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls of session 2. Usage on the device machine, from the repo root:
+# Device calls (sessions 2-3). Usage on the device machine, from the repo root:
 #   bash benchmarks/gpu_session.sh tests|capture|replay [$OUT]   (several: run it once per word)
 # tests: the GPU-marked tests; capture: capture overhead with its breakdown (bench_capture.py);
 # replay: calibrate, then bench_replay_gpu.py (default and cold replay vs do_bench and in situ).
