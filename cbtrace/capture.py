@@ -74,7 +74,6 @@ TRACE_GZIP_LEVEL = 1  # the capture trace's gzip level: 2.5x faster than 3 here,
 _ACTIVE: list = []  # the capture in progress, if any (captures do not nest)
 
 
-
 def _raw_op(overload):
     """The C++ callable behind an op overload: one trace event per call under with_stack, where
     the OpOverload's Python ``__call__`` layers add 5 more (and the packet's 10)."""
@@ -379,12 +378,9 @@ def _set_tensor_meta(rec: ModuleRecord, meta: tuple) -> None:
     """output_meta of a call whose output is one plain tensor, from the metadata the post hook
     read (shape, stride, offset, dtype, device, requires_grad): the caller may change the tensor
     in place (``y.unsqueeze_(0)``) before this runs."""
-    from cbtrace.plugins.inputs.tensor_store import dtype_name
+    from cbtrace.plugins.inputs.tensor_store import meta_dict
 
-    shape, stride, offset, dtype, device, grad = meta
-    rec.output_meta = json.dumps([{"shape": list(shape), "dtype": dtype_name(dtype),
-                                   "stride": list(stride), "storage_offset": offset,
-                                   "device": str(device), "requires_grad": grad}])
+    rec.output_meta = json.dumps([meta_dict(*meta)])
 
 
 def _static_facts(module) -> tuple[str, str, int, int]:

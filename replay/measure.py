@@ -49,13 +49,11 @@ def time_call(call, n: int, device, chain: list[str], cfg) -> tuple[object, str 
     from cbtrace.plugins.backends.base import TimerUnavailable, TimingConfig
 
     backends = registry.backends()
-    if cfg.cold:  # do_bench's convention: one call per graph, its warm-up and run durations
-        tcfg = TimingConfig(budget_s=cfg.cold_budget_s, min_runs=cfg.min_runs,
-                            warmup_runs=cfg.warmup_runs, graph_k=1, warmup_s=cfg.cold_warmup_s,
-                            settle_tol=cfg.cold_settle_tol)
-    else:
-        tcfg = TimingConfig(budget_s=cfg.budget_s, min_runs=cfg.min_runs,
-                            warmup_runs=cfg.warmup_runs, graph_k=cfg.graph_k)
+    # cold: do_bench's convention, one call per graph for its warm-up and run durations
+    mode = (dict(budget_s=cfg.cold_budget_s, graph_k=1, warmup_s=cfg.cold_warmup_s,
+                 settle_tol=cfg.cold_settle_tol) if cfg.cold
+            else dict(budget_s=cfg.budget_s, graph_k=cfg.graph_k))
+    tcfg = TimingConfig(min_runs=cfg.min_runs, warmup_runs=cfg.warmup_runs, **mode)
     reasons = []
     for name in chain:
         backend = backends.get(name)

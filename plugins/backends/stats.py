@@ -49,7 +49,7 @@ def spin_for(*, host_ms: float, lo_ms: float, hi_ms: float) -> float:
 
 def settled(previous_ms: float | None, current_ms: float, tol: float) -> bool:
     """Whether a call's time stopped drifting: this window's median is within ``tol``
-    (relative) of the previous window's. False without a previous window."""
+    (relative) of an earlier window's. False without an earlier window."""
     if previous_ms is None or previous_ms <= 0:
         return False
     return abs(current_ms / previous_ms - 1) <= tol

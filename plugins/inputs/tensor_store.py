@@ -26,9 +26,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def tensor_meta(t: torch.Tensor) -> dict:
     """Shape, dtype, strides, offset, device and requires_grad of a tensor (JSON-able)."""
-    return {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "stride": list(t.stride()),
-            "storage_offset": t.storage_offset(), "device": str(t.device),
-            "requires_grad": t.requires_grad}
+    return meta_dict(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+
+
+def meta_dict(shape, stride, offset: int, dtype: torch.dtype, device, requires_grad: bool) -> dict:
+    """``tensor_meta``'s dict from metadata read earlier (capture reads it in its post hook)."""
+    return {"shape": list(shape), "dtype": dtype_name(dtype), "stride": list(stride),
+            "storage_offset": offset, "device": str(device), "requires_grad": requires_grad}
 
 
 def span_bytes(shape, stride, offset: int, itemsize: int) -> tuple[int, int]:
