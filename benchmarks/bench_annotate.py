@@ -1,4 +1,4 @@
-"""Throughput of the streaming annotator (cbtrace.annotate) on the largest shared nn.Module trace.
+"""Throughput of the streaming annotator (cbtrace.annotate.write) on the largest shared nn.Module trace.
 
 Prints MB/s of trace JSON (decompressed bytes) and output/input size ratios, for:
 - the rewrite pass alone (in-situ table computed beforehand), .json.gz -> .json.gz and -> .json;
@@ -31,7 +31,7 @@ def timed(fn, repeats=REPEATS) -> float:
 
 
 def main() -> None:
-    from cbtrace.annotate import annotate
+    from cbtrace.annotate.write import annotate
     from cbtrace.attribution.attribute import attribute
 
     if not TRACE.is_file():

@@ -48,7 +48,7 @@ def plain_profiled_step(provider, model, batch, device, out_dir, hooks=False) ->
     """A profiled step and its gzipped trace export; ``hooks``: every module also gets the
     pre/post hooks a capture needs, doing nothing but open and close its two ranges
     (the floor of what any capture adds to the step, before copying or writing anything)."""
-    from cbtrace.capture import _RANGE_ENTER, _RANGE_EXIT, TRACE_GZIP_LEVEL, _activities
+    from cbtrace.capture.recorder import _RANGE_ENTER, _RANGE_EXIT, TRACE_GZIP_LEVEL, _activities
 
     stack, handles = [], []
 
@@ -115,8 +115,8 @@ def minimal_writes(run: Path, out_dir) -> float:
 
 
 def bench(spec, device, dtype, work):
-    from cbtrace.pipeline import DTYPES, warm_up
-    from cbtrace.plugins.providers.spec import resolve
+    from cbtrace.capture.from_spec import DTYPES, warm_up
+    from cbtrace.model.spec import resolve
 
     provider = resolve(spec)
     model, batch = provider.model_and_batch(device, DTYPES.get(dtype))

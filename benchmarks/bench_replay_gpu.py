@@ -24,7 +24,7 @@ REF_WARMUP_MS, REF_REP_MS = 25, 100
 
 def one_call_graph(fn):
     """A CUDA graph of one fn() call (the graph timer's warm-up and capture), or None."""
-    from cbtrace.plugins.backends.base import TimerUnavailable
+    from cbtrace.replay.timing import TimerUnavailable
     from cbtrace.plugins.backends.graph import capture, side_stream_warmup
 
     try:
@@ -39,9 +39,9 @@ def do_bench_refs(run, df, model):
     (the same convention without host launch latency) and do_bench_cudagraph, in ms."""
     import triton.testing as tt
 
-    from cbtrace.plugins.inputs.load import load_call_inputs
-    from cbtrace.records import frame_to_records
-    from cbtrace.replay.measure import call_context
+    from cbtrace.store.load import load_call_inputs
+    from cbtrace.schema.modules import frame_to_records
+    from cbtrace.replay.call import call_context
 
     def bench(f, **kw):
         try:
@@ -118,8 +118,8 @@ def bench(name, out_dir):
     import pandas as pd
 
     import cbtrace
-    from cbtrace.pipeline import capture_model
-    from cbtrace.profile import error_table, join_insitu
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.workflows.profile_model import error_table, join_insitu
     from cbtrace.replay.engine import rebuild_model
     from cbtrace import rundir
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from cbtrace.plugins.inputs.load import load_call_inputs
-from cbtrace.plugins.inputs.snapshot import Snapshotter
+from cbtrace.store.load import load_call_inputs
+from cbtrace.store.snapshot import Snapshotter
 
 TENSOR_MB = 8  # size of each captured tensor (a typical activation)
 REPEATS = 5    # best of

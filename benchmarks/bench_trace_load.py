@@ -38,7 +38,7 @@ if kind == "json.load":
         json.load(f)
 elif kind == "cbtrace load":
     from cbtrace.attribution.loader import load
-    from cbtrace.attribution.insitu_flops import OpCoster
+    from cbtrace.attribution.op_costs import OpCoster
     load(path, on_op=OpCoster())
 elif kind == "cbtrace attribute":
     from cbtrace.attribution.attribute import attribute

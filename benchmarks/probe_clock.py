@@ -19,7 +19,7 @@ def main():
 
     import triton.testing as tt
 
-    from cbtrace.plugins.backends.base import TimingConfig
+    from cbtrace.replay.timing import TimingConfig
     from cbtrace.plugins.backends.graph import GraphTimer
 
     torch.manual_seed(0)

@@ -57,7 +57,7 @@ def io_part(d: Path):
         print(f"sha256 {threads} thr: {rate(total, time.perf_counter() - t0)}")
     import pyarrow as pa
     sys.path.insert(0, ".")
-    from cbtrace.plugins.inputs import shards
+    from cbtrace.store import shards
 
     rows = [(i, 0, "d", buf[lo:lo + (64 << 20)]) for i, lo in enumerate(range(0, shard, 64 << 20))]
     t0 = time.perf_counter()
@@ -120,7 +120,7 @@ def timer_part():
     sys.path.insert(0, ".")
     from cbtrace.plugins.providers.nanogpt import Block, GPTConfig
     from cbtrace.plugins.backends.graph import GraphTimer
-    from cbtrace.plugins.backends.base import TimingConfig
+    from cbtrace.replay.timing import TimingConfig
 
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16

@@ -13,29 +13,31 @@ from cbtrace.errors import CbtraceError
 
 __version__ = "0.1.0"
 
+# name -> (module, attribute). ``capture``, ``replay`` and ``annotate`` are packages that are
+# also callable (``cbtrace._callable``), so they are imported as modules.
 _LAZY = {
-    "CaptureConfig": ("cbtrace.capture", "CaptureConfig"),
+    "capture": ("cbtrace.capture", None),
+    "replay": ("cbtrace.replay", None),
+    "annotate": ("cbtrace.annotate", None),
+    "trace_handler": ("cbtrace.annotate.trace_handler", "trace_handler"),
+    "CaptureConfig": ("cbtrace.capture.recorder", "CaptureConfig"),
     "load_inputs": ("cbtrace.rundir", "load_inputs"),
     "load_run": ("cbtrace.rundir", "load_run"),
-    "ModuleRecord": ("cbtrace.records", "ModuleRecord"),
+    "ModuleRecord": ("cbtrace.schema.modules", "ModuleRecord"),
     "ReplayConfig": ("cbtrace.replay.config", "ReplayConfig"),
     "attribute": ("cbtrace.attribution.attribute", "attribute"),
-    "Provider": ("cbtrace.plugins.providers.base", "Provider"),
-    "RecSysProvider": ("cbtrace.plugins.providers.base", "RecSysProvider"),
+    "Provider": ("cbtrace.model.provider", "Provider"),
+    "RecSysProvider": ("cbtrace.model.provider", "RecSysProvider"),
 }
 
-# cbtrace.<name> is both a module and callable as the function of the same name
-_CALLABLE_MODULES = ("capture", "replay", "annotate", "trace_handler")
-
-__all__ = ["CbtraceError", "__version__", *_CALLABLE_MODULES, *_LAZY]
+__all__ = ["CbtraceError", "__version__", *_LAZY]
 
 
 def __getattr__(name):
     import importlib
 
-    if name in _CALLABLE_MODULES:  # modules that are also the function of their name
-        return importlib.import_module(f"cbtrace.{name}")
     if name in _LAZY:
         mod, attr = _LAZY[name]
-        return getattr(importlib.import_module(mod), attr)
+        module = importlib.import_module(mod)
+        return module if attr is None else getattr(module, attr)
     raise AttributeError(f"module 'cbtrace' has no attribute '{name}'")

@@ -1,3 +1,3 @@
-from cbtrace.cli import main
+from cbtrace.cli.main import main
 
 main()

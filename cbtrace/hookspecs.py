@@ -16,12 +16,12 @@ def register_models(register):
 
 @hookspec
 def register_serializers(register):
-    """Add input serializers: ``register(serializer)``; see ``cbtrace.plugins.inputs.base.Serializer``."""
+    """Add input serializers: ``register(serializer)``; see ``cbtrace.store.serializer.Serializer``."""
 
 
 @hookspec
 def register_backends(register):
-    """Add measurement backends (timers): ``register(name, backend)``; see ``cbtrace.plugins.backends.base``."""
+    """Add measurement backends (timers): ``register(name, backend)``; see ``cbtrace.replay.timing``."""
 
 
 @hookspec

@@ -3,7 +3,7 @@
 Layout of a run directory::
 
     manifest.json               versions, device, model spec, options, seeds, files + sha256
-    modules.parquet             one row per captured call (columns: cbtrace.records.ModuleRecord)
+    modules.parquet             one row per captured call (columns: cbtrace.schema.modules.ModuleRecord)
     inputs/tensors-NNNNN.parquet  captured input tensors (deduplicated), see cbtrace.plugins.inputs
     <worker>.pt.trace.json.gz   Kineto trace of the captured step (torch-tb-profiler naming)
 """
@@ -190,7 +190,7 @@ def load_inputs(run, fqn: str, call_index: int = 0, device=None):
         call_index: which call of that module (0 = first).
         device: move tensors there (default: the device they were captured on, if present).
     """
-    from cbtrace.plugins.inputs.load import load_call_inputs
+    from cbtrace.store.load import load_call_inputs
 
     df = read_modules(run)
     rows = df[(df["fqn"] == fqn) & (df["call_index"] == call_index)]

@@ -7,19 +7,26 @@ from pathlib import Path
 
 import torch
 
-from cbtrace import rundir
+from cbtrace import registry, rundir
 from cbtrace.errors import ReplayError
-from cbtrace.records import (COPY_FAILED, ModuleRecord, capture_fields, frame_to_records,
+from cbtrace.schema.modules import (COPY_FAILED, ModuleRecord, capture_fields, frame_to_records,
                              records_to_frame, required_fields)
 from cbtrace.replay.config import ReplayConfig
-from cbtrace.replay.isolation import StateGuard
-from cbtrace.replay.measure import measure_call, timer_chain
+from cbtrace.state import StateGuard
+from cbtrace.replay.plan import default_plan, measure_call
 from cbtrace.replay.progress import ProgressLog, read_done
-from cbtrace.replay.tree import bfs_order
+from cbtrace.calltree import bfs_order
 
 
-def run_replay(run, model=None, device=None, **options):
-    """See ``cbtrace.replay``. Returns the modules DataFrame with replay columns filled."""
+def replay(run, model=None, device=None, **options):
+    """Replay every captured call of ``run`` standalone; return the results DataFrame.
+
+    Args:
+        run: run directory written by ``cbtrace.capture``.
+        model: the live model; if None it is rebuilt from the provider spec in the manifest.
+        device: "cpu", "cuda" or "cuda:N"; defaults to the capture device if available.
+        **options: fields of ``ReplayConfig`` (timer, resume, memory_budget_bytes, ...).
+    """
     cfg = ReplayConfig(**options)
     run = Path(run)
     manifest, df = rundir.load_run(run)
@@ -37,7 +44,7 @@ def run_replay(run, model=None, device=None, **options):
     done = ({cid: r for cid, r in read_done(run).items() if r.get("settings") == settings}
             if cfg.resume else {})
     guard = StateGuard(model)
-    chain = timer_chain(cfg.timer, device)
+    plan = default_plan(cfg, device, registry.backends())
     budget = cfg.memory_budget_bytes
     log = ProgressLog(run, resume=cfg.resume)
     order = bfs_order({r.call_id: r.parent_call_id for r in records})
@@ -48,7 +55,7 @@ def run_replay(run, model=None, device=None, **options):
             if cid in done:
                 continue
             rec = by_id[cid]
-            row = replay_one(model, rec, run, device, cfg, chain, guard, budget,
+            row = replay_one(model, rec, run, device, cfg, plan, guard, budget,
                              manifest.get("training_flags") or {})
             row["call_id"] = cid
             row["settings"] = settings
@@ -62,7 +69,7 @@ def run_replay(run, model=None, device=None, **options):
         for k, v in done.get(rec.call_id, {}).items():
             if k != "call_id" and hasattr(rec, k):
                 setattr(rec, k, v)
-    from cbtrace.replay.results import finalize
+    from cbtrace.replay.derive import finalize
 
     finalize(records, device_name=_device_name(device))
     out = records_to_frame(records)
@@ -118,9 +125,9 @@ def set_training_flags(module, rec, flags: dict) -> None:
             sub.training = bool(flags[f"{prefix}{name}"])
 
 
-def replay_one(model, rec, run, device, cfg, chain, guard, budget, flags=None) -> dict:
+def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None) -> dict:
     """Replay one call; never raises for the module's own failures (status = error)."""
-    from cbtrace.plugins.inputs.load import load_call_inputs
+    from cbtrace.store.load import load_call_inputs
 
     if (rec.capture_error or "").startswith(COPY_FAILED):
         return dict(status="error", status_reason=f"inputs not captured ({rec.capture_error})")
@@ -137,7 +144,7 @@ def replay_one(model, rec, run, device, cfg, chain, guard, budget, flags=None) -
         with guard.call():
             args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device)
             set_training_flags(module, rec, flags or {})
-            return measure_call(module, rec, args, kwargs, device, cfg, chain)
+            return measure_call(module, rec, args, kwargs, device, cfg, plan)
     except torch.OutOfMemoryError as e:
         _free(device)
         return dict(status="skipped", status_reason=f"OOM: {str(e).splitlines()[0][:200]}")
@@ -157,16 +164,16 @@ def footprint_bytes(rec) -> int:
 def _meta_bytes(m) -> int:
     import math
 
-    from cbtrace.flops import itemsize
+    from cbtrace.cost.flops import itemsize
 
     return math.prod(m.get("shape", [])) * itemsize(m.get("dtype", "float32"))
 
 
 def rebuild_model(manifest: dict, device, *, verify: bool):
     """The model from the provider spec in the manifest, checked against the captured state."""
-    from cbtrace.capture import state_digest
-    from cbtrace.pipeline import DTYPES
-    from cbtrace.plugins.providers.spec import resolve
+    from cbtrace.capture.recorder import state_digest
+    from cbtrace.capture.from_spec import DTYPES
+    from cbtrace.model.spec import resolve
 
     spec = manifest.get("model_spec")
     if not spec:
@@ -212,7 +219,7 @@ def _device(device, manifest, model) -> torch.device:
 
 
 def _device_name(device) -> str:
-    from cbtrace.peaks import device_name
+    from cbtrace.cost.peaks import device_name
 
     return device_name(device)
 

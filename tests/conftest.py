@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+sys.path.insert(0, str(REPO / "benchmarks"))  # doc tools the tests drive (screenshot.py)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,7 @@
 import socket
 import subprocess
 
-from cbtrace.plugins.reporters.screenshot import CHROMIUM_ARGS  # noqa: F401 (re-exported)
+from screenshot import CHROMIUM_ARGS  # noqa: F401 (re-exported)
 
 CHROMIUM = "/usr/bin/chromium"
 

@@ -1,4 +1,4 @@
-"""cbtrace.annotate on a capture-like trace (recorded here) and on the shared nn.Module traces."""
+"""cbtrace.annotate.write on a capture-like trace (recorded here) and on the shared nn.Module traces."""
 from __future__ import annotations
 
 import gzip
@@ -11,8 +11,8 @@ import pytest
 from test_annotate_data import (RUN_ID, load_trace, module_calls, record_capture_trace,
                                 shared_module_traces, write_fake_run)
 
-from cbtrace.annotate import annotate, pftrace_path
-from cbtrace.annotate_figures import BUCKETS, NO_FIGURE_CNAME
+from cbtrace.annotate.write import annotate, pftrace_path
+from cbtrace.annotate.figures import BUCKETS, NO_FIGURE_CNAME
 from cbtrace.errors import TraceError
 from cbtrace.rundir import sha256_file
 
@@ -136,7 +136,7 @@ def test_multi_step_trace_restarts_call_index(tmp_path):
 
 
 def test_output_does_not_depend_on_chunk_size(tmp_path, run, monkeypatch):
-    import cbtrace.annotate_stream as stream
+    import cbtrace.annotate.stream as stream
 
     ref = annotate(run, out=tmp_path / "ref.pt.trace.json", pftrace=False).read_bytes()
     for size in (4096, 777):
@@ -146,7 +146,7 @@ def test_output_does_not_depend_on_chunk_size(tmp_path, run, monkeypatch):
 
 
 def test_scanner_handles_strings_with_braces_and_escapes(tmp_path):
-    from cbtrace.annotate_stream import rewrite
+    from cbtrace.annotate.stream import rewrite
 
     events = [{"ph": "X", "name": 'k<{lambda()#1}> "q" \\ [', "pid": 1, "tid": 1, "ts": 1,
                "dur": 1},
@@ -202,7 +202,7 @@ def test_pftrace_holds_annotations_and_counters(run):
 
 
 def test_cli(run, capsys):
-    from cbtrace.cli import main
+    from cbtrace.cli.main import main
 
     main(["annotate", str(run), "--no-pftrace"])
     assert "annotated_worker0.1.pt.trace.json.gz" in capsys.readouterr().out

@@ -15,7 +15,7 @@ import pytest
 
 from test_annotate_data import record_capture_trace, write_fake_run
 
-from cbtrace.annotate import annotate
+from cbtrace.annotate.write import annotate
 from servers import free_port, stop
 
 WORKER = "annotated_worker0"

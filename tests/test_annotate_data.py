@@ -112,7 +112,7 @@ def write_fake_run(run: Path, trace: Path | None = None) -> Path:
     """A run directory with modules.parquet (made-up figures) and manifest; copies ``trace``."""
     import shutil
 
-    from cbtrace.records import ModuleRecord, records_to_frame
+    from cbtrace.schema.modules import ModuleRecord, records_to_frame
     from cbtrace.rundir import write_manifest, write_modules
 
     run.mkdir(parents=True, exist_ok=True)

@@ -123,7 +123,7 @@ def test_hierarchy_path():
 
 
 def test_cli_writes_parquet_and_prints(tmp_path):
-    from cbtrace.cli import cli
+    from cbtrace.cli.main import cli
 
     out = tmp_path / "t.parquet"
     res = CliRunner().invoke(cli, ["attribute", str(TRACE), "--out", str(out), "--top", "5"])
@@ -179,11 +179,11 @@ def _random_events(seed, n=400):
 def test_nest_matches_a_stack_of_open_events(seed, segment, monkeypatch):
     import numpy as np
 
-    from cbtrace.attribution import tree
+    from cbtrace.attribution import forest
 
-    monkeypatch.setattr(tree, "_SEGMENT", segment)  # small segments: open events carried over
+    monkeypatch.setattr(forest, "_SEGMENT", segment)  # small segments: open events carried over
     ts, dur, thread = _random_events(seed)
-    parent, depth = tree.nest(ts, dur, thread, np.zeros_like(thread))
+    parent, depth = forest.nest(ts, dur, thread, np.zeros_like(thread))
     ref_parent, ref_depth = _stack_nest(ts.tolist(), dur.tolist(), thread.tolist())
     assert parent.tolist() == ref_parent and depth.tolist() == ref_depth
 
@@ -191,11 +191,11 @@ def test_nest_matches_a_stack_of_open_events(seed, segment, monkeypatch):
 def test_tree_walks_match_naive_loops():
     import numpy as np
 
-    from cbtrace.attribution import tree
+    from cbtrace.attribution import forest
 
     ts, dur, thread = _random_events(7, n=300)
-    f = tree.Forest.__new__(tree.Forest)  # only the walk methods: parent, depth, len
-    f.parent, f.depth = tree.nest(ts, dur, thread, np.zeros_like(thread))
+    f = forest.Forest.__new__(forest.Forest)  # only the walk methods: parent, depth, len
+    f.parent, f.depth = forest.nest(ts, dur, thread, np.zeros_like(thread))
     f.host = np.arange(len(ts))
     mark = np.random.default_rng(1).random(len(ts)) < 0.2
     par = f.parent.tolist()

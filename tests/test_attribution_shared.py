@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cbtrace.attribution.attribute import COLUMNS, attribute
-from cbtrace.attribution.tree import DEVICE_CATS
+from cbtrace.attribution.forest import DEVICE_CATS
 from cbtrace.errors import CbtraceError
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"

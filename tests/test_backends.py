@@ -13,16 +13,17 @@ import torch
 from torch import nn
 
 from cbtrace import hookspecs
-from cbtrace.plugins.backends import base, hooks, stats
-from cbtrace.plugins.backends.base import Timing, TimerUnavailable, TimingConfig
+from cbtrace.errors import ReplayError
+from cbtrace.plugins.backends import hooks, stats
+from cbtrace.replay import timers, timing
+from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
 from cbtrace.plugins.backends.cpu import CpuTimer
 from cbtrace.plugins.backends.events import EventsTimer
-from cbtrace.plugins.backends.fallback import measure_auto
 from cbtrace.plugins.backends.graph import GraphTimer
 from cbtrace.plugins.backends.l2 import L2Flusher
-from cbtrace.plugins.backends.profiled import (
+from cbtrace.replay.profiler_pass import (
     Row, aten_op_count, device_totals, peak_live_bytes, profile_call)
-from cbtrace.plugins.backends.sampling import collect, warm_until_settled
+from cbtrace.plugins.backends.sampling import collect, timing_from_samples, warm_until_settled
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
@@ -102,7 +103,7 @@ def test_config_is_keyword_only_and_validated():
 
 
 def test_every_config_field_has_one_doc_line():
-    tree = ast.parse(inspect.getsource(base.TimingConfig))
+    tree = ast.parse(inspect.getsource(timing.TimingConfig))
     body = tree.body[0].body
     fields = [(i, n.target.id) for i, n in enumerate(body) if isinstance(n, ast.AnnAssign)]
     assert {name for _, name in fields} == set(TimingConfig.__dataclass_fields__)
@@ -113,15 +114,15 @@ def test_every_config_field_has_one_doc_line():
 
 
 def test_timing_from_samples():
-    t = base.timing_from_samples([2.0, 1.0, 3.0, 4.0, 5.0], "cpu", "note")
+    t = timing_from_samples([2.0, 1.0, 3.0, 4.0, 5.0], "cpu", "note")
     assert (t.median_ms, t.p10_ms, t.p90_ms, t.runs, t.timer) == (3.0, 1.4, 4.6, 5, "cpu")
     assert t.samples_ms == [2.0, 1.0, 3.0, 4.0, 5.0] and t.notes == "note"
     assert isinstance(t, Timing)
 
 
 def test_join_notes_and_cpu_flusher_is_a_no_op():
-    assert base.join_notes("K=20", None, "", "no L2 flush") == "K=20; no L2 flush"
-    assert base.join_notes(None, "") is None
+    assert join_notes("K=20", None, "", "no L2 flush") == "K=20; no L2 flush"
+    assert join_notes(None, "") is None
     flusher = L2Flusher(torch.device("cpu"), 1 << 20)
     flusher.flush()
     assert flusher.buf is None and flusher.note is None
@@ -314,27 +315,40 @@ def registered():
 
 def test_builtins_register_through_the_hook(registered):
     assert {"graph", "events", "cpu", "flaky"} <= set(registered)
-    assert set(hooks.AUTO_ORDER) <= set(registered)
     for name, backend in registered.items():
         assert backend.name == name
         assert callable(backend.measure) and callable(backend.unavailable_reason)
 
 
-def test_auto_falls_back_and_records_why(registered):
+def test_chain_follows_the_fallback_ranks(registered):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert timers.chain("auto", cpu, registered) == ["cpu"]  # graph, events: not on a CPU
+    assert timers.chain("graph", cpu, registered) == ["graph", "cpu"]
+    assert timers.chain("cpu", cpu, registered) == ["cpu"]
+    assert timers.chain("flaky", cpu, registered) == ["flaky", "cpu"]  # unranked: all fallbacks
+    assert "flaky" not in timers.chain("auto", cpu, registered)  # asked for by name only
+    with pytest.raises(ReplayError, match="--timer nope: no such timer.*auto, cpu, events"):
+        timers.chain("nope", cpu, registered)
+    if CUDA:
+        assert timers.chain("auto", cuda, registered) == ["graph", "events", "cpu"]
+        assert timers.chain("events", cuda, registered) == ["events", "cpu"]
+
+
+def test_a_failing_timer_falls_back_and_records_why(registered):
     model, xs = tiny_model(), copies(2)
+    chain = timers.chain("flaky", torch.device("cpu"), registered)
     with torch.no_grad():
-        t = measure_auto(lambda i: model(xs[i]), 2, "cpu", FAST, registered,
-                         order=("flaky", "graph", "events", "cpu"))
+        t, why = timers.measure(lambda i: model(xs[i]), 2, torch.device("cpu"), chain,
+                                registered, FAST)
     assert t.timer == "cpu"
-    assert "flaky failed: graph capture failed" in t.notes
-    assert "graph" not in t.notes.replace("graph capture", "")  # device-level skips stay quiet
+    assert why == "flaky: graph capture failed: operation not permitted when capturing"
 
 
-def test_auto_with_no_usable_timer_says_why(registered):
+def test_no_usable_timer_says_why(registered):
     want = "flaky: graph capture failed.*events: events timer needs"
     with pytest.raises(TimerUnavailable, match=want):
-        measure_auto(lambda i: None, 1, "cpu", FAST, registered,
-                     order=("flaky", "events", "absent"))
+        timers.measure(lambda i: None, 1, torch.device("cpu"), ["flaky", "events"], registered,
+                       FAST)
 
 
 # ---- profiled call -------------------------------------------------------------------------
@@ -408,8 +422,9 @@ def test_gpu_graph_capture_failure_falls_back_to_events(registered):
 
     with pytest.raises(TimerUnavailable, match="capture"):
         GraphTimer().measure(call, 1, "cuda", FAST)
-    t = measure_auto(call, 1, "cuda", FAST, registered)
-    assert t.timer == "events" and "graph failed" in t.notes
+    dev = torch.device("cuda")
+    t, why = timers.measure(call, 1, dev, timers.chain("auto", dev, registered), registered, FAST)
+    assert t.timer == "events" and why.startswith("graph: graph capture failed")
     torch.cuda.empty_cache()  # torch < 2.12 asserted here after a failed capture (pytorch#180395)
     t = GraphTimer().measure(lambda i: x * 2, 1, "cuda", FAST)  # capture still works afterwards
     assert t.timer == "graph"

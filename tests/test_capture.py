@@ -12,8 +12,8 @@ import torch
 import cbtrace
 from cbtrace import rundir
 from cbtrace.errors import RunDirError
-from cbtrace.pipeline import capture_model
-from cbtrace.plugins.providers.spec import resolve
+from cbtrace.capture.from_spec import capture_model
+from cbtrace.model.spec import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_hook_bookkeeping_stays_out_of_the_trace(tmp_path):
 
 
 def test_helper_thread_returns_raises_and_closes():
-    from cbtrace.helper_thread import HelperThread
+    from cbtrace.capture.helper_thread import HelperThread
 
     h = HelperThread()
     me = threading.get_ident()
@@ -116,7 +116,7 @@ def test_helper_thread_returns_raises_and_closes():
 
 
 def test_helper_thread_submit_runs_in_order_and_close_raises_its_error():
-    from cbtrace.helper_thread import HelperThread
+    from cbtrace.capture.helper_thread import HelperThread
 
     h, seen = HelperThread(), []
     for i in range(50):
@@ -144,7 +144,7 @@ def test_output_meta_of_every_call(tmp_path):
 
 def fail_second_copy(monkeypatch):
     """Make capture's second input copy (the first child call's) raise a simulated OOM."""
-    from cbtrace.plugins.inputs import tensor_store
+    from cbtrace.store import tensor_store
 
     real, calls = tensor_store.run_copies, {"n": 0}
 
@@ -154,7 +154,7 @@ def fail_second_copy(monkeypatch):
             raise RuntimeError("simulated OOM while copying")
         real(copies)
 
-    monkeypatch.setattr("cbtrace.capture.run_copies", flaky)
+    monkeypatch.setattr("cbtrace.capture.recorder.run_copies", flaky)
 
 
 def test_failed_copy_caught_by_the_model_is_never_reused(tmp_path, monkeypatch):
@@ -186,7 +186,7 @@ def test_failed_copy_caught_by_the_model_is_never_reused(tmp_path, monkeypatch):
 
 
 def test_copy_buffer_that_cannot_be_planned_is_made_in_the_call(tmp_path, monkeypatch):
-    from cbtrace.plugins.inputs import tensor_store
+    from cbtrace.store import tensor_store
 
     real, calls = torch.empty_like, {"n": 0}
 
@@ -230,7 +230,7 @@ def test_output_meta_is_taken_at_the_call_not_later(tmp_path):
 
 
 def test_a_failed_helper_job_still_stops_the_profiler_and_writes_the_run(tmp_path, monkeypatch):
-    from cbtrace import capture as capture_mod
+    from cbtrace.capture import recorder as capture_mod
 
     def boom(rec, meta):
         raise KeyboardInterrupt  # what a handed-over job can still raise
@@ -250,7 +250,7 @@ def test_a_failed_helper_job_still_stops_the_profiler_and_writes_the_run(tmp_pat
 
 
 def test_failed_start_leaves_nothing_half_open(tmp_path, monkeypatch):
-    from cbtrace import capture as capture_mod
+    from cbtrace.capture import recorder as capture_mod
 
     def broken():
         raise RuntimeError("no thread for you")
@@ -433,8 +433,8 @@ def test_capture_error_recorded_and_nesting_refused(tmp_path):
 
 
 def test_cpu_capture_records_host_insitu_and_profile_uses_it(tmp_path):
-    from cbtrace.insitu_host import descendants
-    from cbtrace.profile import join_insitu
+    from cbtrace.capture.host_times import descendants
+    from cbtrace.workflows.profile_model import join_insitu
 
     cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
     df = rundir.read_modules(cap.out)

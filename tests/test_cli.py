@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from cbtrace.cli import COMMANDS
+from cbtrace.cli.main import COMMANDS
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_help_imports_neither_torch_nor_pyarrow():
-    code = ("import sys; from cbtrace.cli import main\n"
+    code = ("import sys; from cbtrace.cli.main import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "bad = [m for m in ('torch', 'pyarrow', 'pandas', 'tensorboard') if m in sys.modules]\n"
             "print('HEAVY', bad)")
@@ -64,7 +64,7 @@ def test_bad_inputs_give_one_line_errors_and_lose_nothing(tmp_path):
     import json
 
     from cbtrace import rundir
-    from cbtrace.pipeline import capture_model
+    from cbtrace.capture.from_spec import capture_model
 
     run = capture_model("dlrm:tiny", tmp_path / "run", device="cpu").out
     modules = rundir.sha256_file(run / "modules.parquet")

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from cbtrace import flops
-from cbtrace.flops import OpCost, is_free, op_cost, registered_ops, trace_op_cost
-from cbtrace.opcount import OpCounter
+from cbtrace.cost import flops
+from cbtrace.cost.flops import OpCost, is_free, op_cost, registered_ops, trace_op_cost
+from cbtrace.cost.opcount import OpCounter
 
 F32 = ["float32", "float32", "float32"]
 

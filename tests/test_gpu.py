@@ -6,9 +6,9 @@ import torch
 
 import cbtrace
 from cbtrace import rundir
-from cbtrace.pipeline import capture_model
-from cbtrace.plugins.providers.spec import resolve
-from cbtrace.replay.isolation import state_fingerprint
+from cbtrace.capture.from_spec import capture_model
+from cbtrace.model.spec import resolve
+from cbtrace.state import state_fingerprint
 
 pytestmark = pytest.mark.gpu
 FAST = dict(budget_s=0.02, min_runs=5, warmup_runs=2, profile_runs=1)

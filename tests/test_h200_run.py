@@ -35,7 +35,7 @@ def test_attribution_conserves_device_time_on_h200_capture(run):
 
 
 def test_insitu_join_matches_replay_within_a_few_percent(run):
-    from cbtrace.profile import error_table, join_insitu
+    from cbtrace.workflows.profile_model import error_table, join_insitu
 
     df = join_insitu(run)
     assert df["insitu_ms"].notna().all()

@@ -1,7 +1,7 @@
 """Icicle model, HTML, SVG, summary and reporters; the page itself in real headless Chromium.
 
 Run directories are built from REAL module trees (a small transformer, a DLRM-like model)
-with synthetic figures (cbtrace.plugins.reporters.sample), since real replays need a GPU.
+with synthetic figures (sample_runs), since real replays need a GPU.
 """
 from __future__ import annotations
 
@@ -15,15 +15,19 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
+
+from conftest import REPO
 from hypothesis import strategies as st
 
-from cbtrace.plugins.reporters import icicle_data, palette
+from cbtrace.plugins.reporters import palette
+
+from cbtrace.plugins.reporters import icicle_model
 from cbtrace.plugins.reporters.icicle import json_for_script, render_html
-from cbtrace.plugins.reporters.sample import write_sample_run
+from sample_runs import write_sample_run
 from cbtrace.plugins.reporters.summary import self_times, summary_table
 from cbtrace.plugins.reporters.svg import render_svg
-from cbtrace.plugins.reporters.tree import build_tree, layout, record_rows
-from cbtrace.records import ModuleRecord, records_to_frame
+from cbtrace.plugins.reporters.icicle_tree import build_tree, layout, record_rows
+from cbtrace.schema.modules import ModuleRecord, records_to_frame
 from cbtrace.rundir import load_run
 
 EVIL = "<script>alert(1)</script>"
@@ -88,7 +92,7 @@ def test_noisy_children_widen_the_parent_once():
     # replay noise: p measured 1 ms, its child q 5 ms; residual_ms as replay writes it (-4)
     recs = [_rec(0, "p", -1, ms=1.0, residual_ms=-4.0), _rec(1, "p.q", 0, ms=5.0),
             _rec(2, "r", -1, ms=5.0, residual_ms=None)]
-    data = icicle_data.build(records_to_frame(recs), name="noisy")
+    data = icicle_model.build(records_to_frame(recs), name="noisy")
     by = {n["id"]: n for n in data["nodes"]}
     assert by["c0"]["x"]["isolated"] == pytest.approx([0, 0.5])  # 5 of 10 ms, not 1 and not 9
     assert by["r0"]["x"]["isolated"][1] - by["r0"]["x"]["isolated"][0] == 0
@@ -116,10 +120,10 @@ def test_layout_children_nest_and_never_overlap(spec):
 
 
 def test_model_modes_and_fallback(runs):
-    data = icicle_data.build(_frame(runs["transformer"]), name="t")
+    data = icicle_model.build(_frame(runs["transformer"]), name="t")
     assert data["modes"] == ["isolated", "insitu", "calls"]
     assert data["title"] == "transformer (synthetic figures)"
-    bare = icicle_data.build(_frame(runs["bare"]), name="b")
+    bare = icicle_model.build(_frame(runs["bare"]), name="b")
     assert bare["modes"] == ["calls"]
     assert "no timings" in bare["notes"]["calls"]
     leaf = next(n for n in bare["nodes"] if n["q"] == "top.2")
@@ -127,7 +131,7 @@ def test_model_modes_and_fallback(runs):
 
 
 def test_relu_shows_bandwidth_not_a_flat_colour(runs):
-    data = icicle_data.build(_frame(runs["dlrm"]), name="d")
+    data = icicle_model.build(_frame(runs["dlrm"]), name="d")
     relu = next(n for n in data["nodes"] if n["t"] == "ReLU")
     assert relu["m"].startswith("MBU ") and relu["bg"]["metric"] != palette.NO_FIGURES
     lin = next(n for n in data["nodes"] if n["q"] == "top.2")  # compute-bound Linear
@@ -143,7 +147,7 @@ def test_relu_shows_bandwidth_not_a_flat_colour(runs):
 
 
 def test_html_is_self_contained_and_escapes_names(runs):
-    page = render_html(icicle_data.build(_frame(runs["transformer"]), name="t"))
+    page = render_html(icicle_model.build(_frame(runs["transformer"]), name="t"))
     assert EVIL not in page and EVIL_IMG not in page
     assert "\\u003cscript\\u003ealert(1)\\u003c/script\\u003e" in page
     for ref in ("http://", "https://", "src=\"", "href=\""):
@@ -152,7 +156,7 @@ def test_html_is_self_contained_and_escapes_names(runs):
 
 
 def test_svg_is_xml_with_escaped_labels(runs):
-    data = icicle_data.build(_frame(runs["transformer"]), name="t")
+    data = icicle_model.build(_frame(runs["transformer"]), name="t")
     svg = render_svg(data)
     root = ET.fromstring(svg)
     texts = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text")]
@@ -162,7 +166,7 @@ def test_svg_is_xml_with_escaped_labels(runs):
     assert "<script" not in svg
     with pytest.raises(ValueError, match="mode"):
         render_svg(data, mode="nope")
-    ET.fromstring(render_svg(icicle_data.build(_frame(runs["bare"]), name="b"), scheme="bound"))
+    ET.fromstring(render_svg(icicle_model.build(_frame(runs["bare"]), name="b"), scheme="bound"))
 
 
 def test_summary_self_times_add_up_to_the_step(runs):
@@ -195,7 +199,7 @@ def test_builtin_reporters_are_registered_and_write(runs, tmp_path):
 def test_plugin_reporter_registered_through_the_hook(runs, tmp_path):
     from cbtrace import registry
     from cbtrace.hookspecs import hookimpl
-    from cbtrace.plugins.reporters.run_report import ReportError, report_run
+    from cbtrace.workflows.report import ReportError, report_run
 
     class CsvReporter:
         closed = False
@@ -242,7 +246,7 @@ def browser():
         pytest.skip("no Chromium at /usr/bin/chromium (set CBTRACE_CHROMIUM)")
     from playwright.sync_api import sync_playwright
 
-    from cbtrace.plugins.reporters.screenshot import launch
+    from screenshot import launch
 
     pw = sync_playwright().start()
     b = launch(pw)
@@ -254,7 +258,7 @@ def browser():
 @pytest.mark.browser
 def test_icicle_offline_in_chromium(browser, runs, tmp_path):
     from cbtrace.plugins.reporters.icicle import IcicleReporter
-    from cbtrace.plugins.reporters.screenshot import block_network
+    from screenshot import block_network
 
     html = IcicleReporter().report(_frame(runs["transformer"]), tmp_path)[0]
     page = browser.new_page(viewport={"width": 1400, "height": 900})
@@ -325,9 +329,9 @@ def test_icicle_offline_in_chromium(browser, runs, tmp_path):
 
 
 @pytest.mark.browser
-def test_screenshot_module_makes_a_png(browser, runs, tmp_path):
+def test_screenshot_script_makes_a_png(browser, runs, tmp_path):
     png = tmp_path / "dlrm.png"
-    out = subprocess.run([sys.executable, "-m", "cbtrace.plugins.reporters.screenshot",
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "screenshot.py"),
                           str(runs["dlrm"]), str(png), "--width", "1200"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

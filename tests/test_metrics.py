@@ -1,7 +1,7 @@
 """Metric functions against figures worked out by hand."""
 import pytest
 
-from cbtrace import metrics as m
+from cbtrace.cost import metrics as m
 
 H200_BF16, H200_BW = 989.5e12, 4.8e12
 

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from cbtrace.opcount import OpCounter
+from cbtrace.cost.opcount import OpCounter
 
 
 def count(module, *args, outputs=False, **kwargs):

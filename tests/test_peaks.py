@@ -6,8 +6,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cbtrace import peaks
-from cbtrace.peaks import Peak, peak_for
+from cbtrace.cost import peaks
+from cbtrace.cost.peaks import Peak, peak_for
 
 
 @pytest.mark.parametrize("name, key", [
@@ -75,7 +75,7 @@ def test_calibration_store_roundtrip(tmp_path, monkeypatch):
 
 
 def test_calibrate_cli_on_cpu(tmp_path):
-    from cbtrace.cli import cli
+    from cbtrace.cli.main import cli
 
     out = tmp_path / "calibration.json"
     start = time.perf_counter()
@@ -95,7 +95,7 @@ def test_calibrate_cli_on_cpu(tmp_path):
 def test_calibrate_cuda_without_gpu_is_a_clear_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from cbtrace.cli import cli
+    from cbtrace.cli.main import cli
 
     result = CliRunner().invoke(cli, ["calibrate", "--device", "cuda", "--out", str(tmp_path / "c.json")])
     assert result.exit_code == 1
@@ -106,7 +106,7 @@ def test_calibrate_cuda_without_gpu_is_a_clear_error(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_calibrate_gpu_is_below_datasheet(tmp_path):
-    from cbtrace.calibrate import calibrate
+    from cbtrace.cost.calibrate import calibrate
 
     entry = calibrate("cuda", out=tmp_path / "c.json")
     sheet = peaks.match_device(entry["name"])

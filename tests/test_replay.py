@@ -11,9 +11,9 @@ import torch
 
 import cbtrace
 from cbtrace import rundir
-from cbtrace.pipeline import capture_model
-from cbtrace.plugins.providers.spec import resolve
-from cbtrace.replay.isolation import state_fingerprint
+from cbtrace.capture.from_spec import capture_model
+from cbtrace.model.spec import resolve
+from cbtrace.state import state_fingerprint
 
 FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1, cold_budget_s=0.01)
 
@@ -104,7 +104,7 @@ def test_skip_and_aggregate_under_memory_budget(tmp_path):
     df0 = rundir.read_modules(cap.out)
     block = df0[df0["fqn"] == "transformer.h.0"].iloc[0]
     from cbtrace.replay.engine import footprint_bytes
-    from cbtrace.records import frame_to_records
+    from cbtrace.schema.modules import frame_to_records
 
     recs = {r.fqn: r for r in frame_to_records(df0)}
     budget = footprint_bytes(recs["transformer.h.0"]) - 1
@@ -163,7 +163,7 @@ def test_resume_after_killing_a_replay(tmp_path):
 
 
 def test_embedding_copies_touch_other_rows():
-    from cbtrace.replay.inputs import embedding_copies
+    from cbtrace.replay.copies import embedding_copies
 
     bag = torch.nn.EmbeddingBag(1000, 16, mode="sum")
     ids = torch.tensor([3, 7, 999, 0, 512])
@@ -223,7 +223,7 @@ def test_replay_again_clears_stale_figures_and_refuses_corrupt_inputs(tmp_path):
         cbtrace.replay(cap.out, **FAST)
     assert rundir.sha256_file(cap.out / "modules.parquet") == before  # results kept
     from cbtrace.replay.engine import fresh_replay_fields
-    from cbtrace.records import frame_to_records
+    from cbtrace.schema.modules import frame_to_records
 
     rec = fresh_replay_fields(frame_to_records(rundir.read_modules(cap.out))[0])
     assert rec.isolated_ms is None and rec.status is None and rec.insitu_ms is None

@@ -7,8 +7,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from cbtrace.cli import main
-from cbtrace.plugins.reporters.sample import write_sample_run
+from cbtrace.cli.main import main
+from sample_runs import write_sample_run
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_report_errors_are_one_line(tmp_path, run, capsys):
 
 def test_report_command_is_lazy_and_runs_as_a_process(run):
     # `cbtrace report --help` imports neither torch nor pyarrow (STYLE habit 9)
-    code = ("import sys; from cbtrace.cli import main\n"
+    code = ("import sys; from cbtrace.cli.main import main\n"
             "try: main(['report', '--help'])\nexcept SystemExit: pass\n"
             "print(sorted(m for m in ('torch', 'pyarrow', 'tensorboard') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

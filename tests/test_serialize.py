@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from cbtrace import registry
 from cbtrace.errors import PluginError, SerializationError
-from cbtrace.plugins.inputs.equality import first_difference
-from cbtrace.plugins.inputs.load import load_call_inputs
-from cbtrace.plugins.inputs.snapshot import Snapshotter, tensor_meta
+from equality import first_difference
+from cbtrace.store.load import load_call_inputs
+from cbtrace.store.snapshot import Snapshotter, tensor_meta
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 

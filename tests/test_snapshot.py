@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from cbtrace.errors import SerializationError
-from cbtrace.plugins.inputs import shards
-from cbtrace.plugins.inputs.equality import first_difference
-from cbtrace.plugins.inputs.load import load_call_inputs
-from cbtrace.plugins.inputs.snapshot import Snapshotter
+from cbtrace.store import shards
+from equality import first_difference
+from cbtrace.store.load import load_call_inputs
+from cbtrace.store.snapshot import Snapshotter
 
 
 def rows_and_bytes(files):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cbtrace.plugins.reporters import logdir as ld
-from cbtrace.plugins.reporters.sample import write_sample_run
+from sample_runs import write_sample_run
 from servers import CHROMIUM, CHROMIUM_ARGS, free_port, stop
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -169,7 +169,7 @@ def test_tab_in_chromium(server, tmp_path):
         pytest.skip("no Chromium at /usr/bin/chromium (set CBTRACE_CHROMIUM)")
     from playwright.sync_api import sync_playwright
 
-    from cbtrace.plugins.reporters.screenshot import launch
+    from screenshot import launch
 
     outside, errors = [], []
 

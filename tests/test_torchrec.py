@@ -6,7 +6,7 @@ pytest.importorskip("torchrec.sparse.jagged_tensor")
 
 import cbtrace  # noqa: E402
 from cbtrace import rundir  # noqa: E402
-from cbtrace.pipeline import capture_model  # noqa: E402
+from cbtrace.capture.from_spec import capture_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""cbtrace.trace_handler in a user's own torch.profiler loop."""
+"""cbtrace.annotate.trace_handler in a user's own torch.profiler loop."""
 from __future__ import annotations
 
 import pytest
@@ -49,7 +49,7 @@ def test_trace_handler_plain_json_and_default_worker(tmp_path):
 
 
 def test_trace_handler_never_breaks_training(tmp_path, monkeypatch):
-    import cbtrace.annotate as mod
+    import cbtrace.annotate.write as mod
 
     def boom(**kw):
         raise mod.TraceError("simulated failure")

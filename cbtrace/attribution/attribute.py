@@ -13,7 +13,7 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
   launched inside; ``gpu_span_ms``: first device event start to last end (inclusive);
   ``kernel_count`` (inclusive).
 - ``flops``, ``flops_executed``, ``bytes``, ``ops_without_formula``, ``compute_dtype``, ``mfu``,
-  ``mbu``: from op shapes (``record_shapes=True``), cbtrace.flops formulas, cbtrace.peaks peaks;
+  ``mbu``: from op shapes (``record_shapes=True``), cbtrace.cost.flops formulas, cbtrace.cost.peaks peaks;
   inclusive; mfu/mbu use ``gpu_ms`` and the trace's device (NaN on CPU-only traces).
 - Slice identity: ``pid``, ``tid``, ``ts_us``, ``dur_us`` (as in the trace), ``ev_index`` (position
   in ``traceEvents`` = HTA's ``index`` column: join with
@@ -27,7 +27,7 @@ the steps >= 0 of its (rank, fqn, call_index, phase); ``summarize(df)`` keeps on
 Speed and memory: the trace is decoded chunk by chunk (trace_io.stream_trace) by a typed
 decoder that skips what attribution does not read (loader.py), straight into numpy columns
 (~64 bytes per complete event, no Python object per event); nesting, owners and sums are array
-operations (tree.py, insitu.py). On this 2-core VM that is 8-17x faster than HTA's
+operations (forest.py, insitu.py). On this 2-core VM that is 8-17x faster than HTA's
 TraceAnalysis at 0.2-0.35x its peak RSS (benchmarks/results_trace_load.md). A trace whose
 columns do not fit in memory is attributed with ``steps_per_window=N``: the file is read once
 per window of N profiler steps and only that window's events are kept (windows.py).
@@ -94,7 +94,7 @@ def attribute_file(path, *, rank: int | None = None, class_map: dict | None = No
     import pandas as pd
 
     from cbtrace.attribution import loader, windows
-    from cbtrace.attribution.insitu_flops import OpCoster
+    from cbtrace.attribution.op_costs import OpCoster
 
     path = Path(path)
     coster = OpCoster()
@@ -130,11 +130,12 @@ def table(path, cols, coster, *, class_map=None, device_filter=None, part=False)
     ``device_filter(forest) -> bool mask`` drops device events that another window counts;
     ``part``: the events are a window of the trace (it may be empty; see windows.py).
     """
-    from cbtrace.attribution import insitu, tree
+    from cbtrace.attribution import insitu
+    from cbtrace.attribution import forest as forest_mod
 
     if cols.n_events == 0:
         raise TraceError(f"{path}: the trace has no events")
-    forest = tree.build(cols)
+    forest = forest_mod.build(cols)
     if device_filter is not None:
         forest.keep_device(device_filter(forest))
     if not len(forest.host) and not len(forest.d_ts) and not part:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cbtrace.attribution.tree import Forest, string_mask
+from cbtrace.attribution.forest import Forest, string_mask
 
 EVALUATE = "autograd::engine::evaluate_function: "
 

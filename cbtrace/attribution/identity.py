@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from cbtrace.attribution.tree import Forest, string_mask
+from cbtrace.attribution.forest import Forest, string_mask
 
 CBTRACE = "cbtrace::"
 COPY = "cbtrace.copy::"

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from cbtrace.attribution import backward, identity
-from cbtrace.attribution.insitu_flops import peak_of, utilization
-from cbtrace.attribution.tree import Forest, by_level, string_mask
+from cbtrace.attribution.op_costs import peak_of, utilization
+from cbtrace.attribution.forest import Forest, by_level, string_mask
 
 UNATTRIBUTED = "<unattributed>"
 OVERHEAD = "<cbtrace-overhead>"

@@ -1,6 +1,6 @@
 """Attribution of a trace larger than memory: a window of profiler steps at a time.
 
-The one-pass path (``loader.load`` then ``tree.build``) streams the JSON chunk by chunk but keeps
+The one-pass path (``loader.load`` then ``forest.build``) streams the JSON chunk by chunk but keeps
 every complete event as ~64 bytes of columns (plus ~100 bytes of working arrays while
 attributing): about half the trace's JSON size. Here memory is bounded by one window instead:
 
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cbtrace.attribution import loader, tree
+from cbtrace.attribution import loader
+
+from cbtrace.attribution import forest
 from cbtrace.errors import TraceError
 
 
@@ -30,15 +32,15 @@ def step_windows(path, coster) -> tuple[np.ndarray, np.ndarray, dict]:
     """(start, end) µs of every ProfilerStep#N range, by start; and the trace metadata."""
     names: dict = {}
 
-    def keep(ts, cats, nms):  # host ranges only, as tree.build: not GPU-side annotations
-        return np.fromiter((names.setdefault(n, tree._STEP.match(n) is not None)
-                            and c not in tree.SKIP_CATS and c not in tree.DEVICE_CATS
+    def keep(ts, cats, nms):  # host ranges only, as forest.build: not GPU-side annotations
+        return np.fromiter((names.setdefault(n, forest._STEP.match(n) is not None)
+                            and c not in forest.SKIP_CATS and c not in forest.DEVICE_CATS
                             for n, c in zip(nms, cats)), bool, len(nms))
 
     cols = loader.load(path, on_op=coster, keep=keep)
     if cols.n_events == 0:
         raise TraceError(f"{path}: the trace has no events")
-    ids = [isinstance(tree.norm_id(v), int) for v in cols.ids]
+    ids = [isinstance(forest.norm_id(v), int) for v in cols.ids]
     host = np.flatnonzero([ids[p] and ids[t] for p, t in zip(cols.pid, cols.tid)])
     ts, end = cols.ts[host], (cols.ts + cols.dur)[host]
     order = np.argsort(ts, kind="stable")
@@ -46,7 +48,7 @@ def step_windows(path, coster) -> tuple[np.ndarray, np.ndarray, dict]:
 
 
 def step_position(starts: np.ndarray, ends: np.ndarray, ts: np.ndarray) -> np.ndarray:
-    """Index of the step window holding each ts (as tree.step_index), -1 outside all."""
+    """Index of the step window holding each ts (as forest.step_index), -1 outside all."""
     i = np.searchsorted(starts, ts, side="right") - 1
     ok = (i >= 0) & (ts < ends[np.maximum(i, 0)]) if len(starts) else np.zeros(len(ts), bool)
     return np.where(ok, i, -1)
@@ -87,7 +89,7 @@ class _WindowKeep:
         self.dev_lo, self.dev_hi = dev_lo, dev_hi
 
     def __call__(self, ts, cats, names):
-        dev = np.fromiter((c in tree.DEVICE_CATS or c == loader.FLOW for c in cats), bool,
+        dev = np.fromiter((c in forest.DEVICE_CATS or c == loader.FLOW for c in cats), bool,
                           len(cats))
         pos = step_position(self.starts, self.ends, ts)
         return np.where(dev, (ts >= self.dev_lo) & (ts < self.dev_hi),

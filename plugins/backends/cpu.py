@@ -9,13 +9,15 @@ import time
 
 import torch
 
-from .base import Timing, TimerUnavailable, TimingConfig, join_notes, timing_from_samples
+from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
+
 from .l2 import L2Flusher
-from .sampling import collect
+from .sampling import collect, timing_from_samples
 
 
 class CpuTimer:
     name = "cpu"
+    fallback_rank = 10  # cbtrace.replay.timers: auto order and fallbacks
 
     def unavailable_reason(self, device) -> str | None:
         device = torch.device(device)

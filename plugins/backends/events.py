@@ -10,9 +10,10 @@ import time
 
 import torch
 
-from .base import Timing, TimerUnavailable, TimingConfig, join_notes, timing_from_samples
+from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
+
 from .l2 import L2Flusher, spin
-from .sampling import collect, warm_until_settled
+from .sampling import collect, timing_from_samples, warm_until_settled
 from .stats import percentile, spin_for
 
 
@@ -61,6 +62,7 @@ def host_enqueue_ms(call, n_copies: int, runs: int) -> float:
 
 class EventsTimer(CudaTimer):
     name = "events"
+    fallback_rank = 20  # cbtrace.replay.timers: auto order and fallbacks
 
     def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
         device = self._device(device)

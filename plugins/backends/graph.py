@@ -11,10 +11,11 @@ import warnings
 
 import torch
 
-from .base import Timing, TimerUnavailable, TimingConfig, join_notes, timing_from_samples
+from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
+
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher, spin
-from .sampling import collect, warm_until_settled
+from .sampling import collect, timing_from_samples, warm_until_settled
 from .stats import graph_calls
 
 
@@ -92,6 +93,7 @@ def replay_ms(g: torch.cuda.CUDAGraph) -> float:
 
 class GraphTimer(CudaTimer):
     name = "graph"
+    fallback_rank = 30  # cbtrace.replay.timers: auto order and fallbacks
 
     def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
         device = self._device(device)

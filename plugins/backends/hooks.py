@@ -1,9 +1,6 @@
 """Registers the built-in timers through the same hook third-party backends use."""
 from cbtrace.hookspecs import hookimpl
 
-# Fallback order of ``--timer auto``: the most faithful timer that works on the device.
-AUTO_ORDER = ("graph", "events", "cpu")
-
 
 @hookimpl
 def register_backends(register):

@@ -4,8 +4,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from .base import TimingConfig
-from .stats import percentile, plan_runs, settled
+from cbtrace.replay.timing import Timing, TimingConfig
+
+from .stats import percentile, plan_runs, settled, summarize
 
 
 def collect(sample: Callable[[int, int], list[float]], cfg: TimingConfig) -> list[float]:
@@ -70,3 +71,10 @@ def warm_until_settled(sample: Callable[[int, int], list[float]], cfg: TimingCon
                 return (f"settling not checked: {len(medians)} warm-up windows in "
                         f"{spent:.1f} s ({first[0]:.3g} ms per call)")
             return f"still drifting after {spent:.1f} s of warm-up"
+
+
+def timing_from_samples(samples_ms: list[float], timer: str, notes: str | None = None) -> Timing:
+    """Summarise per-call samples into a Timing."""
+    median, p10, p90 = summarize(samples_ms)
+    return Timing(median_ms=median, p10_ms=p10, p90_ms=p90, runs=len(samples_ms), timer=timer,
+                  samples_ms=list(samples_ms), notes=notes)

@@ -15,7 +15,7 @@ import struct
 import torch
 
 from cbtrace.errors import SerializationError
-from cbtrace.plugins.inputs.base import Serializer, import_qualname, qualname_of
+from cbtrace.store.serializer import Serializer, import_qualname, qualname_of
 
 _JSON_INT = 2**53  # ints beyond this are stored as strings (JSON readers use doubles)
 

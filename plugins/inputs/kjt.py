@@ -8,7 +8,7 @@ as the module saw them. Loading needs torchrec installed.
 from __future__ import annotations
 
 from cbtrace.errors import SerializationError
-from cbtrace.plugins.inputs.base import Serializer, import_qualname, qualname_of
+from cbtrace.store.serializer import Serializer, import_qualname, qualname_of
 
 CLASSES = ("KeyedJaggedTensor", "JaggedTensor", "KeyedTensor")
 

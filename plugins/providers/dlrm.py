@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from cbtrace.plugins.providers.base import RecSysProvider, TableConfig, pick_preset
+from cbtrace.model.provider import RecSysProvider, TableConfig, pick_preset
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cbtrace.plugins.providers.base import Provider, pick_preset
+from cbtrace.model.provider import Provider, pick_preset
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cbtrace.errors import ProviderError
-from cbtrace.plugins.providers.base import RecSysProvider, TableConfig, pick_preset
+from cbtrace.model.provider import RecSysProvider, TableConfig, pick_preset
 
 PRESETS = {
     "default": dict(tables=26, rows=1_000_000, dim=64, dense=13, hidden=1024, deep_fm=512,

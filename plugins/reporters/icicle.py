@@ -27,7 +27,7 @@ def static_text(name: str) -> str:
 
 
 def render_html(data: dict) -> str:
-    """The icicle page for an icicle model (see ``icicle_data.build``)."""
+    """The icicle page for an icicle model (see ``icicle_model.build``)."""
     js, css = static_text("icicle.js"), static_text("icicle.css")
     assert "</script" not in js.lower() and "</style" not in css.lower()
     parts = {"TITLE": html.escape(f"cbtrace · {data['title']}"), "CSS": css, "JS": js,
@@ -40,16 +40,16 @@ def _frame(records):
     """A modules DataFrame from a DataFrame or a list of ModuleRecords."""
     if hasattr(records, "to_dict") and hasattr(records, "columns"):
         return records
-    from cbtrace.records import records_to_frame
+    from cbtrace.schema.modules import records_to_frame
 
     return records_to_frame(list(records))
 
 
 def model_of(records, name: str = "run") -> dict:
     """Icicle model of records; ``records.attrs["manifest"]`` (if set) gives title and device."""
-    from cbtrace.plugins.reporters import icicle_data
+    from cbtrace.plugins.reporters import icicle_model
 
-    return icicle_data.build(_frame(records), name=name)
+    return icicle_model.build(_frame(records), name=name)
 
 
 class IcicleReporter:
@@ -75,7 +75,7 @@ def write_report(run, out_dir=None, *, svg: bool = True) -> Path:
     The library call behind ``cbtrace report`` and the demo; files go to ``out_dir`` (default:
     the run directory).
     """
-    from cbtrace.plugins.reporters.run_report import report_run
+    from cbtrace.workflows.report import report_run
 
     names = ("icicle", "summary") + (("svg",) if svg else ())
     return report_run(run, out_dir=out_dir, names=names)[0]

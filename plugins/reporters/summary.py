@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cbtrace.plugins.reporters import fmt
-from cbtrace.plugins.reporters.tree import (TIME_COLUMN, available_modes, build_tree,
+from cbtrace.plugins.reporters.icicle_tree import (TIME_COLUMN, available_modes, build_tree,
                                             record_rows, values)
 
 HEADER = ("#", "module", "type", "calls", "self", "% step", "total", "MFU", "MBU", "bound",

@@ -93,7 +93,7 @@ class CbtracePlugin(base_plugin.TBPlugin):
     @wrappers.Request.application
     def _serve_data(self, request):
         from cbtrace.errors import CbtraceError
-        from cbtrace.plugins.reporters import icicle_data
+        from cbtrace.plugins.reporters import icicle_model
         from cbtrace.rundir import load_run
 
         try:
@@ -102,7 +102,7 @@ class CbtracePlugin(base_plugin.TBPlugin):
             return self._error(request, e)
         try:
             manifest, df = load_run(run_dir)
-            data = icicle_data.build(df, manifest, name=run_dir.name)
+            data = icicle_model.build(df, manifest, name=run_dir.name)
         except (CbtraceError, ValueError) as e:
             return http_util.Respond(request, {"error": str(e)}, "application/json", code=500)
         data["traces"] = ld.annotated_traces(run_dir)

@@ -1,0 +1,153 @@
+"""Events appended to an annotated trace: the ``cbtrace`` process (isolated replay laid out like
+the module tree, one track per depth), counter tracks, and the run's metadata.
+
+All events are Chrome-trace dicts (``ph`` X / C / M): the JSON and .pftrace writers share them.
+"""
+from __future__ import annotations
+
+from cbtrace.annotate.figures import BUCKETS, FIGURE_KEYS, NO_FIGURE_CNAME, clean, colour
+
+PID = "cbtrace"
+META_TID = 0          # the "run" track: one slice carrying the metadata as args
+COUNTER = "achieved"  # counter tracks: "achieved TFLOP/s", "achieved GB/s"
+INSITU_TID0 = 100     # tracks holding the in-situ module slices (one per source thread)
+
+
+def metadata(manifest: dict | None, source: str, version: str, *, run_id=None,
+             peaks=None) -> dict:
+    """Trace-level metadata: device, peaks used, cbtrace version, run id, colour buckets."""
+    m = manifest or {}
+    device = (m.get("replay") or {}).get("device_name") or m.get("device_name") or m.get("device")
+    out = {"cbtrace_version": version, "source_trace": source,
+           "run_id": m.get("run_id") or run_id, "device": device,
+           "peaks": m.get("peaks") or peaks,
+           "colour_metric": "mfu, or mbu for modules with no FLOPs",
+           "colour_buckets": [{"min": f, "cname": c} for f, c in BUCKETS] +
+                             [{"min": None, "cname": NO_FIGURE_CNAME}]}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _names(depths: int, label: str) -> list[dict]:
+    ev = [{"ph": "M", "name": "process_name", "pid": PID, "tid": 0, "args": {"name": label}},
+          {"ph": "M", "name": "process_sort_index", "pid": PID, "tid": 0,
+           "args": {"sort_index": -1}},
+          {"ph": "M", "name": "thread_name", "pid": PID, "tid": META_TID,
+           "args": {"name": "run"}}]
+    for d in range(depths):
+        ev.append({"ph": "M", "name": "thread_name", "pid": PID, "tid": d + 1,
+                   "args": {"name": f"isolated depth {d}"}})
+        ev.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": d + 1,
+                   "args": {"sort_index": d + 1}})
+    return ev
+
+
+def isolated_layout(rows: list[dict], t0: float) -> list[dict]:
+    """X events: each call at its parent's start + its earlier siblings' widths, dur = isolated.
+
+    A node's width is max(its isolated time, its children's widths), so slices on one depth
+    track never overlap even when children add up to more than their parent.
+    """
+    kids: dict[int, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: r["call_id"]):
+        kids.setdefault(int(r.get("parent_call_id", -1)), []).append(r)
+    width: dict[int, float] = {}
+
+    def w(r) -> float:
+        cid = int(r["call_id"])
+        if cid not in width:
+            own = (r.get("isolated_ms") or 0.0) * 1000.0
+            width[cid] = max(own, sum(w(c) for c in kids.get(cid, [])))
+        return width[cid]
+
+    out: list[dict] = []
+
+    def place(r, ts: float) -> None:
+        cid = int(r["call_id"])
+        iso = r.get("isolated_ms")
+        metric, cname = colour(r.get("mfu"), r.get("mbu"), r.get("flops"))
+        args = {k: r.get(k) for k in FIGURE_KEYS if r.get(k) is not None}
+        args["colour_metric"] = metric or "none"
+        out.append({"ph": "X", "pid": PID, "tid": int(r.get("depth", 0)) + 1,
+                    "name": r["fqn"] or "<root>", "cat": "cbtrace_isolated", "ts": ts,
+                    "dur": iso * 1000.0 if iso is not None else w(r), "cname": cname,
+                    "args": args})
+        for c in kids.get(cid, []):
+            place(c, ts)
+            ts += w(c)
+
+    roots = [r for r in kids.get(-1, [])]
+    ts = t0
+    for r in roots:
+        place(r, ts)
+        ts += w(r)
+    return out
+
+
+def counters(slices: list[dict], is_leaf) -> list[dict]:
+    """Counter events along the step: achieved TFLOP/s and GB/s of the leaf module slices.
+
+    One event carries both series, so viewers show the tracks "achieved TFLOP/s" and
+    "achieved GB/s"; each leaf raises them at its start and drops them to 0 at its end.
+    """
+    out = []
+    for s in sorted(slices, key=lambda s: s["ts"]):
+        a = s["args"]
+        fqn, ms = a.get("fqn"), a.get("insitu_ms")
+        if fqn is None or not ms or not is_leaf(fqn):
+            continue
+        if a.get("flops") is None and a.get("bytes") is None:
+            continue
+        rates = {"TFLOP/s": float(a.get("flops") or 0) / (ms * 1e-3) / 1e12,
+                 "GB/s": float(a.get("bytes") or 0) / (ms * 1e-3) / 1e9}
+        end = s["ts"] + (s["dur"] or ms * 1000.0)
+        out.append({"ph": "C", "pid": PID, "name": COUNTER, "ts": s["ts"], "args": rates})
+        out.append({"ph": "C", "pid": PID, "name": COUNTER, "ts": end,
+                    "args": {k: 0.0 for k in rates}})
+    return out
+
+
+def insitu_copy(slices: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(thread names, X events): the module slices again, on cbtrace tracks of their own.
+
+    Perfetto drops a JSON slice that overlaps a sibling on its thread without nesting, which
+    happens to ``cbtrace::`` ranges opened inside hook python_function slices; this copy
+    (named by fqn, coloured like the isolated tracks) always shows.
+    """
+    tids: dict[tuple, int] = {}
+    events = []
+    for s in slices:
+        tid = tids.setdefault((s["pid"], s["tid"]), INSITU_TID0 + len(tids))
+        a = s["args"]
+        metric, cname = colour(a.get("mfu"), a.get("mbu"), a.get("flops"))
+        events.append({"ph": "X", "pid": PID, "tid": tid, "cat": "cbtrace_insitu",
+                       "name": _label(a.get("fqn"), s["name"]), "ts": s["ts"], "dur": s["dur"],
+                       "cname": cname, "args": {**a, "colour_metric": metric or "none"}})
+    names = [{"ph": "M", "name": "thread_name", "pid": PID, "tid": t,
+              "args": {"name": f"in situ (pid {p} tid {q})"}} for (p, q), t in tids.items()]
+    return names, events
+
+
+def appended_events(*, rows: list[dict], slices: list[dict], is_leaf, t0: float | None,
+                    meta: dict) -> list[dict]:
+    """Everything appended to traceEvents: names, metadata slice, isolated layout, counters."""
+    t0 = t0 or 0.0
+    layout = isolated_layout(rows, t0) if rows else []
+    depths = 1 + max((e["tid"] for e in layout), default=0)
+    span = max((e["ts"] + e["dur"] for e in layout), default=t0 + 1.0) - t0
+    run = {"ph": "X", "pid": PID, "tid": META_TID, "cat": "cbtrace_meta", "ts": t0,
+           "dur": max(span, 1.0), "name": f"cbtrace run {meta.get('run_id', '')}".strip(),
+           "args": {k: _flat(v) for k, v in meta.items()}}
+    names, copy = insitu_copy(slices)
+    return _names(depths - 1, "cbtrace") + names + [run] + layout + copy + \
+        counters(slices, is_leaf)
+
+
+def _flat(v):
+    """Nested metadata as a JSON string: trace viewers show scalar args best."""
+    import json
+
+    return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else clean(v)
+
+
+def _label(fqn, name: str) -> str:
+    return name if fqn is None else (fqn or "<root>")

@@ -1,0 +1,156 @@
+"""``annotated_<trace>``: a Kineto trace with cbtrace's per-module figures, for Perfetto,
+TensorBoard's profiler tab and HTA.
+
+The original is streamed through (see ``annotate_stream``) and never modified; module slices
+(``cbtrace::<fqn>`` ranges or ``nn.Module: ...`` events) get the module's figures as args, and a
+``cbtrace`` process with the isolated replay, counter tracks and metadata is appended.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+from cbtrace.errors import TraceError
+
+PREFIX = "annotated_"
+
+
+def output_path(trace: Path, out=None) -> Path:
+    """``annotated_<name>`` beside the input, unless ``out`` is given."""
+    return Path(out) if out is not None else trace.with_name(PREFIX + trace.name)
+
+
+def pftrace_path(out: Path) -> Path:
+    name = out.name
+    for suffix in (".json.gz", ".json", ".gz"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return out.with_name(name + ".pftrace")
+
+
+def _resolve(run, trace) -> tuple[Path, bool]:
+    """(trace path, whether it is the run's own capture trace)."""
+    from cbtrace.rundir import find_trace
+
+    own = find_trace(run) if run is not None else None
+    if trace is None:
+        if run is None:
+            raise ValueError("annotate: give a run directory, a trace, or both")
+        if own is None:
+            raise TraceError(f"{run}: the run has no capture trace (*.pt.trace.json[.gz])")
+        return own, True
+    trace = Path(trace)
+    if not trace.is_file():
+        raise TraceError(f"{trace}: no such trace file")
+    return trace, own is not None and own.resolve() == trace.resolve()
+
+
+def _attribution(trace: Path, run=None):
+    """Per-slice in-situ table from cbtrace.attribution, or None if unavailable for this trace."""
+    try:
+        from cbtrace.attribution.attribute import attribute
+    except ImportError:
+        return None
+    from cbtrace.errors import CbtraceError
+
+    try:
+        df = attribute(trace, capture_run=run, aggregate=False)
+    except CbtraceError as e:
+        warnings.warn(f"{trace}: no in-situ attribution ({e}); annotating with slice durations")
+        return None
+    if isinstance(df, tuple):
+        df = df[0]
+    return df[df["ts_us"].notna()] if "ts_us" in df.columns else None
+
+
+def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool = True,
+             insitu=None) -> Path:
+    """Write an annotated copy of a trace; returns its path.
+
+    Args:
+        run: run directory; its modules.parquet gives the isolated figures (and its capture
+            trace is annotated when ``trace`` is None).
+        trace: a Kineto trace (.json / .json.gz) to annotate instead of the run's own.
+        out: output path (default ``annotated_<name>`` beside the trace).
+        force: overwrite an existing output.
+        pftrace: also write the Perfetto protobuf ``annotated_<stem>.pftrace``.
+        insitu: per-slice attribution table to use (default: computed with cbtrace.attribute;
+            False: none).
+    """
+    import cbtrace
+    from cbtrace.annotate.figures import Figures, SliceAnnotator
+    from cbtrace.annotate.layout import appended_events, metadata
+    from cbtrace.annotate.stream import rewrite
+    from cbtrace.rundir import atomic_path, load_run
+
+    trace, own = _resolve(run, trace)
+    dst = output_path(trace, out)
+    if dst.resolve() == trace.resolve():
+        raise TraceError(f"{dst}: the output would overwrite the original trace")
+    if dst.exists() and not force:
+        raise TraceError(f"{dst}: already exists (pass --force to overwrite)")
+    manifest, modules = load_run(run) if run is not None else (None, None)
+    if insitu is None:
+        insitu = _attribution(trace, run)
+    fig = Figures(modules, insitu if insitu is not False else None, own_trace=own)
+    ann = SliceAnnotator(fig)
+    meta = metadata(manifest, trace.name, cbtrace.__version__, run_id=_run_id(run, manifest),
+                    peaks=_peaks_used(manifest, modules))
+    rows = list(fig.calls.values())
+    extra: list[dict] = []
+
+    def tail() -> list[dict]:
+        extra[:] = appended_events(rows=rows, slices=ann.module_slices(), is_leaf=fig.is_leaf,
+                                   t0=ann.first_ts, meta=meta)
+        return extra
+
+    head = b'"cbtrace": ' + json.dumps(meta, sort_keys=True).encode() + b",\n"
+    with atomic_path(dst) as tmp, open(tmp, "wb") as f:
+        rewrite(trace, f, on_event=ann, head=head, tail=tail, gz=dst.name.endswith(".gz"))
+    _readable(dst)
+    if pftrace:
+        from cbtrace.annotate.pftrace import write_pftrace
+
+        pf = write_pftrace(pftrace_path(dst), ann.slices["cbtrace"] + ann.slices["nn.Module"],
+                           extra, force=True)
+        _readable(pf)
+    return dst
+
+
+def _run_id(run, manifest) -> str | None:
+    """The run directory's name and creation time (manifests carry no id of their own)."""
+    if run is None:
+        return None
+    created = (manifest or {}).get("created")
+    return f"{Path(run).resolve().name}@{created}" if created else Path(run).resolve().name
+
+
+def _peaks_used(manifest, modules) -> dict | None:
+    """{dtype: {flops_per_s, bytes_per_s, source}} from cbtrace.cost.peaks for the replay device."""
+    m = manifest or {}
+    name = (m.get("replay") or {}).get("device_name") or m.get("device_name")
+    if not name or modules is None or "compute_dtype" not in modules.columns:
+        return None
+    try:
+        from cbtrace.cost.peaks import peak_for
+    except ImportError:
+        return None
+    out = {}
+    for dtype in sorted(set(modules["compute_dtype"].dropna())):
+        peak = peak_for(name, dtype)
+        if peak is not None:
+            out[str(dtype)] = {"flops_per_s": peak.flops_per_s,
+                               "bytes_per_s": peak.bytes_per_s, "source": peak.source}
+    return out or None
+
+
+def _readable(path: Path) -> None:
+    """Temp files are created 0600; give the output the usual umask-based mode."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+

@@ -1,0 +1,93 @@
+"""In-situ FLOPs and bytes of trace ops, with the formulas replay uses (cbtrace.cost.flops).
+
+Traces taken with ``record_shapes=True`` carry ``Input Dims`` / ``Input type`` / ``Concrete
+Inputs`` per op. Costs are cached by the raw JSON of those args, so each distinct
+(op, shapes) pair is decoded and costed once however many steps and layers repeat it.
+"""
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from cbtrace.attribution.loader import SHAPED
+
+NO_FORMULA = -1  # cost code of an op with shapes but no formula
+_decode = msgspec.json.Decoder().decode
+
+
+class OpCoster:
+    """Loader callback: ``(name, dims, types, concrete)`` raw JSON -> cost code (-1: no formula).
+
+    ``costs[code]`` is ``(flops, flops_executed, bytes, dtype)``; dtype is the first tensor
+    input's dtype name ("bfloat16", "float32" ...) or None. An op without a formula, or a free
+    one (views ...), gets its code from its name alone; others are costed once per distinct
+    args text.
+    """
+
+    def __init__(self):
+        from cbtrace.cost import flops
+
+        self._flops = flops
+        self._cache: dict = {}
+        self.costs: list[tuple] = [(0.0, 0.0, 0.0, None)]  # code 0: free ops
+
+    def by_name(self, name: str) -> int:
+        """-1 for an op without a formula, 0 for a free one, else SHAPED (costed per call)."""
+        f = self._flops
+        return 0 if f.is_free(name) else SHAPED if f.has_formula(name) else NO_FORMULA
+
+    def __call__(self, name: str, dims, types, concrete) -> int:
+        key = (name, b"\0".join((dims, types, concrete)))  # NUL never occurs in JSON text
+        code = self._cache.get(key)
+        if code is None:
+            cost = self._cost(name, bytes(dims), bytes(types), bytes(concrete))
+            code = NO_FORMULA if cost is None else len(self.costs)
+            if cost is not None:
+                self.costs.append(cost)
+            self._cache[key] = code
+        return code
+
+    def _cost(self, name, dims, types, concrete):
+        if not self._flops.has_formula(name) and not self._flops.is_free(name):
+            return None
+        try:
+            d, t = _decode(dims), _decode(types) if types else []
+            c = _decode(concrete) if concrete else None
+            cost = self._flops.trace_op_cost(name, d, t, c)
+        except (msgspec.DecodeError, TypeError, ValueError, IndexError, KeyError):
+            return None
+        if cost is None:
+            return None
+        dtype = next((self._flops.dtype_name(x) for x in t
+                      if isinstance(x, str) and self._flops.itemsize(x) and _is_float(x)), None)
+        return (float(cost.flops), float(cost.flops_executed), float(cost.bytes), dtype)
+
+
+def _is_float(kineto_type: str) -> bool:
+    return kineto_type in ("float", "double", "c10::Half", "c10::BFloat16") or "Float8" in kineto_type
+
+
+def peak_of(device_name: str | None, dtype: str | None):
+    """(flops_per_s, bytes_per_s) from cbtrace.cost.peaks, or (nan, nan) for an unknown device."""
+    if not device_name:
+        return math.nan, math.nan
+    from cbtrace.cost.peaks import peak_for
+
+    try:
+        peak = peak_for(device_name, dtype or "float32")
+    except (KeyError, ValueError):
+        peak = None
+    if peak is None:
+        return math.nan, math.nan
+    return (peak.flops_per_s or math.nan), (peak.bytes_per_s or math.nan)
+
+
+def utilization(amount, ms, peak_per_s):
+    """amount / (ms / 1e3) / peak, elementwise; NaN where the time or the peak is unknown or 0."""
+    import numpy as np
+
+    amount, ms, peak = (np.asarray(x, np.float64) for x in (amount, ms, peak_per_s))
+    ok = (ms > 0) & (peak > 0) & ~np.isnan(peak) & ~np.isnan(amount)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(ok, amount / (ms / 1e3) / peak, np.nan)

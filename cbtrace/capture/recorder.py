@@ -1,0 +1,474 @@
+"""Capture one real step of a model: module tree, live inputs (Parquet) and a Kineto trace.
+
+    with cbtrace.capture(model, "runs/r1") as cap:
+        model(batch)
+
+Forward pre/post hooks (removed on exit, even on error) record every call of the chosen modules.
+Each call's inputs are copied on entry inside a ``cbtrace.copy::<fqn>`` range (cbtrace's own
+overhead, which attribution subtracts), then the call runs inside ``cbtrace::<fqn>``.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from cbtrace import rundir
+from cbtrace.errors import CaptureError
+from cbtrace.capture.helper_thread import HelperThread, InlineHelper
+from cbtrace.store.tensor_store import run_copies
+from cbtrace.schema.modules import COPY_FAILED, ModuleRecord, records_to_table
+from cbtrace.nested import flat_tensors
+
+
+@dataclass(kw_only=True)
+class CaptureConfig:
+    include: tuple = ()
+    """fnmatch globs on fqn; a module is captured if it matches one (empty: all modules)."""
+    exclude: tuple = ()
+    """fnmatch globs on fqn; matching modules are not captured (their children still may be)."""
+    max_depth: int | None = None
+    """Deepest module-hierarchy level captured (0 = root only); None: no limit."""
+    synthesize_above_bytes: int | None = None
+    """Store input tensors larger than this as metadata + statistics only (replay synthesizes)."""
+    max_pending_bytes: int | None = None
+    """Write captured inputs out early once this many bytes of copies are pending."""
+    profile: bool = True
+    """Run the step under torch.profiler and write its Kineto trace into the run directory."""
+    worker_name: str | None = None
+    """Trace file prefix (torch-tb-profiler naming); default: <hostname>_<pid>."""
+    overwrite: bool = False
+    """Allow capturing into a non-empty directory (never the default)."""
+    spec: str | None = None
+    """Provider spec that built the model (stored so replay can rebuild it)."""
+    options: dict = field(default_factory=dict)
+    """Provider options and other run settings stored in the manifest."""
+    seed: int | None = None
+    """Seed the provider used (stored in the manifest)."""
+
+
+def module_depth(fqn: str) -> int:
+    """Hierarchy depth of a module path: "" -> 0, "a" -> 1, "a.b" -> 2."""
+    return 0 if fqn == "" else fqn.count(".") + 1
+
+
+def selected(fqn: str, cfg: CaptureConfig) -> bool:
+    """Whether a module path is captured under ``cfg``'s include/exclude/max_depth."""
+    if cfg.max_depth is not None and module_depth(fqn) > cfg.max_depth:
+        return False
+    if cfg.include and not any(fnmatch.fnmatchcase(fqn, g) for g in cfg.include):
+        return False
+    return not any(fnmatch.fnmatchcase(fqn, g) for g in cfg.exclude)
+
+
+TRACE_GZIP_LEVEL = 1  # the capture trace's gzip level: 2.5x faster than 3 here, ~10 % larger
+_ACTIVE: list = []  # the capture in progress, if any (captures do not nest)
+
+
+def _raw_op(overload):
+    """The C++ callable behind an op overload: one trace event per call under with_stack, where
+    the OpOverload's Python ``__call__`` layers add 5 more (and the packet's 10)."""
+    return getattr(overload, "_op", overload)
+
+
+# The ops behind torch.autograd.profiler.record_function (a user_annotation range), called
+# directly: the context manager's own Python layers made ~17 trace events per range.
+_RANGE_ENTER = _raw_op(torch.ops.profiler._record_function_enter_new.default)
+_RANGE_EXIT = _raw_op(torch.ops.profiler._record_function_exit._RecordFunction)
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_TENSOR, _STRIDED = torch.Tensor, torch.strided
+
+# A frame of the hook stack: (record or None for a call through an unselected path, module,
+# range handle, exception already being handled when it was called). A plain tuple: building
+# a dataclass is one more traced Python call per module call.
+_REC, _MOD, _RF, _PENDING = range(4)
+
+
+class capture:
+    """Context manager capturing one step of ``model`` into the run directory ``out_dir``."""
+
+    def __init__(self, model: torch.nn.Module, out_dir, *, config: CaptureConfig | None = None,
+                 **overrides):
+        self.model = model
+        self.cfg = config or CaptureConfig(**overrides)
+        if config is not None and overrides:
+            raise ValueError("capture: pass either config= or keyword overrides, not both")
+        self.out = Path(out_dir)
+        self.records: list[ModuleRecord] = []
+        self._handles = []
+        self._stack: list[tuple] = []
+        self._counts: dict[str, int] = {}
+        self._names: dict[int, list[str]] = {}
+        self._selected: dict[str, bool] = {}
+        self._prof = None
+        self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread while profiling)
+        self._lock = threading.RLock()
+        self._cuda = False
+        self.trace_path: Path | None = None
+        self.timings_s: dict[str, float] = {}  # where capture time went (also in the manifest)
+
+    # --- context manager -------------------------------------------------------------
+    def __enter__(self):
+        if _ACTIVE:
+            raise CaptureError(f"{self.out}: a cbtrace capture is already active; captures "
+                               "cannot nest")
+        if self.cfg.profile and torch.autograd.profiler._is_profiler_enabled:
+            raise CaptureError(f"{self.out}: a torch.profiler session is already active; "
+                               "capture with profile=False inside it (ranges still recorded)")
+        self.out = rundir.prepare_new_run(self.out, overwrite=self.cfg.overwrite)
+        _ACTIVE.append(self)
+        try:
+            self._start()
+        except BaseException:  # leave nothing half-open: hooks, profiler, helper, _ACTIVE
+            self._undo_start()
+            raise
+        return self
+
+    def _start(self) -> None:
+        from cbtrace.store.snapshot import Snapshotter
+
+        self._state_sha256 = state_digest(self.model)  # before the step changes any buffer
+        self._snap = Snapshotter(self.out / rundir.INPUTS,
+                                 synthesize_above_bytes=self.cfg.synthesize_above_bytes,
+                                 max_pending_bytes=self.cfg.max_pending_bytes)
+        for name, mod in self.model.named_modules(remove_duplicate=False):
+            self._names.setdefault(id(mod), []).append(name)
+            self._selected[name] = selected(name, self.cfg)  # once: hooks only look it up
+        self._static = {id(m): _static_facts(m) for m in self.model.modules()}
+        self._flags = {n: m.training for n, m in self.model.named_modules()}
+        self._cuda = any(t.is_cuda for t in self.model.parameters()) or any(
+            t.is_cuda for t in self.model.buffers())
+        seen = set()
+        for name, mod in self.model.named_modules(remove_duplicate=False):
+            if id(mod) in seen or not any(self._selected[n] for n in self._names[id(mod)]):
+                continue
+            seen.add(id(mod))
+            self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._post, with_kwargs=True,
+                                                           always_call=True))
+        self._t0 = time.perf_counter()
+        if self.cfg.profile:
+            self._prof = torch.profiler.profile(activities=_activities(), record_shapes=True,
+                                                with_stack=True)
+            self._prof.__enter__()
+            # started after the profiler, so the profiler neither traces it nor records its ops
+            self._helper = HelperThread()
+
+    def _undo_start(self) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        self._remove_hooks()
+        try:
+            self._stop_helper()
+        except BaseException:  # noqa: BLE001 - the original error is the one to report
+            pass
+        if self._prof is not None:
+            try:
+                self._prof.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+            self._prof = None
+
+    def __exit__(self, exc_type, exc, tb):
+        self.timings_s["step"] = time.perf_counter() - self._t0
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        helper_error = None
+        try:
+            try:
+                self._stop_helper()
+            except BaseException as e:  # a handed-over job failed: stop and write the run first
+                helper_error = e
+            if self._prof is not None:
+                t0 = time.perf_counter()
+                self._prof.__exit__(exc_type, exc, tb)
+                self.timings_s["profiler_stop"] = time.perf_counter() - t0
+        finally:
+            self._remove_hooks()
+            while self._stack:  # forward raised past some post hooks
+                rec, _, rf, _ = self._stack.pop()
+                if rec is None:
+                    continue
+                _RANGE_EXIT(rf)
+                rec.capture_error = rec.capture_error or _short(exc)
+        self.step_s = time.perf_counter() - self._t0
+        self._finish(exc if exc is not None else helper_error)
+        if helper_error is not None and exc is None:
+            raise helper_error
+        return False
+
+    # --- hooks -----------------------------------------------------------------------
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _stop_helper(self) -> None:
+        """Let the helper thread finish; hooks called later (none should be) run inline."""
+        self._helper.close()
+        self._helper = InlineHelper()
+
+    def _fqn(self, module) -> str:
+        names = self._names.get(id(module), ["?"])
+        if len(names) > 1 and self._stack:  # shared module: pick the path under the caller
+            rec, mod = self._stack[-1][_REC], self._stack[-1][_MOD]
+            parent = rec.fqn if rec is not None else next(
+                (n for n in self._names.get(id(mod), [])), None)
+            for n in names:
+                if n.rpartition(".")[0] == parent:
+                    return n
+        return next((n for n in names if self._selected.get(n)), names[0])
+
+    def _pre(self, module, args, kwargs):
+        # Runs inside the traced step, where with_stack makes every Python call (built-ins too)
+        # an event that costs time now, when the profiler stops and in the exported trace: the
+        # bookkeeping (fqn, parent, walking and planning the inputs, the record, allocating the
+        # copies) runs on the helper thread, which the profiler does not trace; this thread
+        # only makes the copies, and calls as few functions as it can.
+        with self._lock:  # hooks may fire on several threads (e.g. nn.DataParallel replicas)
+            pending = sys.exc_info()[1]  # an exception being handled around this call
+            names = self._names.get(id(module))
+            fqn = names[0] if names is not None and len(names) == 1 else self._fqn(module)
+            if not self._selected.get(fqn):  # a shared module reached through an unselected path
+                self._stack.append((None, module, None, pending))
+                return
+            grad = torch.is_grad_enabled()  # this thread's modes
+            autocast = _autocast_dtype() if _ANY_AUTOCAST() else None
+            stream = torch.cuda.current_stream() if self._cuda else None
+            copy_range = _RANGE_ENTER(f"cbtrace.copy::{fqn}", None)
+            try:
+                rec, copies = self._helper.call(self._plan_call, module, fqn, args, kwargs,
+                                                grad, autocast, stream)
+                try:
+                    run_copies(copies)
+                except BaseException as e:
+                    rec.capture_error = f"{COPY_FAILED}: {_short(e)}"
+                    raise
+            finally:
+                _RANGE_EXIT(copy_range)
+            self._stack.append((rec, module, _RANGE_ENTER(f"cbtrace::{fqn}", None), pending))
+
+    def _plan_call(self, module, fqn, args, kwargs, grad, autocast, stream):
+        """The call's record and its input copies to run (on the helper thread; kernels it
+        launches, e.g. statistics of synthesized inputs, go to the caller's stream)."""
+        idx = self._counts.get(fqn, 0)
+        self._counts[fqn] = idx + 1
+        parent = next((f[_REC] for f in reversed(self._stack) if f[_REC] is not None), None)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            ref, copies = self._snap.plan(tuple(args), dict(kwargs))
+        mtype, mclass, pbytes, bbytes = self._static[id(module)]
+        rec = ModuleRecord(
+            fqn=fqn, call_index=idx, call_id=len(self.records),
+            parent_call_id=parent.call_id if parent else -1,
+            parent_fqn=parent.fqn if parent else None,
+            depth=parent.depth + 1 if parent else 0,
+            module_type=mtype, module_class=mclass, param_bytes=pbytes, buffer_bytes=bbytes,
+            input_bytes=self._snap.last_input_bytes, input_shapes="[]", input_meta="[]",
+            output_meta="[]", training=module.training, grad_enabled=grad,
+            autocast_dtype=autocast, inputs_ref=ref, synthesized=self._snap.last_synthesized)
+        self.records.append(rec)
+        return rec, copies
+
+    def _post(self, module, args, kwargs, output):
+        with self._lock:
+            if not self._stack or self._stack[-1][_MOD] is not module:
+                return  # hook of a call whose pre hook did not run (registered mid-call)
+            rec, _, rf, pending = self._stack.pop()
+            if rec is None:
+                return
+            _RANGE_EXIT(rf)
+            raised = sys.exc_info()[1]  # always_call hooks run inside torch's except block
+            if raised is not None and raised is not pending:  # the call itself raised
+                rec.capture_error = _short(raised)
+                return
+            if (output.__class__ is _TENSOR and output.layout is _STRIDED
+                    and not output.is_nested):  # the common case: metadata now, JSON later
+                meta = (output.shape, output.stride(), output.storage_offset(), output.dtype,
+                        output.device, output.requires_grad)
+                self._helper.submit(_set_tensor_meta, rec, meta)
+            else:  # containers may change once the caller has them: read them now, off-trace
+                self._helper.call(_set_output_meta, rec, output)
+
+    # --- outputs ---------------------------------------------------------------------
+    def _finish(self, exc):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from cbtrace.store import shards
+
+        t = self.timings_s
+        shards.PHASE_S.clear()
+        t0 = time.perf_counter()
+        # The inputs are written by a pool of threads while this one exports the trace and
+        # writes the modules table (both mostly outside the GIL, so they overlap).
+        with ThreadPoolExecutor(1, thread_name_prefix="cbtrace-inputs") as bg:
+            flushing = bg.submit(self._timed_flush)
+            try:
+                if self._prof is not None:
+                    t1 = time.perf_counter()
+                    self.trace_path = self._write_trace()
+                    t["trace_write"] = time.perf_counter() - t1
+                t1 = time.perf_counter()
+                for rec in self.records:
+                    rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
+                rundir.write_modules(self.out, records_to_table(self.records))
+                t["modules_table"] = time.perf_counter() - t1
+            except BaseException as e:
+                failed = flushing.exception()  # waits: no write is left running
+                if failed is not None and hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(f"writing the inputs failed too: {_short(failed)}")
+                raise
+            files = flushing.result()
+        t["inputs_and_trace"] = time.perf_counter() - t0
+        t.update({f"inputs_{k}_thread_s": v for k, v in shards.PHASE_S.items()})
+        t0 = time.perf_counter()
+        manifest = _manifest(self.model, self.cfg, self.records, self.step_s)
+        manifest["state_sha256"] = self._state_sha256
+        manifest["training_flags"] = self._flags
+        manifest["trace"] = self.trace_path.name if self.trace_path else None
+        manifest["input_files"] = [str(Path(f).relative_to(self.out)) for f in files]
+        manifest["input_bytes_written"] = self._snap.bytes_written
+        manifest["complete"] = exc is None
+        if exc is not None:
+            manifest["error"] = _short(exc)
+        manifest["capture_timings_s"] = t
+        rundir.refresh_checksums(self.out, known=self._snap.digests, manifest=manifest)
+        t["checksums_and_manifest"] = time.perf_counter() - t0
+
+    def _timed_flush(self):
+        t0 = time.perf_counter()
+        files = self._snap.flush()
+        self.timings_s["inputs_write"] = time.perf_counter() - t0
+        return files
+
+    def _write_trace(self) -> Path:
+        import gzip
+        import shutil
+        import tempfile
+
+        worker = self.cfg.worker_name or f"{socket.gethostname()}_{os.getpid()}"
+        path = self.out / f"{worker}.{time.time_ns() // 1_000_000}.pt.trace.json.gz"
+        with tempfile.TemporaryDirectory(dir=self.out) as tmp:
+            raw = Path(tmp) / "trace.json"
+            self._prof.export_chrome_trace(str(raw))
+            with rundir.atomic_path(path) as out, open(raw, "rb") as src, \
+                    gzip.open(out, "wb", compresslevel=TRACE_GZIP_LEVEL) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        return path
+
+
+def _set_output_meta(rec: ModuleRecord, output) -> None:
+    try:
+        from cbtrace.store.snapshot import tensor_meta
+
+        rec.output_meta = json.dumps([tensor_meta(t) for t in flat_tensors(output)])
+    except Exception as e:  # noqa: BLE001 - an odd output must not fail the capture
+        rec.output_meta = json.dumps([{"error": _short(e)}])
+
+
+def _set_tensor_meta(rec: ModuleRecord, meta: tuple) -> None:
+    """output_meta of a call whose output is one plain tensor, from the metadata the post hook
+    read (shape, stride, offset, dtype, device, requires_grad): the caller may change the tensor
+    in place (``y.unsqueeze_(0)``) before this runs."""
+    from cbtrace.store.tensor_store import meta_dict
+
+    rec.output_meta = json.dumps([meta_dict(*meta)])
+
+
+def _static_facts(module) -> tuple[str, str, int, int]:
+    """(class name, class path, parameter bytes, buffer bytes), both recursive."""
+    cls = type(module)
+    return (cls.__name__, f"{cls.__module__}.{cls.__qualname__}",
+            sum(p.numel() * p.element_size() for p in module.parameters()),
+            sum(b.numel() * b.element_size() for b in module.buffers()))
+
+
+def _autocast_dtype() -> str | None:
+    for dev in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(dev):
+            return str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+    return None
+
+
+def _input_meta(inputs_ref: str) -> tuple[str, str]:
+    """(input_meta, input_shapes) JSON from the tensor nodes of an inputs_ref, in order."""
+    metas = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("t") == "tensor":
+                metas.append({"shape": node["shape"], "dtype": node["dtype"],
+                              "stride": node["stride"], "storage_offset": node.get("off"),
+                              "device": node.get("dev"), "requires_grad": bool(node.get("rg"))})
+            for k, v in node.items():
+                if k != "chunks":
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    doc = json.loads(inputs_ref)
+    walk([doc.get("args", []), doc.get("kwargs", {})])
+    return json.dumps(metas), json.dumps([m["shape"] for m in metas])
+
+
+def _activities():
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def _short(exc) -> str | None:
+    if exc is None:
+        return None
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
+
+
+def state_digest(model) -> str:
+    """sha256 over parameter and buffer bytes (names, dtypes, shapes, values)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
+
+
+def _manifest(model, cfg: CaptureConfig, records, step_s: float) -> dict:
+    import platform
+
+    import cbtrace
+    from cbtrace.cost.peaks import device_name
+
+    dev = "cpu"
+    for p in list(model.parameters())[:1]:
+        dev = str(p.device)
+    name = device_name(dev)
+    return {
+        "cbtrace_version": cbtrace.__version__,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": dev,
+        "device_name": name,
+        "model_spec": cfg.spec,
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "options": {k: v for k, v in asdict(cfg).items() if k not in {"spec"}},
+        "seeds": {"provider_seed": cfg.seed, "torch_initial_seed": torch.initial_seed()},
+        "num_calls": len(records),
+        "capture_step_s": step_s,
+    }
+

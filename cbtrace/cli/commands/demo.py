@@ -1,0 +1,46 @@
+import click
+
+
+@click.command("demo")
+@click.option("--out", default="runs/demo", show_default=True, type=click.Path(file_okay=False),
+              help="new directory for the demo runs")
+@click.option("--model", "models", multiple=True, default=("nanogpt:tiny", "dlrm:tiny"),
+              show_default=True, help="provider specs to run")
+def command(out, models):
+    """Run the embedded CPU demo: capture, replay, attribute, annotate and report.
+
+    For each demo model: RUN/modules.parquet (per-module figures), the Kineto trace and its
+    annotated_ copy, and RUN/icicle.html.
+    """
+    from pathlib import Path
+
+    from cbtrace.cost.peaks import device_name, load_calibration
+    from cbtrace.workflows.profile_model import error_table, profile
+    from cbtrace.replay.summary import summary_text
+
+    if device_name("cpu") not in load_calibration():
+        from cbtrace.cost.calibrate import calibrate, format_calibration
+
+        click.echo("== calibrating this CPU once (its peaks are the denominators of MFU/MBU)")
+        click.echo(format_calibration(calibrate("cpu")))
+    for spec in models:
+        run = Path(out) / spec.replace(":", "-").replace("/", "_")
+        click.echo(f"== {spec} -> {run}")
+        df = profile(spec, run, device="cpu", replay_options=dict(timer="cpu", budget_s=0.1))
+        click.echo(summary_text(df, top=10))
+        click.echo(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
+        for name, target in (("annotate", "cbtrace.annotate.write:annotate"),
+                             ("report", "cbtrace.plugins.reporters.icicle:write_report")):
+            _optional_step(name, target, run)
+
+
+def _optional_step(name, target, run):
+    import importlib
+
+    mod, fn = target.split(":")
+    try:
+        func = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError):
+        click.echo(f"   ({name}: not installed)")
+        return
+    click.echo(f"   {name}: {func(run)}")

@@ -1,0 +1,42 @@
+import click
+
+from cbtrace.cli.options import model_options, parse_kv
+
+
+@click.command("profile")
+@model_options
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="new run directory")
+@click.option("--timer", type=click.Choice(["auto", "graph", "events", "cpu"]), default="auto",
+              show_default=True)
+@click.option("--cold", is_flag=True,
+              help="replay each call alone after an L2 flush, for do_bench's warm-up and run "
+                   "durations (do_bench's convention, launch-free)")
+@click.option("--tb-logdir", type=click.Path(file_okay=False), default=None,
+              help="also place the run and its annotated trace where TensorBoard finds them")
+def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthesize_above_bytes,
+            seed, out, timer, cold, tb_logdir):
+    """Capture, replay and attribute: isolated vs in-situ time per module.
+
+    Adds insitu_ms and error_pct (isolated / in-situ - 1) to RUN/modules.parquet and prints the
+    error table by module class. Example: cbtrace profile --model nanogpt:tiny --out runs/gpt
+    """
+    from pathlib import Path
+
+    from cbtrace.workflows.profile_model import error_table, profile
+    from cbtrace.replay.summary import summary_text
+
+    if tb_logdir:
+        out = str(Path(tb_logdir) / Path(out).name)
+    df = profile(spec, out, replay_options=dict(timer=timer, cold=cold), device=device,
+                 dtype=dtype, step=step, seed=seed, options=parse_kv(opts), include=include,
+                 exclude=exclude, max_depth=max_depth,
+                 synthesize_above_bytes=synthesize_above_bytes)
+    click.echo(summary_text(df))
+    click.echo("\nisolation error by module class (error_pct = isolated / in-situ - 1, %):")
+    click.echo(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
+    if tb_logdir:
+        from cbtrace.annotate.write import annotate
+
+        annotate(run=out)
+        click.echo(f"TensorBoard: tensorboard --logdir {tb_logdir}")
+    click.echo(f"run: {out}")

@@ -1,0 +1,26 @@
+import click
+
+
+@click.command("report")
+@click.argument("run", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="directory for the reports (default: RUN)")
+@click.option("--svg", is_flag=True, help="also write icicle.svg (static, for docs and papers)")
+@click.option("--reporter", "-r", "extra", multiple=True, metavar="NAME",
+              help="also run this registered reporter (repeatable; see `cbtrace models`)")
+@click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
+def command(run, out_dir, svg, extra, top):
+    """Write RUN/icicle.html (and icicle.svg, summary.txt) and print the top modules.
+
+    icicle.html is one self-contained file: open it in any browser, offline.
+    Example: cbtrace report runs/gpt --svg
+    """
+    from cbtrace.workflows.report import report_run
+    from cbtrace.plugins.reporters.summary import summary_table
+    from cbtrace.rundir import read_modules
+
+    names = ["icicle", "summary"] + (["svg"] if svg else [])
+    names += [n for n in extra if n not in names]
+    for path in report_run(run, out_dir=out_dir, names=names):
+        click.echo(f"wrote {path}")
+    click.echo(summary_table(read_modules(run), top=top))

@@ -1,0 +1,98 @@
+"""Resolve a model spec to a Provider.
+
+Specs: a registered name with an optional preset (``nanogpt``, ``nanogpt:tiny``, ``dlrm:tiny``,
+``torchrec``), ``pkg.module:callable``, or ``path/to/file.py:callable``. The callable returns a
+Provider, or a tuple ``(model, batch)`` where batch is a tuple of positional args or a dict of
+keyword args.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cbtrace.errors import ProviderError
+from cbtrace.model.provider import Provider
+
+
+@dataclass
+class CallableProvider(Provider):
+    """Wraps a user callable returning a Provider or (model, batch)."""
+
+    factory: object = None
+    options: dict = field(default_factory=dict)
+
+    def model_and_batch(self, device="cpu", dtype=None):
+        import torch
+
+        from cbtrace.model.provider import move_batch
+
+        torch.manual_seed(self.seed)
+        try:
+            out = self.factory(**self.options)
+        except Exception as e:
+            raise ProviderError(f"{self.spec}: the model callable raised "
+                                f"({type(e).__name__}: {e})") from e
+        if isinstance(out, Provider):
+            out.spec, out.seed = self.spec, self.seed
+            return out.model_and_batch(device, dtype)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ProviderError(f"{self.spec}: must return a Provider or (model, batch), "
+                                f"got {type(out).__name__}")
+        model, batch = out
+        if not isinstance(batch, (tuple, dict)):
+            batch = (batch,)
+        model = model.to(device)
+        if dtype is not None:
+            model = model.to(dtype)
+        return model, move_batch(batch, device, dtype)
+
+
+def _load_callable(spec: str):
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise ProviderError(f"'{spec}': expected NAME[:PRESET], pkg.module:callable or file.py:callable")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ProviderError(f"{target}: no such file")
+        name = f"cbtrace_user_{abs(hash(str(path.resolve())))}"
+        mod_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[name] = module
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as e:
+            raise ProviderError(f"{target}: failed to import ({type(e).__name__}: {e})") from e
+    else:
+        import os
+
+        if os.getcwd() not in sys.path:  # `pkg.module:fn` of the current directory, as python -m
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise ProviderError(f"{target}: cannot import ({e})") from e
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise ProviderError(f"{spec}: '{attr}' is not a callable in {target}")
+    return fn
+
+
+def resolve(spec: str, *, seed: int = 0, options: dict | None = None) -> Provider:
+    """Spec string -> Provider (registered names first, then module/file callables)."""
+    from cbtrace import registry
+
+    options = dict(options or {})
+    models = registry.models()
+    name, _, preset = spec.partition(":")
+    if name in models:
+        if preset:
+            options.setdefault("preset", preset)
+        return models[name](spec=spec, seed=seed, options=options)
+    if ":" not in spec:
+        raise ProviderError(f"unknown model '{spec}' (registered: {', '.join(sorted(models))}; "
+                            "or use pkg.module:callable / file.py:callable)")
+    return CallableProvider(spec=spec, seed=seed, options=options, factory=_load_callable(spec))

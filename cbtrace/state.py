@@ -1,0 +1,77 @@
+"""Replay never changes the model: parameters, buffers, grads, RNG state, train/eval flags.
+
+A one-time host copy of every parameter is taken when replay starts; after each call the
+parameters' version counters tell whether anything was written in place, and only those are
+restored (a per-call clone of a 3 GB embedding table would dominate replay time). Buffers are
+restored after every call unconditionally: BatchNorm updates its running stats without bumping
+their version counter.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class StateGuard:
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        # (owner module, name, original object, host copy, data_ptr, version) per parameter
+        self.params = [(m, n, p, p.detach().to("cpu", copy=True), p.data_ptr(), p._version)
+                       for m in model.modules() for n, p in m._parameters.items() if p is not None]
+        self.buffers = [(m, n, b, b.detach().clone())
+                        for m in model.modules() for n, b in m._buffers.items() if b is not None]
+        self.restored: list[str] = []
+
+    @contextlib.contextmanager
+    def call(self):
+        """Wrap one replayed call: RNG, grads and train flags restored; writes undone."""
+        grads = [(p, p.grad) for p in self.model.parameters()]
+        flags = [(m, m.training) for m in self.model.modules()]
+        rng = torch.random.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        try:
+            yield
+        finally:
+            self._undo_writes()
+            for p, g in grads:
+                p.grad = g
+            for m, flag in flags:
+                m.training = flag
+            torch.random.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+
+    def _undo_writes(self) -> None:
+        with torch.no_grad():
+            for m, name, orig, saved in self.buffers:
+                if m._buffers.get(name) is not orig:  # reassigned (self.n = self.n + 1)
+                    m._buffers[name] = orig
+                    self.restored.append(name)
+                orig.copy_(saved)
+            for i, (m, name, orig, saved, ptr, version) in enumerate(self.params):
+                if m._parameters.get(name) is not orig:  # a new Parameter was assigned
+                    m._parameters[name] = orig
+                    self.restored.append(name)
+                if orig.data_ptr() != ptr:  # .data swapped for another tensor
+                    orig.data = saved.to(orig.device)
+                    self.restored.append(name)
+                elif orig._version != version:  # written in place
+                    orig.copy_(saved)
+                    self.restored.append(name)
+                self.params[i] = (m, name, orig, saved, orig.data_ptr(), orig._version)
+
+
+def state_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 of parameters, buffers, RNG and train flags (tests compare before/after replay)."""
+    import hashlib
+
+    from cbtrace.capture.recorder import state_digest
+
+    h = hashlib.sha256(state_digest(model).encode())
+    h.update(torch.random.get_rng_state().numpy().tobytes())
+    if torch.cuda.is_initialized():
+        for s in torch.cuda.get_rng_state_all():
+            h.update(s.numpy().tobytes())
+    h.update(bytes(m.training for m in model.modules()))
+    return h.hexdigest()

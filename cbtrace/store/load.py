@@ -1,0 +1,162 @@
+"""Load side: rebuild a captured call's (args, kwargs) from its ``inputs_ref`` and the shards.
+
+Tensors come back with the captured dtype, shape, strides and bytes; views of one chunk share
+one storage, so aliasing between arguments survives. The storage offset is kept exactly when
+the copied span starts in the first MiB of the original storage; further in, the copy is
+placed at the same offset mod 4096 from the storage start (so the address alignment that
+kernels see is kept) instead of allocating the unused prefix.
+Nothing is unpickled: data are raw bytes, structure is JSON.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from cbtrace.errors import SerializationError
+from cbtrace.store import shards
+from cbtrace.store import synth
+from cbtrace.store.codec import DecodeContext
+from cbtrace.store.tensor_store import ALIGN, span_bytes
+
+FORMAT_VERSION = 1
+EXACT_OFFSET_BYTES = 1 << 20
+PAGE = 4096
+
+
+def _pad(lo: int) -> int:
+    """Bytes placed before a copied span at load time (see module docstring)."""
+    return lo if lo < EXACT_OFFSET_BYTES else lo % PAGE
+
+
+def resolve_device(captured: str, device=None) -> torch.device:
+    """``device`` if given, else the captured device when present here, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    d = torch.device(captured)
+    if d.type in ("cpu", "meta"):
+        return d
+    if d.type == "cuda":
+        ok = torch.cuda.is_available() and (d.index is None or d.index < torch.cuda.device_count())
+    else:
+        mod = getattr(torch, d.type, None)
+        ok = bool(mod is not None and getattr(mod, "is_available", lambda: False)())
+    return d if ok else torch.device("cpu")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise SerializationError(f"inputs_ref: this torch has no dtype {name!r}")
+    return dt
+
+
+class _TensorLoader:
+    """Reads chunks once per call and builds tensors over them."""
+
+    def __init__(self, inputs_dir: Path, chunks: dict, device):
+        self.inputs_dir, self.chunks, self.device = inputs_dir, chunks, device
+        self._storages: dict = {}
+
+    def _read(self, cid: int):
+        try:
+            shard, row, nparts, lo, nbytes, kind = self.chunks[str(cid)]
+        except (KeyError, ValueError, TypeError):
+            raise SerializationError(f"inputs_ref: chunk {cid} is not listed") from None
+        path = self.inputs_dir / shards.shard_name(shard)
+        got_kind, parts = shards.read_chunk(path, row, nparts, cid)
+        if got_kind != kind or (kind == "d" and sum(p.nbytes for p in parts) != nbytes):
+            raise SerializationError(f"{path}: chunk {cid} has kind {got_kind}/"
+                                     f"{sum(p.nbytes for p in parts)} bytes, expected "
+                                     f"{kind}/{nbytes} (stale shard?)")
+        return lo, nbytes, parts
+
+    def _storage(self, cid: int, dev: torch.device):
+        """(untyped storage, byte shift) for a data chunk; shared by every tensor of the call."""
+        key = (cid, str(dev))
+        if key not in self._storages:
+            lo, nbytes, parts = self._read(cid)
+            pad = _pad(lo)
+            raw = torch.empty(pad + nbytes, dtype=torch.uint8)
+            raw[:pad].zero_()
+            dst, pos = raw.numpy(), pad
+            for p in parts:
+                dst[pos:pos + p.nbytes] = p
+                pos += p.nbytes
+            raw = raw.to(dev) if dev.type != "cpu" else raw
+            self._storages[key] = (raw.untyped_storage(), lo - pad)
+        return self._storages[key]
+
+    def _synth_storage(self, node: dict, cid: int, dtype, dev):
+        _, _, parts = self._read(cid)
+        try:
+            doc = json.loads(bytes(parts[0]))
+        except (ValueError, UnicodeDecodeError):
+            raise SerializationError(f"{self.inputs_dir}: statistics of chunk {cid} are not "
+                                     "valid JSON") from None
+        isz = dtype.itemsize
+        lo, hi = span_bytes(node["shape"], node["stride"], node["off"], isz)
+        lo -= lo % ALIGN
+        pad = _pad(lo)
+        raw = torch.zeros(pad + hi - lo, dtype=torch.uint8, device=dev)
+        values = synth.synthesize(doc, dtype, (hi - lo) // isz, dev, synth.SEED + cid)
+        raw[pad:].view(dtype).copy_(values)
+        return raw.untyped_storage(), lo - pad
+
+    def tensor(self, node: dict) -> torch.Tensor:
+        dtype = _dtype(node["dtype"])
+        dev = resolve_device(node["dev"], self.device)
+        shape, stride, off = node["shape"], node["stride"], node["off"]
+        cid = node.get("c")
+        isz = dtype.itemsize
+        if cid is None:  # no elements, or a meta tensor: nothing was copied
+            dev = torch.device("meta") if node["dev"] == "meta" else dev
+            storage = torch.empty(span_bytes(shape, stride, off, isz)[1], dtype=torch.uint8,
+                                  device=dev).untyped_storage()
+            shift = 0
+        elif node.get("syn"):
+            storage, shift = self._synth_storage(node, cid, dtype, dev)
+        else:
+            storage, shift = self._storage(cid, dev)
+        t = torch.empty(0, dtype=dtype, device=dev)
+        t.set_(storage, off - shift // isz, shape, stride)
+        if node.get("conj"):
+            t = t.conj()
+        if node.get("neg"):
+            t = torch._neg_view(t)
+        if node.get("param"):
+            return torch.nn.Parameter(t, requires_grad=bool(node["rg"]))
+        if node["rg"]:
+            t.requires_grad_(True)
+        return t
+
+
+def load_call_inputs(run_dir: Path, inputs_ref: str, device=None, *, serializers=None):
+    """``(args, kwargs)`` of one captured call, bit-identical to what the module received.
+
+    Args:
+        run_dir: the run directory (holding ``inputs/``).
+        inputs_ref: the call's ``inputs_ref`` column (what ``Snapshotter.take`` returned).
+        device: put tensors there; default: the captured device if present, else CPU.
+        serializers: default ``cbtrace.registry.serializers()``.
+    """
+    try:
+        doc = json.loads(inputs_ref)
+        version, chunks = doc.get("v"), doc["chunks"]
+    except (TypeError, ValueError, KeyError, AttributeError):
+        raise SerializationError(f"{run_dir}: inputs_ref is not a cbtrace inputs reference "
+                                 f"({str(inputs_ref)[:60]!r})") from None
+    if version != FORMAT_VERSION:
+        raise SerializationError(f"{run_dir}: inputs_ref format v{version} is not supported "
+                                 f"(this cbtrace reads v{FORMAT_VERSION})")
+    if serializers is None:
+        from cbtrace import registry
+
+        serializers = registry.serializers()
+    loader = _TensorLoader(Path(run_dir) / "inputs", chunks, device)
+    ctx = DecodeContext(serializers, loader.tensor)
+    with torch.no_grad():
+        args = tuple(ctx.decode(n) for n in doc["args"])
+        kwargs = {k: ctx.decode(n) for k, n in doc["kwargs"].items()}
+    return args, kwargs

@@ -1,0 +1,67 @@
+"""After replay: aggregate skipped parents from children, residuals, MFU/MBU/bound."""
+from __future__ import annotations
+
+from cbtrace.cost import metrics
+from cbtrace.calltree import children_of, post_order
+
+
+def finalize(records, *, device_name: str) -> None:
+    """Fill derived fields of replayed records in place."""
+    by_id = {r.call_id: r for r in records}
+    kids = children_of({r.call_id: r.parent_call_id for r in records})
+    for cid in post_order({r.call_id: r.parent_call_id for r in records}):
+        rec, children = by_id[cid], [by_id[k] for k in kids.get(cid, [])]
+        if rec.status == "skipped" and children:
+            aggregate_from_children(rec, children)
+        elif rec.status == "ok" and children:
+            rec.residual_ms = metrics.residual(rec.isolated_ms, [c.isolated_ms for c in children])
+    for rec in records:
+        add_utilisation(rec, device_name)
+
+
+def aggregate_from_children(rec, children) -> None:
+    """A skipped parent takes the sum of its children's figures (only if all were measured)."""
+    if any(c.isolated_ms is None for c in children):
+        return
+    rec.aggregated = True
+    rec.timer = "aggregated"
+    rec.isolated_ms = sum(c.isolated_ms for c in children)
+    for name in ("isolated_ms_p10", "isolated_ms_p90", "device_ms", "flops", "flops_executed",
+                 "bytes", "kernel_count", "unknown_ops"):
+        vals = [getattr(c, name) for c in children]
+        if all(v is not None for v in vals):
+            setattr(rec, name, sum(vals))
+    mems = [c.peak_mem_bytes for c in children if c.peak_mem_bytes is not None]
+    rec.peak_mem_bytes = max(mems) if mems else None
+    dtypes = [c.compute_dtype for c in children if c.compute_dtype]
+    rec.compute_dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
+
+
+def add_utilisation(rec, device_name: str) -> None:
+    """mfu/hfu/mbu against datasheet peaks (and calibrated ones), and the bound."""
+    from cbtrace.cost.peaks import peak_for
+
+    if not rec.isolated_ms:
+        return
+    seconds = rec.isolated_ms / 1e3
+    dtype = rec.compute_dtype or "float32"
+    datasheet = peak_for(device_name, dtype)
+    measured = peak_for(device_name, dtype, calibrated=True)
+    # mfu/mbu use the datasheet peak; without one (a CPU) the calibrated peak is the peak
+    for peak, suffix in ((datasheet or measured, ""), (measured, "_calibrated")):
+        if peak is None:
+            continue
+        if peak.flops_per_s and rec.flops is not None:
+            setattr(rec, "mfu" + suffix, metrics.mfu(rec.flops, seconds, peak.flops_per_s))
+            if not suffix and rec.flops_executed is not None:
+                rec.hfu = metrics.hfu(rec.flops_executed, seconds, peak.flops_per_s)
+        if peak.bytes_per_s and rec.bytes is not None:
+            setattr(rec, "mbu" + suffix, metrics.mbu(rec.bytes, seconds, peak.bytes_per_s))
+    peak = datasheet or measured
+    if peak is not None and peak.flops_per_s and peak.bytes_per_s:
+        # Launch-bound when issuing the call takes the host >= 1.5x its device time (metrics.bound
+        # says "launch" once the idle share, host - device, reaches half the device time). Not
+        # the synchronised eager wall time: that carries a fixed sync latency for every call.
+        idle = None if rec.host_ms is None else max(rec.host_ms - rec.isolated_ms, 0.0) / 1e3
+        rec.bound = metrics.bound(rec.flops or 0.0, rec.bytes or 0.0, seconds, peak.flops_per_s,
+                                  peak.bytes_per_s, idle, rec.kernel_count or 0)

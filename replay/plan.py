@@ -1,0 +1,42 @@
+"""A call's measurement as a plan: a list of steps run in order on one prepared call.
+
+    plan = default_plan(cfg, device, backends)      # [Timed, ProfilerPass, HostIssue, OpCount]
+    row = measure_call(module, rec, args, kwargs, device, cfg, plan)
+
+Each step returns the ModuleRecord fields it measures; the row is their union plus
+``status`` and ``replay_wall_s``. Modes and directions are further steps, not branches.
+"""
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from cbtrace.replay import timers
+from cbtrace.replay.call import CallUnderTest, prepare
+from cbtrace.replay.steps import HostIssue, OpCount, ProfilerPass, Timed
+
+
+class Step(Protocol):
+    name: str
+
+    def run(self, call: CallUnderTest) -> dict: ...
+
+
+def default_plan(cfg, device, backends: dict) -> list[Step]:
+    """Time (the timer chain of ``cfg.timer``), profile, host issue time, then FLOPs/bytes."""
+    steps: list[Step] = [Timed(timers.chain(cfg.timer, device, backends), backends, cfg),
+                         ProfilerPass(cfg.profile_runs), HostIssue()]
+    if cfg.count_flops:
+        steps.append(OpCount())
+    return steps
+
+
+def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step]) -> dict:
+    """All figures of one call as a dict of ModuleRecord fields."""
+    t0 = time.perf_counter()
+    call = prepare(module, rec, args, kwargs, device, cfg)
+    row = {"status": "ok"}
+    for step in plan:
+        row.update(step.run(call))
+    row["replay_wall_s"] = time.perf_counter() - t0
+    return row

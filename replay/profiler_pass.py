@@ -1,0 +1,149 @@
+"""The profiled call: kernel count, device time, launch overhead, aten op count, peak memory.
+
+``profile_call`` runs a call a few times under ``torch.profiler`` and reads the Kineto events
+directly (no trace file). Wall time is measured outside the profiler, whose per-op bookkeeping
+would inflate it. Peak memory is the CUDA allocator's high-water mark over its baseline; on CPU
+it is an estimate: the peak of live bytes from the profiler's memory events during the calls.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+
+DEVICE_ACTIVITIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})  # Kineto activity names
+
+
+@dataclass
+class CallStats:
+    """What the profiler saw for one call (per call, averaged over ``runs``)."""
+
+    kernel_count: int            # device kernels + memcpy + memset
+    device_ms: float             # sum of their durations (overlap across streams counted twice)
+    wall_ms: float               # median host wall time, synchronized, outside the profiler
+    launch_overhead_ms: float    # max(wall - device, 0)
+    peak_mem_bytes: int          # CUDA: max_memory_allocated - baseline; CPU: estimate
+    peak_mem_source: str         # "cuda_allocator" | "estimate"
+    op_count: int                # aten:: ops the profiler recorded, nested ones included
+    runs: int
+
+
+class Row(NamedTuple):
+    """One Kineto event, reduced to what the summaries need."""
+
+    activity: str      # "cpu_op", "kernel", "gpu_memcpy", "[memory]", ...
+    name: str
+    start_ns: int
+    dur_ns: int
+    nbytes: int        # memory events: + allocated, - freed
+    on_cpu: bool       # memory events: the allocation is host memory
+
+
+def rows_from_kineto(events) -> list[Row]:
+    """Reduce ``_KinetoEvent``s to Rows (older torch lacks ``activity_type``: infer it)."""
+    cpu = torch.autograd.DeviceType.CPU
+    rows = []
+    for e in events:
+        name = e.name()
+        on_cpu = e.device_type() == cpu
+        if name == "[memory]":
+            activity = "[memory]"
+        elif hasattr(e, "activity_type"):
+            activity = str(e.activity_type())
+        elif on_cpu:
+            activity = "cpu_op"
+        else:
+            activity = "gpu_user_annotation" if e.is_user_annotation() else "kernel"
+        rows.append(Row(activity, name, e.start_ns(), e.duration_ns(), e.nbytes(), on_cpu))
+    return rows
+
+
+def device_totals(rows: list[Row]) -> tuple[int, float]:
+    """(count, total ms) of device activity: kernels, memcpys, memsets."""
+    dev = [r for r in rows if r.activity in DEVICE_ACTIVITIES]
+    return len(dev), sum(r.dur_ns for r in dev) / 1e6
+
+
+def aten_op_count(rows: list[Row]) -> int:
+    """Number of aten:: CPU ops."""
+    return sum(1 for r in rows if r.activity == "cpu_op" and r.name.startswith("aten::"))
+
+
+def peak_live_bytes(rows: list[Row], *, on_cpu: bool = True) -> int:
+    """Highest running sum of allocations minus frees, from zero at the first event."""
+    live = peak = 0
+    for r in sorted((r for r in rows if r.activity == "[memory]" and r.on_cpu == on_cpu),
+                    key=lambda r: r.start_ns):
+        live += r.nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wall_ms(call, device, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        _sync(device)
+        t0 = time.perf_counter_ns()
+        call()
+        _sync(device)
+        times.append((time.perf_counter_ns() - t0) / 1e6)
+    return statistics.median(times)
+
+
+def _cuda_peak(call, device) -> int:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    call()
+    torch.cuda.synchronize(device)
+    return max(torch.cuda.max_memory_allocated(device) - base, 0)
+
+
+def _profile_rows(call, device, runs: int) -> list[Row]:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, profile_memory=not cuda) as prof:
+        for _ in range(runs):
+            call()
+            _sync(device)
+    return rows_from_kineto(prof.profiler.kineto_results.events())
+
+
+def profile_call(call: Callable[[], object], device, runs: int = 3) -> CallStats:
+    """Profile ``call()`` (one warm-up, then ``runs`` profiled and ``runs`` wall-timed runs).
+
+    Args:
+        call: runs the module once on prepared inputs; its result is dropped.
+        device: where it runs ("cpu", "cuda", "cuda:1" or a torch.device).
+        runs: profiled runs; per-call figures are totals divided by this.
+    Returns:
+        CallStats with per-call kernel count, device ms, wall ms, launch overhead, peak memory.
+    """
+    if runs < 1:
+        raise ValueError(f"profile_call: runs must be >= 1, got {runs}")
+    device = torch.device(device)
+    call()
+    _sync(device)
+    wall = _wall_ms(call, device, runs)
+    cuda = device.type == "cuda"
+    peak = _cuda_peak(call, device) if cuda else None
+    rows = _profile_rows(call, device, runs)
+    count, dev_ms = device_totals(rows)
+    if not cuda:
+        peak = peak_live_bytes(rows, on_cpu=True)
+    return CallStats(
+        kernel_count=round(count / runs), device_ms=dev_ms / runs, wall_ms=wall,
+        launch_overhead_ms=max(wall - dev_ms / runs, 0.0), peak_mem_bytes=int(peak),
+        peak_mem_source="cuda_allocator" if cuda else "estimate",
+        op_count=round(aten_op_count(rows) / runs), runs=runs)

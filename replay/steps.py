@@ -1,0 +1,98 @@
+"""The built-in steps of a replay plan: each measures one thing and returns its columns.
+
+A step has a ``name`` and ``run(call: CallUnderTest) -> dict`` of ModuleRecord fields; the
+plan (``cbtrace.replay.plan``) runs them in order on one prepared call. A new measurement
+(another mode, another direction) is another step.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cbtrace.replay import timers
+from cbtrace.replay.call import CallUnderTest
+from cbtrace.replay.timing import TimingConfig, join_notes
+
+
+def timing_config(cfg) -> TimingConfig:
+    """The timers' settings for a ReplayConfig; cold: do_bench's convention, one call per graph
+    for its warm-up and run durations."""
+    mode = (dict(budget_s=cfg.cold_budget_s, graph_k=1, warmup_s=cfg.cold_warmup_s,
+                 settle_tol=cfg.cold_settle_tol) if cfg.cold
+            else dict(budget_s=cfg.budget_s, graph_k=cfg.graph_k))
+    return TimingConfig(min_runs=cfg.min_runs, warmup_runs=cfg.warmup_runs, **mode)
+
+
+class Timed:
+    """isolated_ms (median, p10, p90) from the first timer of the chain that can time the call."""
+
+    name = "time"
+
+    def __init__(self, chain: list[str], backends: dict, cfg):
+        self.chain, self.backends = chain, backends
+        self.tcfg, self.cold = timing_config(cfg), cfg.cold
+
+    def run(self, c: CallUnderTest) -> dict:
+        t, fallback = timers.measure(c.run, c.n_copies, c.device, self.chain, self.backends,
+                                     self.tcfg)
+        return dict(timer=t.timer, timer_fallback=fallback,
+                    timer_notes=join_notes(t.notes, "cold" if self.cold else None),
+                    isolated_ms=t.median_ms, isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms,
+                    runs=t.runs)
+
+
+class ProfilerPass:
+    """Kernel count, device and wall time, launch overhead and peak memory, from torch.profiler."""
+
+    name = "profile"
+
+    def __init__(self, runs: int):
+        self.runs = runs
+
+    def run(self, c: CallUnderTest) -> dict:
+        from cbtrace.replay.profiler_pass import profile_call
+
+        p = profile_call(lambda: c.run(0), c.device, runs=self.runs)
+        return dict(kernel_count=p.kernel_count, device_ms=p.device_ms, wall_ms=p.wall_ms,
+                    launch_overhead_ms=p.launch_overhead_ms, peak_mem_bytes=p.peak_mem_bytes,
+                    peak_mem_source=p.peak_mem_source)
+
+
+class HostIssue:
+    """host_ms: host time to enqueue one call on a GPU, no sync in the timed loop (if it exceeds
+    the device time, the GPU starves in a real step: launch-bound). None on CPU."""
+
+    name = "host_issue"
+
+    def __init__(self, reps: int = 10):
+        self.reps = reps
+
+    def run(self, c: CallUnderTest) -> dict:
+        if c.device.type != "cuda":
+            return dict(host_ms=None)
+        torch.cuda.synchronize(c.device)
+        times = []
+        for i in range(self.reps):  # the queue never fills in `reps` calls: none waits
+            t0 = time.perf_counter()
+            c.run(i % c.n_copies)
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize(c.device)
+        # median: one slow call is the OS, not the module
+        return dict(host_ms=sorted(times)[len(times) // 2] * 1e3)
+
+
+class OpCount:
+    """FLOPs, bytes and compute dtype of one call with cbtrace's formulas (one untimed run)."""
+
+    name = "count"
+
+    def run(self, c: CallUnderTest) -> dict:
+        from cbtrace.cost.opcount import OpCounter
+
+        params = {id(p): n for n, p in c.module.named_parameters()}
+        with OpCounter(params=params) as oc:
+            c.run(0)
+        cost = oc.cost()
+        return dict(flops=cost.flops, flops_executed=cost.flops_executed, bytes=cost.bytes,
+                    unknown_ops=cost.unknown_ops, compute_dtype=cost.compute_dtype)

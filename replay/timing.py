@@ -1,0 +1,110 @@
+"""The timer contract: a config, a result, and the error that asks for a fallback.
+
+A backend (timer) has a ``name`` and two methods::
+
+    backend.unavailable_reason(device) -> str | None   # None: it can run on this device
+    backend.measure(call, n_copies, device, cfg) -> Timing
+
+``call(i)`` runs the module once on input copy ``i`` (0 <= i < n_copies); rotating among copies
+keeps repeated runs from reading their inputs out of a warm L2. ``measure`` raises
+``TimerUnavailable`` when it cannot time this particular call (e.g. CUDA graph capture fails);
+the replay engine then falls back (``cbtrace.replay.timers``) and records the reason.
+Exceptions raised by the module itself pass through unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from cbtrace.errors import CbtraceError
+
+
+
+class TimerUnavailable(CbtraceError):
+    """This timer cannot time this call here; the message (the fallback reason) says why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimingConfig:
+    """How one call is timed. Defaults suit a whole-model replay (hundreds of calls in ~20 s)."""
+
+    budget_s: float = 0.1
+    """Wall-clock budget for the timed runs of one call, warm-up and capture excluded (s)."""
+    min_runs: int = 10
+    """Timed runs taken even when they overrun the budget."""
+    max_runs: int = 10_000
+    """Timed runs never exceeded, whatever the budget."""
+    warmup_runs: int = 3
+    """Untimed runs first (allocator, cuBLAS heuristics, lazy init); graph: on a side stream."""
+    warmup_min_s: float = 0.02
+    """CPU timer: also warm up for at least this long (s); first thread-pool calls can read 8 ms."""
+    warmup_s: float = 0.0
+    """GPU timers: before sampling, run flushed timed-like replays (discarded) for this long (s)."""
+    settle_tol: float = 0.0
+    """GPU timers: also warm up until one window's median is within this of the last (0: off)."""
+    settle_window_s: float = 0.025
+    """Length of one such warm-up window (s)."""
+    settle_lag: int = 3
+    """A window's median is compared with the one this many windows before (>= 1)."""
+    settle_max_s: float = 1.0
+    """Longest warm-up when waiting for the time to settle (s); the row then says so."""
+    graph_k: int = 20
+    """Calls captured back-to-back in one CUDA graph; per-call time = replay time / K."""
+    graph_max_ms: float = 1.0
+    """K shrinks (to >= 1) to keep one replay under this (ms): long GEMM runs drop the SM clock."""
+    flush_l2: bool = True
+    """Memset a big buffer before each timed run/replay (GPU): cold L2 and a do_bench-style gap."""
+    flush_bytes: int = 256 * 2**20
+    """Size of the L2-flushing buffer (bytes); several times the largest L2 (H200: 50 MB)."""
+    gap_s: float = 0.0
+    """Extra spacing before each timed run/replay (s): a spin kernel on GPU, a sleep on CPU."""
+    spin_min_ms: float = 0.05
+    """Shortest spin kernel queued before a start event, so the host enqueues the call (ms)."""
+    spin_max_ms: float = 20.0
+    """Longest such spin (ms); a call the host takes longer to enqueue is launch-bound anyway."""
+
+    def __post_init__(self):
+        if self.budget_s < 0:
+            raise ValueError(f"budget_s must be >= 0, got {self.budget_s}")
+        if not 1 <= self.min_runs <= self.max_runs:
+            raise ValueError(f"need 1 <= min_runs <= max_runs, got {self.min_runs}, "
+                             f"{self.max_runs}")
+        if (self.warmup_s < 0 or self.settle_tol < 0 or self.settle_window_s <= 0
+                or self.settle_lag < 1 or self.settle_max_s < self.warmup_s):
+            raise ValueError("need warmup_s >= 0, settle_tol >= 0, settle_window_s > 0, "
+                             "settle_lag >= 1 and settle_max_s >= warmup_s, got "
+                             f"{self.warmup_s}, {self.settle_tol}, {self.settle_window_s}, "
+                             f"{self.settle_lag}, {self.settle_max_s}")
+        if self.warmup_runs < 0:
+            raise ValueError(f"warmup_runs must be >= 0, got {self.warmup_runs}")
+        if self.graph_k < 1:
+            raise ValueError(f"graph_k must be >= 1, got {self.graph_k}")
+
+
+@dataclass
+class Timing:
+    """What a backend measured for one call (all times per single call, in ms)."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    runs: int            # timed samples (graph: replays, each the mean of K calls)
+    timer: str           # backend name: "graph" | "events" | "cpu" | a plugin's
+    samples_ms: list[float] = field(default_factory=list)
+    notes: str | None = None  # e.g. "K=20", "spin=0.050ms", fallback reasons
+
+
+def join_notes(*notes: str | None) -> str | None:
+    """'a; b' from the notes that are not None or empty; None if none is."""
+    return "; ".join(n for n in notes if n) or None
+
+
+class Backend(Protocol):
+    """What the replay engine expects of a timer (see the module docstring)."""
+
+    name: str
+
+    def unavailable_reason(self, device) -> str | None: ...
+
+    def measure(self, call: Callable[[int], object], n_copies: int, device,
+                cfg: TimingConfig) -> Timing: ...
