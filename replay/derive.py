@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 from cbtrace.cost import metrics
-from cbtrace.calltree import children_of, post_order
+from cbtrace.calltree import CallTree
 
 
 def finalize(records, *, device_name: str) -> None:
     """Fill derived fields of replayed records in place."""
     by_id = {r.call_id: r for r in records}
-    kids = children_of({r.call_id: r.parent_call_id for r in records})
-    for cid in post_order({r.call_id: r.parent_call_id for r in records}):
-        rec, children = by_id[cid], [by_id[k] for k in kids.get(cid, [])]
+    tree = CallTree({r.call_id: r.parent_call_id for r in records})
+    for cid in tree.post_order:  # children first: a skipped parent sums their final figures
+        rec, children = by_id[cid], [by_id[k] for k in tree.children[cid]]
         if rec.status == "skipped" and children:
             aggregate_from_children(rec, children)
         elif rec.status == "ok" and children:

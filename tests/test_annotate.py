@@ -86,6 +86,31 @@ def test_cbtrace_process_lays_out_isolated_replay(run):
     assert json.loads(meta[0]["args"]["colour_buckets"])[0]["cname"] == "good"
 
 
+def test_isolated_layout_by_hand_several_roots_and_noisy_children():
+    from cbtrace.annotate.layout import isolated_layout
+
+    # "" (no figure) holds p (1 us, but its child q took 3 us) and r (2 us); s is a 2nd root
+    rows = [{"call_id": 0, "parent_call_id": -1, "fqn": "", "depth": 0, "isolated_ms": None},
+            {"call_id": 1, "parent_call_id": 0, "fqn": "p", "depth": 1, "isolated_ms": 0.001},
+            {"call_id": 2, "parent_call_id": 1, "fqn": "p.q", "depth": 2, "isolated_ms": 0.003},
+            {"call_id": 3, "parent_call_id": 0, "fqn": "r", "depth": 1, "isolated_ms": 0.002},
+            {"call_id": 4, "parent_call_id": -1, "fqn": "s", "depth": 0, "isolated_ms": 0.004}]
+    got = [(e["name"], e["tid"], e["ts"], e["dur"]) for e in isolated_layout(rows, 10.0)]
+    # widths: q 3, p max(1, 3) = 3, r 2, "" 3 + 2 = 5 (drawn that wide: no figure), s 4
+    assert got == [("<root>", 1, 10, 5), ("p", 2, 10, 1), ("p.q", 3, 10, 3), ("r", 2, 13, 2),
+                   ("s", 1, 15, 4)]  # us; each figure * 1000 is exact here
+
+
+def test_isolated_layout_of_a_deep_chain():
+    from cbtrace.annotate.layout import isolated_layout
+
+    rows = [{"call_id": i, "parent_call_id": i - 1, "fqn": f"m{i}", "depth": i,
+             "isolated_ms": 0.001} for i in range(5000)]
+    out = isolated_layout(rows, 0.0)
+    assert [e["name"] for e in out] == [f"m{i}" for i in range(5000)]
+    assert {e["ts"] for e in out} == {0.0}
+
+
 def test_counter_tracks_and_insitu_copy(run):
     ann = load_trace(annotate(run, pftrace=False))["traceEvents"]
     c = [e for e in ann if e.get("ph") == "C"]

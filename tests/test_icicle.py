@@ -26,7 +26,7 @@ from cbtrace.plugins.reporters.icicle import json_for_script, render_html
 from sample_runs import write_sample_run
 from cbtrace.plugins.reporters.summary import self_times, summary_table
 from cbtrace.plugins.reporters.svg import render_svg
-from cbtrace.plugins.reporters.icicle_tree import build_tree, layout, record_rows
+from cbtrace.plugins.reporters.icicle_tree import build_tree, layout, preorder, record_rows
 from cbtrace.schema.modules import ModuleRecord, records_to_frame
 from cbtrace.rundir import load_run
 
@@ -86,6 +86,25 @@ def test_tree_two_roots_repeat_calls_and_residual():
     assert xs["c3"] == pytest.approx((3 / 5, 1))
     calls = layout(nodes, root, "calls")
     assert calls["c0"] == pytest.approx((0, 3 / 4))  # a + 2 calls of b, out of 4 calls
+
+
+def test_tree_residuals_follow_their_subtree_and_a_missing_parent_makes_a_root():
+    # a > a.b > a.b.c, then d whose parent (99) was not captured: two roots, so a "(step)"
+    recs = [_rec(0, "a", -1, ms=3.0), _rec(1, "a.b", 0, ms=2.0), _rec(2, "a.b.c", 1, ms=1.0),
+            _rec(3, "d", 99, ms=1.0)]
+    nodes, root = build_tree(record_rows(records_to_frame(recs)))
+    order = preorder(nodes, root)
+    assert order == ["root", "c0", "c1", "c2", "r1", "r0", "c3"]
+    assert [nodes[n]["depth"] for n in order] == [0, 1, 2, 3, 3, 2, 1]
+    assert [nodes[n]["parent"] for n in order] == [None, "root", "c0", "c1", "c1", "c0", "root"]
+    assert nodes["c3"]["name"] == "d" and nodes["c2"]["name"] == "c"
+
+
+def test_tree_of_a_deep_chain():
+    recs = [_rec(i, f"m{i}", i - 1, ms=1.0) for i in range(5000)]
+    nodes, root = build_tree(record_rows(records_to_frame(recs)))
+    assert root == "c0" and nodes["c4999"]["depth"] == 4999 and nodes["r0"]["depth"] == 1
+    assert layout(nodes, root, "isolated")["c4999"] == pytest.approx((0, 1))
 
 
 def test_noisy_children_widen_the_parent_once():

@@ -6,6 +6,7 @@ All events are Chrome-trace dicts (``ph`` X / C / M): the JSON and .pftrace writ
 from __future__ import annotations
 
 from cbtrace.annotate.figures import BUCKETS, FIGURE_KEYS, NO_FIGURE_CNAME, clean, colour
+from cbtrace.calltree import CallTree
 
 PID = "cbtrace"
 META_TID = 0          # the "run" track: one slice carrying the metadata as args
@@ -47,40 +48,38 @@ def isolated_layout(rows: list[dict], t0: float) -> list[dict]:
     A node's width is max(its isolated time, its children's widths), so slices on one depth
     track never overlap even when children add up to more than their parent.
     """
-    kids: dict[int, list[dict]] = {}
-    for r in sorted(rows, key=lambda r: r["call_id"]):
-        kids.setdefault(int(r.get("parent_call_id", -1)), []).append(r)
+    by_id = {int(r["call_id"]): r for r in rows}
+    tree = CallTree({c: int(r.get("parent_call_id", -1)) for c, r in by_id.items()})
     width: dict[int, float] = {}
-
-    def w(r) -> float:
-        cid = int(r["call_id"])
-        if cid not in width:
-            own = (r.get("isolated_ms") or 0.0) * 1000.0
-            width[cid] = max(own, sum(w(c) for c in kids.get(cid, [])))
-        return width[cid]
-
+    for c in tree.post_order:
+        own = (by_id[c].get("isolated_ms") or 0.0) * 1000.0
+        width[c] = max(own, sum(width[k] for k in tree.children[c]))
+    start = dict(zip(tree.roots, _side_by_side(t0, [width[c] for c in tree.roots])))
     out: list[dict] = []
-
-    def place(r, ts: float) -> None:
-        cid = int(r["call_id"])
-        iso = r.get("isolated_ms")
-        metric, cname = colour(r.get("mfu"), r.get("mbu"), r.get("flops"))
-        args = {k: r.get(k) for k in FIGURE_KEYS if r.get(k) is not None}
-        args["colour_metric"] = metric or "none"
-        out.append({"ph": "X", "pid": PID, "tid": int(r.get("depth", 0)) + 1,
-                    "name": r["fqn"] or "<root>", "cat": "cbtrace_isolated", "ts": ts,
-                    "dur": iso * 1000.0 if iso is not None else w(r), "cname": cname,
-                    "args": args})
-        for c in kids.get(cid, []):
-            place(c, ts)
-            ts += w(c)
-
-    roots = [r for r in kids.get(-1, [])]
-    ts = t0
-    for r in roots:
-        place(r, ts)
-        ts += w(r)
+    for c in tree.pre_order:
+        kids = tree.children[c]
+        start.update(zip(kids, _side_by_side(start[c], [width[k] for k in kids])))
+        out.append(_isolated_slice(by_id[c], start[c], width[c]))
     return out
+
+
+def _side_by_side(ts: float, widths: list[float]) -> list[float]:
+    """Start times of slices laid end to end from ``ts``."""
+    out = []
+    for w in widths:
+        out.append(ts)
+        ts += w
+    return out
+
+
+def _isolated_slice(r: dict, ts: float, width: float) -> dict:
+    iso = r.get("isolated_ms")
+    metric, cname = colour(r.get("mfu"), r.get("mbu"), r.get("flops"))
+    args = {k: r.get(k) for k in FIGURE_KEYS if r.get(k) is not None}
+    args["colour_metric"] = metric or "none"
+    return {"ph": "X", "pid": PID, "tid": int(r.get("depth", 0)) + 1,
+            "name": r["fqn"] or "<root>", "cat": "cbtrace_isolated", "ts": ts,
+            "dur": iso * 1000.0 if iso is not None else width, "cname": cname, "args": args}
 
 
 def counters(slices: list[dict], is_leaf) -> list[dict]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from cbtrace.calltree import CallTree
+
 TIME_COLUMN = {"isolated": "isolated_ms", "insitu": "insitu_ms"}
 MODES = ("isolated", "insitu", "calls")
 
@@ -54,49 +56,55 @@ def _label(row: dict, parent: str | None) -> str:
 
 
 def build_tree(rows: list[dict]) -> tuple[dict[str, dict], str]:
-    """(nodes by id, root id). Each node: id, parent, children, depth, kind, name, row."""
+    """(nodes by id, root id). Each node: id, parent, children, depth, kind, name, row.
+
+    The nodes are inserted in pre-order, a residual right after its parent's subtree.
+    """
+    by_id = {r["call_id"]: r for r in rows}
+    tree = CallTree({c: r.get("parent_call_id") for c, r in by_id.items()})
+    top = None if len(tree.roots) == 1 else "root"
+    shift = 0 if top is None else 1  # the synthetic root takes depth 0
     nodes: dict[str, dict] = {}
-    for r in rows:
-        nid = f"c{r['call_id']}"
-        nodes[nid] = {"id": nid, "kind": "module", "name": "", "row": r,
-                      "children": [], "parent": None}
-    roots = []
-    for nid, n in nodes.items():
-        pid = f"c{n['row'].get('parent_call_id')}"
-        if pid in nodes and pid != nid:
-            n["parent"] = pid
-            nodes[pid]["children"].append(nid)
-            n["name"] = _label(n["row"], nodes[pid]["row"].get("fqn") or "")
-        else:
-            roots.append(nid)
-            n["name"] = _label(n["row"], None)
-    if len(roots) == 1:
-        root = roots[0]
-    else:
-        root = "root"
-        nodes[root] = {"id": root, "kind": "root", "name": "(step)", "row": None,
-                       "children": roots, "parent": None}
-        for r in roots:
-            nodes[r]["parent"] = root
-    for nid in [n for n in nodes if nodes[n]["kind"] == "module" and nodes[n]["children"]]:
-        rid = "r" + nid[1:]
-        nodes[rid] = {"id": rid, "kind": "residual", "name": "(self)", "row": None,
-                      "children": [], "parent": nid}
-        nodes[nid]["children"].append(rid)
-    for nid in preorder(nodes, root):
-        p = nodes[nid]["parent"]
-        nodes[nid]["depth"] = 0 if p is None else nodes[p]["depth"] + 1
-    return nodes, root
+    if top is not None:
+        nodes[top] = _node(top, "root", "(step)", None, [f"c{c}" for c in tree.roots], None, 0)
+    closes = _residuals_after(tree)
+    for c in tree.pre_order:
+        p, kids = tree.parent[c], [f"c{k}" for k in tree.children[c]]
+        name = _label(by_id[c], None if p is None else by_id[p].get("fqn") or "")
+        nodes[f"c{c}"] = _node(f"c{c}", "module", name, by_id[c],
+                               (kids + [f"r{c}"]) if kids else [], top if p is None else f"c{p}",
+                               tree.depth[c] + shift)
+        for x in closes.get(c, ()):
+            nodes[f"r{x}"] = _node(f"r{x}", "residual", "(self)", None, [], f"c{x}",
+                                   tree.depth[x] + shift + 1)
+    return nodes, top or f"c{tree.roots[0]}"
+
+
+def _node(nid, kind, name, row, children, parent, depth) -> dict:
+    return {"id": nid, "kind": kind, "name": name, "row": row, "children": children,
+            "parent": parent, "depth": depth}
+
+
+def _residuals_after(tree: CallTree) -> dict[int, list[int]]:
+    """{call: the parents whose subtree ends with it}, innermost first.
+
+    A parent's subtree is itself and the ``descendants`` calls after it in pre-order; its
+    residual node is its last child, so it comes right after that subtree.
+    """
+    order, out = tree.pre_order, {}
+    for i, c in enumerate(order):
+        if tree.children[c]:
+            out.setdefault(order[i + tree.descendants[c]], []).insert(0, c)
+    return out
 
 
 def preorder(nodes: dict[str, dict], root: str) -> list[str]:
-    """Ids in pre-order (parents before children, children in call order); no recursion."""
-    out, stack = [], [root]
-    while stack:
-        nid = stack.pop()
-        out.append(nid)
-        stack.extend(reversed(nodes[nid]["children"]))
-    return out
+    """Ids in pre-order (parents before children, children in call order).
+
+    That is the order build_tree inserts the nodes in.
+    """
+    assert next(iter(nodes)) == root, "preorder walks a whole tree from build_tree"
+    return list(nodes)
 
 
 def own_value(node: dict, mode: str) -> float | None:

@@ -21,11 +21,9 @@ def self_times(rows: list[dict], mode: str) -> dict[str, dict]:
     nodes, root = build_tree(rows)
     val = values(nodes, root, mode)
     out: dict[str, dict] = {}
-    for nid, n in nodes.items():
-        r = n["row"]
-        if r is None:
-            continue
-        own = val.get("r" + nid[1:], val[nid]) if n["children"] else val[nid]
+    for r in rows:  # in call order, not the nodes' pre-order: sums and tie ranks as always
+        nid = f"c{r['call_id']}"
+        own = val.get(f"r{r['call_id']}", val[nid])  # a parent's self time is its residual
         total = r.get(TIME_COLUMN[mode]) or 0.0
         a = out.setdefault(r.get("fqn") or "", {
             "self_ms": 0.0, "total_ms": 0.0, "calls": 0, "type": r.get("module_type"),
