@@ -82,14 +82,14 @@ def screenshot_html(html_path, out_png, *, width: int = 1400, full: bool = False
 
 def screenshot_run(run, out_png, **kw) -> Path:
     """Render RUN's icicle to a temporary file and screenshot it."""
-    from cbtrace.plugins.reporters.icicle import model_of, render_html
-    from cbtrace.rundir import load_run
+    from cbtrace.plugins.reporters.icicle import render_html
+    from cbtrace.plugins.reporters.icicle_model import build
+    from cbtrace.rundir.read import load_run
 
     manifest, df = load_run(run)
-    df.attrs["manifest"] = manifest
     with tempfile.TemporaryDirectory() as tmp:
         page = Path(tmp) / "icicle.html"
-        page.write_text(render_html(model_of(df, name=Path(run).name)), encoding="utf-8")
+        page.write_text(render_html(build(df, manifest, name=Path(run).name)), encoding="utf-8")
         return screenshot_html(page, out_png, **kw)
 
 

@@ -31,3 +31,7 @@ class ReplayError(CbtraceError):
 
 class PluginError(CbtraceError):
     """A plugin registered something invalid (e.g. the same name twice)."""
+
+
+class SchemaError(CbtraceError):
+    """A stage or plugin wrote a column the run-directory schema does not declare for it."""

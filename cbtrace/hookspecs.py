@@ -11,7 +11,9 @@ hookimpl = pluggy.HookimplMarker("cbtrace")
 
 @hookspec
 def register_models(register):
-    """Add model providers: ``register(name, factory)``; ``factory(**options)`` returns a Provider."""
+    """Add model providers: ``register(name, factory)``; ``factory(spec=, seed=, options=)``
+    returns a ``cbtrace.model.provider.Provider`` (``spec`` "name[:preset]"; a preset arrives as
+    ``options["preset"]``)."""
 
 
 @hookspec
@@ -26,4 +28,6 @@ def register_backends(register):
 
 @hookspec
 def register_reporters(register):
-    """Add reporters: ``register(name, reporter)``; a reporter has ``report(records, out_dir)`` and ``close()``."""
+    """Add reporters: ``register(name, reporter)``; a reporter has ``report(records, manifest,
+    out_dir) -> list[Path]`` (the run's ModuleRecords and ``cbtrace.schema.manifest.Manifest``)
+    and ``close()``."""

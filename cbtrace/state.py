@@ -1,6 +1,7 @@
-"""Replay never changes the model: parameters, buffers, grads, RNG state, train/eval flags.
+"""A model's state: its digest, and the guard that undoes whatever a call changes in it.
 
-A one-time host copy of every parameter is taken when replay starts; after each call the
+Neither replay nor a warm-up step may change the model: parameters, buffers, grads, RNG state
+and train/eval flags come back as they were (``StateGuard``). A one-time host copy of every parameter is taken when replay starts; after each call the
 parameters' version counters tell whether anything was written in place, and only those are
 restored (a per-call clone of a 3 GB embedding table would dominate replay time). Buffers are
 restored after every call unconditionally: BatchNorm updates its running stats without bumping
@@ -66,12 +67,22 @@ def state_fingerprint(model: torch.nn.Module) -> str:
     """sha256 of parameters, buffers, RNG and train flags (tests compare before/after replay)."""
     import hashlib
 
-    from cbtrace.capture.recorder import state_digest
-
     h = hashlib.sha256(state_digest(model).encode())
     h.update(torch.random.get_rng_state().numpy().tobytes())
     if torch.cuda.is_initialized():
         for s in torch.cuda.get_rng_state_all():
             h.update(s.numpy().tobytes())
     h.update(bytes(m.training for m in model.modules()))
+    return h.hexdigest()
+
+
+def state_digest(model) -> str:
+    """sha256 over parameter and buffer bytes (names, dtypes, shapes, values)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
     return h.hexdigest()

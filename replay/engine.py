@@ -7,15 +7,19 @@ from pathlib import Path
 
 import torch
 
-from cbtrace import registry, rundir
+from cbtrace import registry
+from cbtrace.calltree import bfs_order
 from cbtrace.errors import ReplayError
-from cbtrace.schema.modules import (COPY_FAILED, ModuleRecord, capture_fields, frame_to_records,
-                             records_to_frame, required_fields)
 from cbtrace.replay.config import ReplayConfig
-from cbtrace.state import StateGuard
 from cbtrace.replay.plan import default_plan, measure_call
 from cbtrace.replay.progress import ProgressLog, read_done
-from cbtrace.calltree import bfs_order
+from cbtrace.rundir.files import sha256_file
+from cbtrace.rundir.read import load_run
+from cbtrace.rundir.writer import write_stage
+from cbtrace.schema.manifest import ReplayInfo
+from cbtrace.schema.modules import (CAPTURE, COLUMNS, COPY_FAILED, HOST_INSITU, REPLAY,
+                                    ModuleRecord, frame_to_records, stage_columns)
+from cbtrace.state import StateGuard
 
 
 def replay(run, model=None, device=None, **options):
@@ -27,15 +31,17 @@ def replay(run, model=None, device=None, **options):
         device: "cpu", "cuda" or "cuda:N"; defaults to the capture device if available.
         **options: fields of ``ReplayConfig`` (timer, resume, memory_budget_bytes, ...).
     """
+    from cbtrace.replay.derive import finalize
+    from cbtrace.replay.rebuild import rebuild_model
+
     cfg = ReplayConfig(**options)
     run = Path(run)
-    manifest, df = rundir.load_run(run)
-    if not manifest.get("complete", True):
-        raise ReplayError(f"{run}: the capture did not complete ({manifest.get('error')})")
-    device = _device(device, manifest, model)
+    manifest, df = load_run(run)
+    if not manifest.complete:
+        raise ReplayError(f"{run}: the capture did not complete ({manifest.error})")
+    device = replay_device(device, manifest, model)
     if model is None:
         model = rebuild_model(manifest, device, verify=cfg.verify_state)
-    rundir.require_columns(run, df, required_fields())
     verify_inputs(run, manifest)
     records = [fresh_replay_fields(r) for r in frame_to_records(df)]
     by_id = {r.call_id: r for r in records}
@@ -56,7 +62,7 @@ def replay(run, model=None, device=None, **options):
                 continue
             rec = by_id[cid]
             row = replay_one(model, rec, run, device, cfg, plan, guard, budget,
-                             manifest.get("training_flags") or {})
+                             manifest.training_flags)
             row["call_id"] = cid
             row["settings"] = settings
             log.append(row)
@@ -67,21 +73,18 @@ def replay(run, model=None, device=None, **options):
         bar(None)
     for rec in records:
         for k, v in done.get(rec.call_id, {}).items():
-            if k != "call_id" and hasattr(rec, k):
+            if k in COLUMNS and COLUMNS[k].stage == REPLAY:
                 setattr(rec, k, v)
-    from cbtrace.replay.derive import finalize
-
-    finalize(records, device_name=_device_name(device))
-    out = records_to_frame(records)
-    rundir.write_modules(run, out)
-    manifest["replay"] = {"device": str(device), "device_name": _device_name(device),
-                          "timer_requested": cfg.timer, "cold": cfg.cold,
-                          "timers_used": sorted({r.timer for r in records if r.timer}),
-                          "wall_s": time.perf_counter() - t0,
-                          "torch_version": torch.__version__}
-    rundir.write_manifest(run, manifest)
-    rundir.refresh_checksums(run, rewritten=[rundir.MODULES])
-    return out
+    name = _device_name(device)
+    finalize(records, device_name=name)
+    manifest.replay = ReplayInfo(device=str(device), device_name=name, timer_requested=cfg.timer,
+                                 cold=cfg.cold,
+                                 timers_used=sorted({r.timer for r in records if r.timer}),
+                                 wall_s=time.perf_counter() - t0,
+                                 torch_version=str(torch.__version__))
+    columns = stage_columns(REPLAY)
+    return write_stage(run, REPLAY, {r.call_id: {c: getattr(r, c) for c in columns}
+                                     for r in records}, manifest=manifest)
 
 
 def timing_settings(cfg) -> dict:
@@ -95,23 +98,23 @@ def timing_settings(cfg) -> dict:
 
 
 def fresh_replay_fields(rec):
-    """A record with every replay and in-situ field back at its default (no stale figures)."""
-    return ModuleRecord(**{k: getattr(rec, k) for k in capture_fields()})
+    """A record with what capture measured and every later field at its default."""
+    return ModuleRecord(**{k: getattr(rec, k) for k, c in COLUMNS.items()
+                           if c.stage in (CAPTURE, HOST_INSITU)})
 
 
-def verify_inputs(run: Path, manifest: dict) -> None:
+def verify_inputs(run: Path, manifest) -> None:
     """Every captured input shard exists and matches the sha256 recorded at capture; a shard
     whose size and mtime are as recorded is not read again (gigabytes on a GPT-2 run)."""
-    files, stats = manifest.get("files", {}), manifest.get("files_stat", {})
-    for rel in manifest.get("input_files", []):
+    for rel in manifest.input_files:
         path = run / rel
         if not path.is_file():
             raise ReplayError(f"{path}: captured input file is missing")
         st = path.stat()
-        if stats.get(rel) == [st.st_size, st.st_mtime_ns]:
+        if manifest.files_stat.get(rel) == (st.st_size, st.st_mtime_ns):
             continue
-        want = files.get(rel)
-        if want and rundir.sha256_file(path) != want:
+        want = manifest.files.get(rel)
+        if want and sha256_file(path) != want:
             raise ReplayError(f"{path}: captured input file is corrupt (sha256 differs from "
                               "the manifest)")
 
@@ -169,53 +172,17 @@ def _meta_bytes(m) -> int:
     return math.prod(m.get("shape", [])) * itemsize(m.get("dtype", "float32"))
 
 
-def rebuild_model(manifest: dict, device, *, verify: bool):
-    """The model from the provider spec in the manifest, checked against the captured state."""
-    from cbtrace.capture.recorder import state_digest
-    from cbtrace.capture.from_spec import DTYPES
-    from cbtrace.model.spec import resolve
+def replay_device(device, manifest, model) -> torch.device:
+    """``device``, else the live model's, else the capture's where this machine has it."""
+    from cbtrace.device import resolve_device
 
-    spec = manifest.get("model_spec")
-    if not spec:
-        raise ReplayError("run was captured from a live model (no spec): pass model= to replay")
-    opts = dict(manifest.get("options", {}).get("options", {}))
-    dtype = opts.pop("dtype", None)
-    for k in ("device", "step", "warmup"):
-        opts.pop(k, None)
-    from cbtrace.errors import CbtraceError
-
-    try:
-        provider = resolve(spec, seed=manifest.get("seeds", {}).get("provider_seed") or 0,
-                           options=opts)
-        model, _ = provider.model_and_batch(device, DTYPES.get(dtype) if dtype else None)
-    except CbtraceError as e:
-        raise ReplayError(f"cannot rebuild the run's model '{spec}' ({e}); pass model= to "
-                          "cbtrace.replay") from None
-    except Exception as e:
-        raise ReplayError(f"cannot rebuild the run's model '{spec}' ({type(e).__name__}: {e}); "
-                          "pass model= to cbtrace.replay") from None
-    if verify and manifest.get("state_sha256") and state_digest(model) != manifest["state_sha256"]:
-        raise ReplayError(f"{spec}: the rebuilt model's weights differ from the captured ones "
-                          "(provider not deterministic?): pass model= to replay")
-    return model
-
-
-def _device(device, manifest, model) -> torch.device:
+    if device is None and model is not None:
+        p = next(iter(model.parameters()), None)
+        return p.device if p is not None else torch.device("cpu")
     if device is None:
-        if model is not None:
-            p = next(iter(model.parameters()), None)
-            return p.device if p is not None else torch.device("cpu")
-        want = manifest.get("device", "cpu")
-        device = want if (not want.startswith("cuda") or torch.cuda.is_available()) else "cpu"
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ReplayError(f"--device {device}: not a device (cpu, cuda, cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ReplayError(f"--device {device}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+        here = not manifest.device.startswith("cuda") or torch.cuda.is_available()
+        device = manifest.device if here else "cpu"
+    return resolve_device(device)
 
 
 def _device_name(device) -> str:

@@ -159,19 +159,18 @@ def write_sample_run(out_dir, kind: str = "transformer", *, timings: bool = True
     ``extra`` maps attribute names to modules added to the model's root before the walk
     (e.g. a module named ``<script>alert(1)</script>`` for escaping tests).
     """
-    from cbtrace.schema.modules import records_to_frame
-    from cbtrace.rundir import write_manifest, write_modules
+    from runs import write_run
+
+    from cbtrace.schema.manifest import ModelSource
 
     model = MODELS[kind]()
     for name, mod in (extra or {}).items():
         model.add_module(name, mod)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out, {"name": f"{kind} (synthetic figures)", "model": kind,
-                         "device_name": "NVIDIA H200 (nominal, test data)",
-                         "synthetic_figures": True})
-    write_modules(out, records_to_frame(sample_records(model, timings=timings)))
-    return out
+    cls = type(model)
+    return write_run(out_dir, sample_records(model, timings=timings),
+                     model=ModelSource(model_class=f"{cls.__module__}.{cls.__qualname__}",
+                                       spec=f"{kind} (synthetic figures)"),
+                     device_name="NVIDIA H200 (nominal, test data)", synthetic_figures=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 GENERATED = SHARED / "traces" / "generated"
-RUN_ID = "test-run-0001"
+RUN_ID = "run@2026-01-01T00:00:00"  # <run directory name>@<manifest.created>
 
 
 def shared_module_traces() -> list[Path]:
@@ -112,8 +112,9 @@ def write_fake_run(run: Path, trace: Path | None = None) -> Path:
     """A run directory with modules.parquet (made-up figures) and manifest; copies ``trace``."""
     import shutil
 
-    from cbtrace.schema.modules import ModuleRecord, records_to_frame
-    from cbtrace.rundir import write_manifest, write_modules
+    from runs import write_run
+
+    from cbtrace.schema.modules import ModuleRecord
 
     run.mkdir(parents=True, exist_ok=True)
     recs, ids = [], {}
@@ -134,14 +135,9 @@ def write_fake_run(run: Path, trace: Path | None = None) -> Path:
             mbu=3 * 16 * 32 * 64 * 4 / (iso * 1e-3) / 50e9, hfu=None,
             bound="compute" if flops else "memory", peak_mem_bytes=1 << 20,
             insitu_ms=iso * 1.1, error_pct=-9.1))
-    write_modules(run, records_to_frame(recs))
-    manifest = {"run_id": RUN_ID, "device": {"name": "cpu (test data)"},
-                "peaks": {"flops_per_s": 1e12, "bytes_per_s": 50e9, "source": "made up"}}
     if trace is not None:
         shutil.copy(trace, run / trace.name)
-        manifest["trace"] = trace.name
-    write_manifest(run, manifest)
-    return run
+    return write_run(run, recs, trace=trace.name if trace is not None else None)
 
 
 def load_trace(path: Path) -> dict:

@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from cbtrace.attribution.attribute import attribute, insitu_for_run, summarize
+from cbtrace.attribution.attribute import attribute, summarize
+from cbtrace.attribution.join import insitu_for_run
 from cbtrace.attribution.identity import class_index_map, hierarchy_path
 from cbtrace.errors import CbtraceError
 
@@ -92,26 +93,25 @@ def test_aggregates_over_steps(df):
 
 
 def test_insitu_for_run(tmp_path):
-    from cbtrace.rundir import write_manifest
+    from runs import manifest
 
     shutil.copy(TRACE, tmp_path / TRACE.name)
-    write_manifest(tmp_path, {"trace": TRACE.name})
-    out = insitu_for_run(tmp_path)
+    out = insitu_for_run(tmp_path, manifest(trace=TRACE.name))
     assert list(out.columns) == ["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms", "insitu_ms"]
     assert len(out) == 15  # 14 modules, head called twice; the first step only
     assert (out.insitu_ms == out.cpu_ms).all()  # CPU trace: no device events
 
 
 def test_capture_run_names_nn_module_events(tmp_path, shared_traces):
-    from cbtrace.rundir import write_manifest, write_modules
+    from runs import record, write_run
 
     mods = pd.DataFrame({"fqn": ["", "emb", "encoder", "encoder.layers.0", "encoder.layers.1", "head"],
                          "call_id": [0, 1, 2, 3, 4, 5],
                          "module_type": ["Net", "Embedding", "TransformerEncoder",
                                          "TransformerEncoderLayer", "TransformerEncoderLayer", "Linear"]})
     assert class_index_map(mods)["TransformerEncoderLayer_1"] == "encoder.layers.1"
-    write_manifest(tmp_path, {})
-    write_modules(tmp_path, mods)
+    write_run(tmp_path, [record(f, c, module_type=m)
+                         for f, c, m in zip(mods.fqn, mods.call_id, mods.module_type)])
     trace = next((shared_traces / "generated/torch2.13cpu_transformer2").glob("*.json.gz"))
     df = attribute(trace, capture_run=tmp_path, aggregate=False)
     assert {"emb", "encoder.layers.1", ""} <= set(df[df.source == "nn.Module"].fqn)

@@ -65,7 +65,7 @@ def test_icicle_tree_agrees_with_calltree_on_a_capture(tmp_path):
     from torch import nn
 
     import cbtrace
-    from cbtrace import rundir
+    from cbtrace.rundir.read import read_modules
     from cbtrace.plugins.reporters.icicle_tree import build_tree, preorder, record_rows
 
     class Net(nn.Module):
@@ -78,9 +78,9 @@ def test_icicle_tree_agrees_with_calltree_on_a_capture(tmp_path):
             return self.b(self.a(self.b(x)))  # b twice: call_index 1
 
     model = Net()
-    with cbtrace.capture(model, tmp_path / "r", profile=False):
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.ones(1, 2))
-    rows = record_rows(rundir.read_modules(tmp_path / "r"))
+    rows = record_rows(read_modules(tmp_path / "r"))
     tree = CallTree({r["call_id"]: r["parent_call_id"] for r in rows})
     nodes, root = build_tree(rows)
     assert root == f"c{tree.roots[0]}" and len(tree.roots) == 1

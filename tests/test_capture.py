@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import cbtrace
-from cbtrace import rundir
+from cbtrace.rundir.read import read_manifest, read_modules, read_records
+from cbtrace.rundir.layout import find_trace
+from cbtrace.rundir.files import sha256_file
 from cbtrace.errors import RunDirError
 from cbtrace.capture.from_spec import capture_model
 from cbtrace.model.spec import resolve
@@ -37,7 +39,7 @@ def expected_calls(spec):
 
 
 def trace_names(run):
-    trace = rundir.find_trace(run)
+    trace = find_trace(run)
     assert trace.name.endswith(".pt.trace.json.gz")
     with gzip.open(trace) as f:
         events = json.load(f)["traceEvents"]
@@ -48,7 +50,7 @@ def trace_names(run):
 @pytest.mark.parametrize("spec", ["nanogpt:tiny", "dlrm:tiny"])
 def test_every_call_once_and_one_range_per_call(tmp_path, spec):
     cap = capture_model(spec, tmp_path / "run", device="cpu")
-    df = rundir.read_modules(cap.out)
+    df = read_modules(cap.out)
     got = collections.Counter(df["fqn"])
     assert got == expected_calls(spec)
     assert not df.duplicated(["fqn", "call_index"]).any()
@@ -59,15 +61,15 @@ def test_every_call_once_and_one_range_per_call(tmp_path, spec):
     assert list(root["fqn"]) == [""]
     child = df[df["depth"] > 0].iloc[0]
     assert df.set_index("call_id").loc[child["parent_call_id"], "fqn"] == child["parent_fqn"]
-    manifest = rundir.read_manifest(cap.out)
-    assert manifest["model_spec"] == spec and manifest["complete"]
-    for rel, digest in manifest["files"].items():
-        assert rundir.sha256_file(cap.out / rel) == digest
+    manifest = read_manifest(cap.out)
+    assert manifest.model.spec == spec and manifest.complete
+    for rel, digest in manifest.files.items():
+        assert sha256_file(cap.out / rel) == digest
 
 
 def test_hook_bookkeeping_stays_out_of_the_trace(tmp_path):
     cap = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu")
-    with gzip.open(rundir.find_trace(cap.out)) as f:
+    with gzip.open(find_trace(cap.out)) as f:
         events = json.load(f)["traceEvents"]
     py = [e["name"] for e in events if e.get("cat") == "python_function"]
     ours = [n for n in py if any(k in n for k in ("plugins/inputs", "tensor_store", "snapshot",
@@ -77,7 +79,7 @@ def test_hook_bookkeeping_stays_out_of_the_trace(tmp_path):
     # the ranges are still user annotations, and each copy range holds the copies it made
     cats = collections.Counter((e.get("cat"), e["name"].split("::")[0]) for e in events
                                if e.get("name", "").startswith("cbtrace"))
-    calls = len(rundir.read_modules(cap.out))
+    calls = len(read_modules(cap.out))
     assert cats[("user_annotation", "cbtrace")] == calls
     assert cats[("user_annotation", "cbtrace.copy")] == calls
     assert sum(e.get("name") == "aten::copy_" for e in events) > 0
@@ -134,7 +136,7 @@ def test_helper_thread_submit_runs_in_order_and_close_raises_its_error():
 
 def test_output_meta_of_every_call(tmp_path):
     cap = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu")
-    df = rundir.read_modules(cap.out)
+    df = read_modules(cap.out)
     for fqn, meta in zip(df["fqn"], df["output_meta"]):
         metas = json.loads(meta)
         assert metas and all("shape" in m and "dtype" in m for m in metas), fqn
@@ -173,7 +175,7 @@ def test_failed_copy_caught_by_the_model_is_never_reused(tmp_path, monkeypatch):
     model, x = Retry(), torch.randn(2, 4)
     with cbtrace.capture(model, tmp_path / "r"):
         model(x)
-    df = rundir.read_modules(tmp_path / "r").set_index(["fqn", "call_index"])
+    df = read_modules(tmp_path / "r").set_index(["fqn", "call_index"])
     assert df.loc[("lin", 0), "capture_error"].startswith("copying its inputs failed")
     assert pd.isna(df.loc[("lin", 1), "capture_error"])
     (got,), _ = cbtrace.load_inputs(tmp_path / "r", "lin", call_index=1)
@@ -202,7 +204,7 @@ def test_copy_buffer_that_cannot_be_planned_is_made_in_the_call(tmp_path, monkey
     with cbtrace.capture(model, tmp_path / "r"):
         model(x)
     monkeypatch.undo()
-    df = rundir.read_modules(tmp_path / "r")
+    df = read_modules(tmp_path / "r")
     assert sorted(df["fqn"]) == ["", "0", "1"] and df["capture_error"].isna().all()
     (got,), _ = cbtrace.load_inputs(tmp_path / "r", "1")
     assert torch.equal(got, model[0](x))
@@ -221,9 +223,9 @@ def test_output_meta_is_taken_at_the_call_not_later(tmp_path):
 
     model = Grow()
     for profile in (True, False):
-        with cbtrace.capture(model, tmp_path / f"r{profile}", profile=profile):
+        with cbtrace.capture(model, tmp_path / f"r{profile}", trace=profile):
             model(torch.randn(2, 4))
-        df = rundir.read_modules(tmp_path / f"r{profile}").set_index("fqn")
+        df = read_modules(tmp_path / f"r{profile}").set_index("fqn")
         assert json.loads(df.loc["lin", "output_meta"])[0]["shape"] == [2, 8]
         assert json.loads(df.loc["lin", "output_meta"])[0]["stride"] == [8, 1]
         assert json.loads(df.loc["", "output_meta"])[0]["shape"] == [1, 2, 8]
@@ -240,13 +242,13 @@ def test_a_failed_helper_job_still_stops_the_profiler_and_writes_the_run(tmp_pat
         with cbtrace.capture(model, tmp_path / "a"):
             model(torch.randn(2, 4))
     assert not torch.autograd.profiler._is_profiler_enabled and not capture_mod._ACTIVE
-    manifest = rundir.read_manifest(tmp_path / "a")
-    assert manifest["complete"] is False and "KeyboardInterrupt" in manifest["error"]
-    assert len(rundir.read_modules(tmp_path / "a")) == 1
+    manifest = read_manifest(tmp_path / "a")
+    assert manifest.complete is False and "KeyboardInterrupt" in manifest.error
+    assert len(read_modules(tmp_path / "a")) == 1
     monkeypatch.undo()
     with cbtrace.capture(model, tmp_path / "b"):  # and the next capture works
         model(torch.randn(2, 4))
-    assert rundir.read_manifest(tmp_path / "b")["complete"]
+    assert read_manifest(tmp_path / "b").complete
 
 
 def test_failed_start_leaves_nothing_half_open(tmp_path, monkeypatch):
@@ -265,7 +267,7 @@ def test_failed_start_leaves_nothing_half_open(tmp_path, monkeypatch):
     monkeypatch.undo()
     with cbtrace.capture(model, tmp_path / "b"):  # and the next capture works
         model(torch.randn(2, 4))
-    assert len(rundir.read_modules(tmp_path / "b")) == 1
+    assert len(read_modules(tmp_path / "b")) == 1
 
 
 def test_call_inside_an_except_block_is_not_an_error(tmp_path):
@@ -283,7 +285,7 @@ def test_call_inside_an_except_block_is_not_an_error(tmp_path):
     model = Fallback()
     with cbtrace.capture(model, tmp_path / "r"):
         model(torch.randn(2, 4))
-    df = rundir.read_modules(tmp_path / "r").set_index("fqn")
+    df = read_modules(tmp_path / "r").set_index("fqn")
     assert pd.isna(df.loc["lin", "capture_error"])
     assert json.loads(df.loc["lin", "output_meta"])[0]["shape"] == [2, 4]
 
@@ -294,12 +296,12 @@ def test_failed_input_copy_marks_the_call_and_keeps_the_run_consistent(tmp_path,
     with pytest.raises(RuntimeError, match="simulated OOM"):
         with cbtrace.capture(model, tmp_path / "r"):
             model(torch.randn(2, 4))
-    manifest = rundir.read_manifest(tmp_path / "r")
-    assert manifest["complete"] is False and "simulated OOM" in manifest["error"]
-    df = rundir.read_modules(tmp_path / "r").set_index("fqn")
+    manifest = read_manifest(tmp_path / "r")
+    assert manifest.complete is False and "simulated OOM" in manifest.error
+    df = read_modules(tmp_path / "r").set_index("fqn")
     assert "copying its inputs failed" in df.loc["0", "capture_error"]
-    for rel, digest in manifest["files"].items():  # every file written and checksummed
-        assert rundir.sha256_file(tmp_path / "r" / rel) == digest
+    for rel, digest in manifest.files.items():  # every file written and checksummed
+        assert sha256_file(tmp_path / "r" / rel) == digest
 
 
 def test_inputs_round_trip_bitwise(tmp_path):
@@ -334,7 +336,7 @@ def test_public_library_model_through_file_spec(tmp_path):
     pytest.importorskip("transformers")
     spec = f"{REPO / 'tests/fixtures/hf_gpt2.py'}:build"
     cap = capture_model(spec, tmp_path / "r", device="cpu")
-    df = rundir.read_modules(cap.out)
+    df = read_modules(cap.out)
     assert "transformer.h.1.attn" in set(df["fqn"])
     assert df["module_type"].str.contains("GPT2Attention").any()
     args, kwargs = cbtrace.load_inputs(cap.out, "")
@@ -344,19 +346,19 @@ def test_public_library_model_through_file_spec(tmp_path):
 def test_include_exclude_max_depth(tmp_path):
     cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu",
                         include=("", "transformer.h.*"), exclude=("*.mlp.*",), max_depth=4)
-    fqns = set(rundir.read_modules(cap.out)["fqn"])
+    fqns = set(read_modules(cap.out)["fqn"])
     assert "" in fqns and "transformer.h.0.attn" in fqns and "transformer.h.0.mlp" in fqns
     assert "transformer.h.0.mlp.c_fc" not in fqns and "lm_head" not in fqns
-    df = rundir.read_modules(cap.out)
+    df = read_modules(cap.out)
     assert set(df[df["fqn"] == "transformer.h.0"]["parent_fqn"]) == {""}
 
 
 def test_existing_run_is_never_overwritten(tmp_path):
     cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu")
-    before = rundir.sha256_file(cap.out / "modules.parquet")
+    before = sha256_file(cap.out / "modules.parquet")
     with pytest.raises(RunDirError, match="already exists"):
         capture_model("dlrm:tiny", tmp_path / "r", device="cpu")
-    assert rundir.sha256_file(cap.out / "modules.parquet") == before
+    assert sha256_file(cap.out / "modules.parquet") == before
 
 
 def test_hooks_removed_even_on_error(tmp_path):
@@ -365,8 +367,8 @@ def test_hooks_removed_even_on_error(tmp_path):
         with cbtrace.capture(model, tmp_path / "r"):
             model(torch.ones(2, 4))  # wrong shape: Linear raises
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-    manifest = rundir.read_manifest(tmp_path / "r")
-    assert manifest["complete"] is False and "RuntimeError" in manifest["error"]
+    manifest = read_manifest(tmp_path / "r")
+    assert manifest.complete is False and "RuntimeError" in manifest.error
 
 
 def test_shared_module_gets_path_of_caller(tmp_path):
@@ -382,16 +384,16 @@ def test_shared_module_gets_path_of_caller(tmp_path):
             return self.b(self.a(x))
 
     model = Two()
-    with cbtrace.capture(model, tmp_path / "r", profile=False):
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.ones(1, 2))
-    df = rundir.read_modules(tmp_path / "r")
+    df = read_modules(tmp_path / "r")
     assert list(df["fqn"]) == ["", "a", "a.0", "b", "b.0"]
 
 
 def test_synthesized_dlrm_inputs_still_replay(tmp_path):
     """Ids are synthesized within their observed range; sorted offsets are kept as they are."""
     cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu", synthesize_above_bytes=64)
-    df = rundir.read_modules(cap.out)
+    df = read_modules(cap.out)
     assert df["synthesized"].any()
     out = cbtrace.replay(cap.out, budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
     bad = out[out["status"] != "ok"][["fqn", "status_reason"]]
@@ -418,12 +420,12 @@ def test_capture_error_recorded_and_nesting_refused(tmp_path):
             return x + 1
 
     model = Net()
-    with cbtrace.capture(model, tmp_path / "r", profile=False):
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.ones(2))
         with pytest.raises(CaptureError, match="already active"):
-            with cbtrace.capture(model, tmp_path / "nested", profile=False):
+            with cbtrace.capture(model, tmp_path / "nested", trace=False):
                 pass
-    df = rundir.read_modules(tmp_path / "r").set_index("fqn")
+    df = read_modules(tmp_path / "r").set_index("fqn")
     assert "ValueError: boom" in df.loc["bad", "capture_error"]
     assert not isinstance(df.loc["", "capture_error"], str)
     with torch.profiler.profile():
@@ -434,14 +436,14 @@ def test_capture_error_recorded_and_nesting_refused(tmp_path):
 
 def test_cpu_capture_records_host_insitu_and_profile_uses_it(tmp_path):
     from cbtrace.capture.host_times import descendants
-    from cbtrace.workflows.profile_model import join_insitu
+    from cbtrace.attribution.join import join_insitu
 
     cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
-    df = rundir.read_modules(cap.out)
+    df = read_modules(cap.out)
     assert df["insitu_host_ms"].notna().all() and (df["insitu_host_ms"] >= 0).all()
     root = df[df["depth"] == 0].iloc[0]
     assert root["insitu_host_ms"] >= df[df["depth"] == 1]["insitu_host_ms"].max()
-    assert descendants(df)[0] == len(df) - 1
+    assert descendants(read_records(cap.out))[0] == len(df) - 1
     cbtrace.replay(cap.out, budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
     out = join_insitu(cap.out)
     assert (out["insitu_ms"] == out["insitu_host_ms"]).all()

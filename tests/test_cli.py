@@ -63,16 +63,17 @@ def _one_line_error(args, cwd=None):
 def test_bad_inputs_give_one_line_errors_and_lose_nothing(tmp_path):
     import json
 
-    from cbtrace import rundir
+    from cbtrace.rundir.layout import find_trace
+    from cbtrace.rundir.files import sha256_file
     from cbtrace.capture.from_spec import capture_model
 
     run = capture_model("dlrm:tiny", tmp_path / "run", device="cpu").out
-    modules = rundir.sha256_file(run / "modules.parquet")
-    trace = rundir.find_trace(run)
+    modules = sha256_file(run / "modules.parquet")
+    trace = find_trace(run)
     # attribute --out never overwrites silently
     line = _one_line_error(["attribute", str(trace), "--out", str(run / "modules.parquet")])
     assert "already exists" in line
-    assert rundir.sha256_file(run / "modules.parquet") == modules
+    assert sha256_file(run / "modules.parquet") == modules
     # an unknown device, a run that exists, options that do not parse
     assert "tpu" in _one_line_error(["capture", "--model", "dlrm:tiny", "--device", "tpu",
                                      "--out", str(tmp_path / "x")])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cbtrace
-from cbtrace import rundir
+from cbtrace.rundir.layout import find_trace
 from cbtrace.capture.from_spec import capture_model
 from cbtrace.model.spec import resolve
 from cbtrace.state import state_fingerprint
@@ -72,7 +72,7 @@ def test_real_oom_is_skipped_and_parent_aggregated(tmp_path):
             return self.lin(self.hog(x))
 
     model = torch.nn.Sequential(Parent()).cuda()
-    with cbtrace.capture(model, tmp_path / "r", profile=False):
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randn(8, 64, device="cuda"))
     Hog.n = 4 * torch.cuda.get_device_properties(0).total_memory  # cannot fit
     df = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("fqn")
@@ -90,4 +90,4 @@ def test_dlrm_capture_replay_cuda(tmp_path):
     assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["fqn", "status_reason"]]
     bags = df[df["module_type"] == "EmbeddingBag"]
     assert (bags["bytes"] > 0).all() and (bags["flops"] > 0).all()
-    assert rundir.find_trace(cap.out) is not None
+    assert find_trace(cap.out) is not None

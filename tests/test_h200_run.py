@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cbtrace import rundir
+from cbtrace.rundir.read import read_modules
+from cbtrace.rundir.layout import find_trace
 
 RUN = Path(__file__).parent / "data" / "h200_nanogpt_run"
 
@@ -23,7 +24,7 @@ def run(tmp_path):
 def test_attribution_conserves_device_time_on_h200_capture(run):
     import cbtrace
 
-    trace = rundir.find_trace(run)
+    trace = find_trace(run)
     df = cbtrace.attribute(trace, aggregate=False)
     with gzip.open(trace) as f:
         events = json.load(f)["traceEvents"]
@@ -31,11 +32,11 @@ def test_attribution_conserves_device_time_on_h200_capture(run):
               and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")) / 1e3
     assert df["gpu_self_ms"].sum() == pytest.approx(dev, rel=1e-3)
     fwd = df[(df["source"] == "cbtrace") & (df["phase"] == "fwd") & ~df["fqn"].str.startswith("<")]
-    assert len(fwd) == len(rundir.read_modules(run))
+    assert len(fwd) == len(read_modules(run))
 
 
 def test_insitu_join_matches_replay_within_a_few_percent(run):
-    from cbtrace.workflows.profile_model import error_table, join_insitu
+    from cbtrace.attribution.join import error_table, join_insitu
 
     df = join_insitu(run)
     assert df["insitu_ms"].notna().all()
@@ -47,7 +48,7 @@ def test_insitu_join_matches_replay_within_a_few_percent(run):
 def test_annotate_h200_capture_keeps_original(run):
     import cbtrace
 
-    trace = rundir.find_trace(run)
+    trace = find_trace(run)
     before = hashlib.sha256(trace.read_bytes()).hexdigest()
     out = cbtrace.annotate(run=run, pftrace=False)
     assert hashlib.sha256(trace.read_bytes()).hexdigest() == before

@@ -27,8 +27,8 @@ from sample_runs import write_sample_run
 from cbtrace.plugins.reporters.summary import self_times, summary_table
 from cbtrace.plugins.reporters.svg import render_svg
 from cbtrace.plugins.reporters.icicle_tree import build_tree, layout, preorder, record_rows
-from cbtrace.schema.modules import ModuleRecord, records_to_frame
-from cbtrace.rundir import load_run
+from cbtrace.schema.modules import ModuleRecord, frame_to_records, records_to_frame
+from cbtrace.rundir.read import load_run
 
 EVIL = "<script>alert(1)</script>"
 EVIL_IMG = "<img src=x onerror=alert(2)>"
@@ -51,9 +51,19 @@ def runs(tmp_path_factory):
 
 
 def _frame(run):
+    return load_run(run)[1]
+
+
+def _model(run, name: str) -> dict:
+    """The icicle model of a run directory, as reporters build it."""
     manifest, df = load_run(run)
-    df.attrs["manifest"] = manifest
-    return df
+    return icicle_model.build(df, manifest, name=name)
+
+
+def _records(run):
+    """(ModuleRecords, Manifest): what a reporter receives."""
+    manifest, df = load_run(run)
+    return frame_to_records(df), manifest
 
 
 def _rec(call_id, fqn, parent, *, k=0, ms=None, **kw):
@@ -139,10 +149,10 @@ def test_layout_children_nest_and_never_overlap(spec):
 
 
 def test_model_modes_and_fallback(runs):
-    data = icicle_model.build(_frame(runs["transformer"]), name="t")
+    data = _model(runs["transformer"], "t")
     assert data["modes"] == ["isolated", "insitu", "calls"]
     assert data["title"] == "transformer (synthetic figures)"
-    bare = icicle_model.build(_frame(runs["bare"]), name="b")
+    bare = _model(runs["bare"], "b")
     assert bare["modes"] == ["calls"]
     assert "no timings" in bare["notes"]["calls"]
     leaf = next(n for n in bare["nodes"] if n["q"] == "top.2")
@@ -150,7 +160,7 @@ def test_model_modes_and_fallback(runs):
 
 
 def test_relu_shows_bandwidth_not_a_flat_colour(runs):
-    data = icicle_model.build(_frame(runs["dlrm"]), name="d")
+    data = _model(runs["dlrm"], "d")
     relu = next(n for n in data["nodes"] if n["t"] == "ReLU")
     assert relu["m"].startswith("MBU ") and relu["bg"]["metric"] != palette.NO_FIGURES
     lin = next(n for n in data["nodes"] if n["q"] == "top.2")  # compute-bound Linear
@@ -166,7 +176,7 @@ def test_relu_shows_bandwidth_not_a_flat_colour(runs):
 
 
 def test_html_is_self_contained_and_escapes_names(runs):
-    page = render_html(icicle_model.build(_frame(runs["transformer"]), name="t"))
+    page = render_html(_model(runs["transformer"], "t"))
     assert EVIL not in page and EVIL_IMG not in page
     assert "\\u003cscript\\u003ealert(1)\\u003c/script\\u003e" in page
     for ref in ("http://", "https://", "src=\"", "href=\""):
@@ -175,7 +185,7 @@ def test_html_is_self_contained_and_escapes_names(runs):
 
 
 def test_svg_is_xml_with_escaped_labels(runs):
-    data = icicle_model.build(_frame(runs["transformer"]), name="t")
+    data = _model(runs["transformer"], "t")
     svg = render_svg(data)
     root = ET.fromstring(svg)
     texts = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text")]
@@ -185,7 +195,7 @@ def test_svg_is_xml_with_escaped_labels(runs):
     assert "<script" not in svg
     with pytest.raises(ValueError, match="mode"):
         render_svg(data, mode="nope")
-    ET.fromstring(render_svg(icicle_model.build(_frame(runs["bare"]), name="b"), scheme="bound"))
+    ET.fromstring(render_svg(_model(runs["bare"], "b"), scheme="bound"))
 
 
 def test_summary_self_times_add_up_to_the_step(runs):
@@ -210,7 +220,7 @@ def test_builtin_reporters_are_registered_and_write(runs, tmp_path):
     reps = registry.reporters()
     assert {"icicle", "svg", "summary"} <= set(reps)
     df = _frame(runs["dlrm"])
-    written = [p for name in ("icicle", "svg", "summary") for p in reps[name].report(df, tmp_path)]
+    written = [p for name in ("icicle", "svg", "summary") for p in reps[name].report(*_records(runs["dlrm"]), tmp_path)]
     assert sorted(p.name for p in written) == ["icicle.html", "icicle.svg", "summary.txt"]
     assert all(p.stat().st_size > 500 for p in written)
 
@@ -223,9 +233,10 @@ def test_plugin_reporter_registered_through_the_hook(runs, tmp_path):
     class CsvReporter:
         closed = False
 
-        def report(self, records, out_dir):
+        def report(self, records, manifest, out_dir):
             out = Path(out_dir) / "modules.csv"
-            records[["fqn", "isolated_ms"]].to_csv(out, index=False)
+            rows = [f"{r.fqn},{r.isolated_ms}" for r in records]
+            out.write_text("\n".join([f"# {manifest.title}", "fqn,isolated_ms", *rows]))
             return [out]
 
         def close(self):
@@ -279,7 +290,7 @@ def test_icicle_offline_in_chromium(browser, runs, tmp_path):
     from cbtrace.plugins.reporters.icicle import IcicleReporter
     from screenshot import block_network
 
-    html = IcicleReporter().report(_frame(runs["transformer"]), tmp_path)[0]
+    html = IcicleReporter().report(*_records(runs["transformer"]), tmp_path)[0]
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     dialogs, errors = [], []
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))

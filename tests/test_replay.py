@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import cbtrace
-from cbtrace import rundir
+from cbtrace.rundir.read import read_manifest, read_modules
+from cbtrace.rundir.files import sha256_file
 from cbtrace.capture.from_spec import capture_model
 from cbtrace.model.spec import resolve
 from cbtrace.state import state_fingerprint
@@ -28,7 +29,7 @@ def test_replay_leaves_model_state_untouched(tmp_path, spec):
     provider = resolve(spec)
     model, batch = provider.model_and_batch("cpu")
     model.train()  # dropout + RNG live
-    with cbtrace.capture(model, tmp_path / "r", profile=False):
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
         provider.run(model, batch)
     before = state_fingerprint(model)
     df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
@@ -43,7 +44,7 @@ def test_batchnorm_running_stats_unchanged(tmp_path):
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
     model.train()
     x = torch.randn(2, 3, 8, 8)
-    with cbtrace.capture(model, tmp_path / "r", profile=False):
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(x)
     stats = model[1].running_mean.clone(), model[1].running_var.clone()
     tracked = model[1].num_batches_tracked.clone()
@@ -64,14 +65,14 @@ def test_rebuilds_model_from_spec_and_fills_figures(gpt_run):
     root = df[df["fqn"] == ""].iloc[0]
     kids = df[df["parent_call_id"] == root["call_id"]]
     assert root["residual_ms"] == pytest.approx(root["isolated_ms"] - kids["isolated_ms"].sum())
-    assert rundir.read_modules(gpt_run)["isolated_ms"].notna().all()
+    assert read_modules(gpt_run)["isolated_ms"].notna().all()
 
 
 def test_cold_flag_reaches_every_row_and_the_manifest(gpt_run):
     df = cbtrace.replay(gpt_run, cold=True, **FAST)
     ok = df[df["status"] == "ok"]
     assert len(ok) and ok["timer_notes"].str.contains("cold").all()
-    assert rundir.read_manifest(gpt_run)["replay"]["cold"] is True
+    assert read_manifest(gpt_run).replay.cold is True
     df = cbtrace.replay(gpt_run, **FAST)  # and a plain replay clears the notes again
     assert not df["timer_notes"].fillna("").str.contains("cold").any()
 
@@ -101,7 +102,7 @@ def test_resume_redoes_rows_timed_with_other_settings(tmp_path):
 
 def test_skip_and_aggregate_under_memory_budget(tmp_path):
     cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
-    df0 = rundir.read_modules(cap.out)
+    df0 = read_modules(cap.out)
     block = df0[df0["fqn"] == "transformer.h.0"].iloc[0]
     from cbtrace.replay.engine import footprint_bytes
     from cbtrace.schema.modules import frame_to_records
@@ -131,7 +132,7 @@ def test_module_that_raises_is_recorded_and_replay_goes_on(tmp_path):
             return x + 1
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), Flaky(), torch.nn.ReLU())
-    with cbtrace.capture(model, tmp_path / "r", profile=False):
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randn(2, 4))
     df = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("fqn")
     assert df.loc["1", "status"] == "error" and "boom on replay" in df.loc["1", "status_reason"]
@@ -140,7 +141,7 @@ def test_module_that_raises_is_recorded_and_replay_goes_on(tmp_path):
 
 def test_resume_after_killing_a_replay(tmp_path):
     cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu")
-    n = len(rundir.read_modules(cap.out))
+    n = len(read_modules(cap.out))
     cmd = [sys.executable, "-m", "cbtrace", "replay", str(cap.out), "--budget-s", "0.2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     log = Path(cap.out) / "replay.progress.jsonl"
@@ -158,7 +159,7 @@ def test_resume_after_killing_a_replay(tmp_path):
     assert out.returncode == 0, out.stderr
     ids = [json.loads(x)["call_id"] for x in log.read_text().splitlines() if x.strip()]
     assert sorted(ids) == list(range(n))  # every call exactly once: nothing redone
-    df = rundir.read_modules(cap.out)
+    df = read_modules(cap.out)
     assert (df["status"] == "ok").all() and df["isolated_ms"].notna().all()
 
 
@@ -200,7 +201,7 @@ def test_reassigned_buffers_and_swapped_parameters_are_restored(tmp_path):
             return self.lin(x)
 
     model = torch.nn.Sequential(Counter(), DataSwap())
-    with cbtrace.capture(model, tmp_path / "r", profile=False):
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randn(2, 3))
     before = state_fingerprint(model)
     buf = model[0].n
@@ -214,16 +215,16 @@ def test_replay_again_clears_stale_figures_and_refuses_corrupt_inputs(tmp_path):
 
     cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu")
     cbtrace.replay(cap.out, **FAST)
-    before = rundir.sha256_file(cap.out / "modules.parquet")
+    before = sha256_file(cap.out / "modules.parquet")
     shard = next((cap.out / "inputs").glob("*.parquet"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(ReplayError, match="corrupt"):
         cbtrace.replay(cap.out, **FAST)
-    assert rundir.sha256_file(cap.out / "modules.parquet") == before  # results kept
+    assert sha256_file(cap.out / "modules.parquet") == before  # results kept
     from cbtrace.replay.engine import fresh_replay_fields
     from cbtrace.schema.modules import frame_to_records
 
-    rec = fresh_replay_fields(frame_to_records(rundir.read_modules(cap.out))[0])
+    rec = fresh_replay_fields(frame_to_records(read_modules(cap.out))[0])
     assert rec.isolated_ms is None and rec.status is None and rec.insitu_ms is None

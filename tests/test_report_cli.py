@@ -56,6 +56,13 @@ def test_report_errors_are_one_line(tmp_path, run, capsys):
     code, _, err = _cli(["report", str(run), "-r", "nope"], capsys)
     assert code == 1 and "unknown reporter(s) nope; registered: icicle, summary, svg" in err
     (tmp_path / "manifest.json").write_text("{}")
+    code, _, err = _cli(["report", str(tmp_path)], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "manifest.json: invalid manifest: Object missing required field" in err
+    from runs import manifest
+    from cbtrace.schema.manifest import encode
+
+    (tmp_path / "manifest.json").write_bytes(encode(manifest()))
     (tmp_path / "modules.parquet").write_bytes(b"not parquet")
     code, _, err = _cli(["report", str(tmp_path)], capsys)
     assert code == 1 and "corrupt Parquet file" in err and len(err.strip().splitlines()) == 1

@@ -5,7 +5,7 @@ import torch
 pytest.importorskip("torchrec.sparse.jagged_tensor")
 
 import cbtrace  # noqa: E402
-from cbtrace import rundir  # noqa: E402
+from cbtrace.rundir.read import read_modules  # noqa: E402
 from cbtrace.capture.from_spec import capture_model  # noqa: E402
 
 
@@ -18,7 +18,7 @@ def run(tmp_path_factory):
 def test_kjt_inputs_round_trip(run):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    df = rundir.read_modules(run)
+    df = read_modules(run)
     assert "sparse_arch.embedding_bag_collection" in set(df["fqn"])
     (dense, kjt), _ = cbtrace.load_inputs(run, "")
     assert isinstance(kjt, KeyedJaggedTensor) and dense.shape == (8, 13)

@@ -141,7 +141,7 @@ def build(slices: list[dict], extra: list[dict]) -> bytes:
 
 def write_pftrace(path: Path, slices: list[dict], extra: list[dict], force: bool = False) -> Path:
     """Write ``path`` atomically; refuses to overwrite unless ``force``."""
-    from cbtrace.rundir import atomic_write_bytes
+    from cbtrace.rundir.files import atomic_write_bytes
 
     path = Path(path)
     if path.exists() and not force:

@@ -32,7 +32,7 @@ def pftrace_path(out: Path) -> Path:
 
 def _resolve(run, trace) -> tuple[Path, bool]:
     """(trace path, whether it is the run's own capture trace)."""
-    from cbtrace.rundir import find_trace
+    from cbtrace.rundir.layout import find_trace
 
     own = find_trace(run) if run is not None else None
     if trace is None:
@@ -83,7 +83,8 @@ def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool 
     from cbtrace.annotate.figures import Figures, SliceAnnotator
     from cbtrace.annotate.layout import appended_events, metadata
     from cbtrace.annotate.stream import rewrite
-    from cbtrace.rundir import atomic_path, load_run
+    from cbtrace.rundir.files import atomic_path
+    from cbtrace.rundir.read import load_run
 
     trace, own = _resolve(run, trace)
     dst = output_path(trace, out)
@@ -96,8 +97,10 @@ def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool 
         insitu = _attribution(trace, run)
     fig = Figures(modules, insitu if insitu is not False else None, own_trace=own)
     ann = SliceAnnotator(fig)
-    meta = metadata(manifest, trace.name, cbtrace.__version__, run_id=_run_id(run, manifest),
-                    peaks=_peaks_used(manifest, modules))
+    device = _device_name(manifest)
+    meta = metadata({"device_name": device} if device else None, trace.name,
+                    cbtrace.__version__, run_id=_run_id(run, manifest),
+                    peaks=_peaks_used(device, modules))
     rows = list(fig.calls.values())
     extra: list[dict] = []
 
@@ -123,23 +126,25 @@ def _run_id(run, manifest) -> str | None:
     """The run directory's name and creation time (manifests carry no id of their own)."""
     if run is None:
         return None
-    created = (manifest or {}).get("created")
-    return f"{Path(run).resolve().name}@{created}" if created else Path(run).resolve().name
+    return f"{Path(run).resolve().name}@{manifest.created}"
 
 
-def _peaks_used(manifest, modules) -> dict | None:
-    """{dtype: {flops_per_s, bytes_per_s, source}} from cbtrace.cost.peaks for the replay device."""
-    m = manifest or {}
-    name = (m.get("replay") or {}).get("device_name") or m.get("device_name")
-    if not name or modules is None or "compute_dtype" not in modules.columns:
+def _device_name(manifest) -> str | None:
+    """The device whose figures the run holds: the replay's, else the capture's."""
+    if manifest is None:
         return None
-    try:
-        from cbtrace.cost.peaks import peak_for
-    except ImportError:
+    return manifest.replay.device_name if manifest.replay is not None else manifest.device_name
+
+
+def _peaks_used(device: str | None, modules) -> dict | None:
+    """{dtype: {flops_per_s, bytes_per_s, source}} from cbtrace.cost.peaks for the device."""
+    from cbtrace.cost.peaks import peak_for
+
+    if not device or modules is None:
         return None
     out = {}
     for dtype in sorted(set(modules["compute_dtype"].dropna())):
-        peak = peak_for(name, dtype)
+        peak = peak_for(device, dtype)
         if peak is not None:
             out[str(dtype)] = {"flops_per_s": peak.flops_per_s,
                                "bytes_per_s": peak.bytes_per_s, "source": peak.source}

@@ -169,7 +169,7 @@ def attribute(paths, *, capture_run=None, hta: bool = False, aggregate: bool = T
     class_map = None
     if capture_run is not None:
         from cbtrace.attribution.identity import class_index_map
-        from cbtrace.rundir import read_modules
+        from cbtrace.rundir.read import read_modules
 
         class_map = class_index_map(read_modules(capture_run))
     frames, seen = [], set()
@@ -201,32 +201,6 @@ def summarize(df):
     if "cpu_ms_median" not in df.columns:
         df = add_aggregates(df)
     return df.sort_values(["rank", "step"]).drop_duplicates(GROUP).reset_index(drop=True)
-
-
-def insitu_for_run(run_dir):
-    """In-situ time per captured call from the run's own capture trace.
-
-    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, insitu_ms] of forward
-    module rows; ``insitu_ms`` is gpu_ms (device time of the call's own kernels, cbtrace's
-    input copies excluded) when the trace has device events, else cpu_ms. Not the span: during
-    capture the host is slowed by hooks and copies, so the device idles inside a parent's span
-    for reasons that are cbtrace's, not the model's (on the H200 a GPT-2 Block read 7.5 ms of
-    span against 0.32 ms of kernels).
-    """
-    from cbtrace.errors import RunDirError
-    from cbtrace.rundir import find_trace
-
-    trace = find_trace(run_dir)
-    if trace is None:
-        raise RunDirError(f"{run_dir}: no capture trace (*.pt.trace.json*) in the run")
-    df = attribute_file(trace)
-    df = df[(df["phase"] == "fwd") & (df["depth"] >= 0)]
-    if (df["step"] >= 0).any():
-        df = df[df["step"] == df.loc[df["step"] >= 0, "step"].min()]
-    has_device = df["kernel_count"].sum() > 0
-    out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms"]].copy()
-    out["insitu_ms"] = out["gpu_ms"] if has_device else out["cpu_ms"]
-    return out.reset_index(drop=True)
 
 
 def _hta_analysis(files):

@@ -12,19 +12,6 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def resolve_device(device: str | None) -> str:
-    """"auto"/None -> cuda if available else cpu; validates an explicit request."""
-    if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        raise CaptureError(f"--device {device}: not a device (cpu, cuda, cuda:N)") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise CaptureError(f"--device {device}: CUDA is not available on this machine")
-    return device
-
-
 def stored_spec(spec: str) -> str:
     """The spec as the manifest keeps it: a file.py:fn path made absolute, so replay from
     another directory rebuilds the same model."""
@@ -53,22 +40,14 @@ def run_step(provider, model, batch, step: str):
 
 
 def warm_up(provider, model, batch, step: str, n: int) -> None:
-    """Run ``n`` uncaptured steps (lazy init, autotuning), then restore buffers, grads and RNG."""
+    """Run ``n`` uncaptured steps (lazy init, autotuning); the model's state is left as it was."""
+    from cbtrace.state import StateGuard
+
     if n <= 0:
         return
-    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    for _ in range(n):
-        run_step(provider, model, batch, step)
-    with torch.no_grad():
-        for k, v in model.named_buffers():
-            v.copy_(buffers[k])
-    for p in model.parameters():
-        p.grad = None
-    torch.random.set_rng_state(rng)
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
+    with StateGuard(model).call():
+        for _ in range(n):
+            run_step(provider, model, batch, step)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -76,17 +55,21 @@ def warm_up(provider, model, batch, step: str, n: int) -> None:
 def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str | None = None,
                   step: str = "forward", warmup: int = 1, seed: int = 0,
                   options: dict | None = None, **capture_options) -> capture:
-    """Build the provider's model and batch, warm up, capture one step into ``out``."""
-    from cbtrace import rundir
+    """Build the provider's model and batch, warm up, capture one step into ``out``; on a CPU
+    also time each call in unprofiled repeats of the step (the CPU in-situ times)."""
+    from cbtrace.device import resolve_device
     from cbtrace.errors import CbtraceError, ProviderError
     from cbtrace.model.spec import resolve
+    from cbtrace.rundir.layout import prepare_new_run
+    from cbtrace.schema.manifest import ModelSource, StepSettings
 
     device = resolve_device(device)
     if dtype is not None and dtype not in DTYPES:
         raise CaptureError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     if Path(out).exists() and any(Path(out).iterdir()):  # before minutes of model building
-        rundir.prepare_new_run(out)
+        prepare_new_run(out)
     spec = stored_spec(spec)
+    options = dict(options or {})
     provider = resolve(spec, seed=seed, options=options)
     try:
         model, batch = provider.model_and_batch(device, DTYPES.get(dtype))
@@ -101,17 +84,24 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
         raise ProviderError(f"{spec}: failed to build or run the model "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})"
                             ) from e
-    run_opts = dict(options or {}, device=device, dtype=dtype, step=step, warmup=warmup)
-    cfg = CaptureConfig(spec=spec, seed=seed, options=run_opts, **capture_options)
-    with capture(model, out, config=cfg) as cap:
+    cls = type(model)
+    source = ModelSource(model_class=f"{cls.__module__}.{cls.__qualname__}", spec=spec,
+                         options=options, seed=seed)
+    settings = StepSettings(device=str(device), dtype=dtype, step=step, warmup=warmup)
+    with capture(model, out, config=CaptureConfig(**capture_options), source=source,
+                 step=settings) as cap:
         run_step(provider, model, batch, step)
     if not cap.records:
         raise CaptureError(f"{cap.out}: no module call matched --include/--exclude/--max-depth "
                            "(the run directory holds only the trace)")
-    if not str(device).startswith("cuda"):
-        from cbtrace.capture.host_times import add_host_insitu
+    if device.type == "cpu":
+        from cbtrace.capture.host_times import host_times
+        from cbtrace.rundir.writer import write_stage
 
-        add_host_insitu(cap.out, model, lambda: run_step(provider, model, batch, step))
-    if device.startswith("cuda"):
+        times = host_times(model, cap.records, lambda: run_step(provider, model, batch, step))
+        if times is not None:
+            write_stage(cap.out, "host_insitu", {c: {"insitu_host_ms": ms}
+                                                 for c, ms in times.items()})
+    else:
         torch.cuda.synchronize()
     return cap

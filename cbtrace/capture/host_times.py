@@ -37,49 +37,45 @@ def time_calls(model, fqns: list[str], run_step) -> list[float] | None:
     return spans
 
 
-def add_host_insitu(run, model, run_step, *, repeats: int = 7, budget_s: float = 2.0) -> bool:
-    """Store insitu_host_ms (median over up to ``repeats`` unprofiled steps, within
-    ``budget_s``) in the run's modules.parquet; the model's state is left untouched."""
+def host_times(model, records, run_step, *, repeats: int = 7,
+               budget_s: float = 2.0) -> dict[int, float] | None:
+    """call_id -> insitu_host_ms: the median over up to ``repeats`` unprofiled steps (within
+    ``budget_s``) of each captured call's host time, less the cost of the hooks nested in it;
+    None when a step's calls do not line up with the captured ones. The model's state is left
+    untouched."""
     import statistics
 
-    from cbtrace import rundir
     from cbtrace.state import StateGuard
 
-    df = rundir.read_modules(run).sort_values("call_id")
+    records = sorted(records, key=lambda r: r.call_id)
     guard = StateGuard(model)
     runs, plain, t_end = [], [], time.perf_counter() + budget_s
     while len(runs) < repeats and (not runs or time.perf_counter() < t_end):
         with guard.call():
-            spans = time_calls(model, list(df["fqn"]), run_step)
+            spans = time_calls(model, [r.fqn for r in records], run_step)
         with guard.call():
             t0 = time.perf_counter()
             run_step()
             plain.append((time.perf_counter() - t0) * 1e3)
         if spans is None:
-            return False
+            return None
         runs.append(spans)
     spans = [statistics.median(v) for v in zip(*runs)]
-    per_call = hook_overhead_ms(df, spans, statistics.median(plain))
-    desc = descendants(df)
-    df["insitu_host_ms"] = [max(s - per_call * n, 0.0) for s, n in zip(spans, desc)]
-    rundir.write_modules(run, df)
-    rundir.refresh_checksums(run, rewritten=[rundir.MODULES])
-    return True
+    parents = [r.parent_call_id for r in records]
+    per_call = hook_overhead_ms(parents, spans, statistics.median(plain))
+    nested = descendants(records)
+    return {r.call_id: max(s - per_call * n, 0.0) for r, s, n in zip(records, spans, nested)}
 
 
-def descendants(df) -> list[int]:
-    """Number of captured calls nested inside each call (rows in call_id order)."""
-    parent = dict(zip(df["call_id"], df["parent_call_id"]))
-    count = {c: 0 for c in parent}
-    for c in parent:
-        p = parent[c]
-        while p in parent:
-            count[p] += 1
-            p = parent[p]
-    return [count[c] for c in df["call_id"]]
+def descendants(records) -> list[int]:
+    """Number of captured calls nested inside each call (records in call_id order)."""
+    from cbtrace.calltree import CallTree
+
+    tree = CallTree({r.call_id: r.parent_call_id for r in records})
+    return [tree.descendants[r.call_id] for r in records]
 
 
-def hook_overhead_ms(df, spans, plain_step_ms: float) -> float:
+def hook_overhead_ms(parents: list[int], spans, plain_step_ms: float) -> float:
     """Cost of one hooked call, from the roots' hooked time against an unhooked step.
 
     With autograd on, a hooked module call took ~26 us more than a plain one on a 2-core CPU
@@ -87,5 +83,5 @@ def hook_overhead_ms(df, spans, plain_step_ms: float) -> float:
     cost once per hooked call inside it, which is subtracted (0 when hooks cost nothing); a
     call's own share mostly falls outside its span (taken between its pre and post hooks).
     """
-    roots = [s for s, p in zip(spans, df["parent_call_id"]) if p == -1]
+    roots = [s for s, p in zip(spans, parents) if p == -1]
     return max(sum(roots) - plain_step_ms, 0.0) / max(len(spans), 1)

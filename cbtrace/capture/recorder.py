@@ -17,17 +17,21 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from cbtrace import rundir
 from cbtrace.errors import CaptureError
+from cbtrace.rundir import writer
+from cbtrace.rundir.files import atomic_path
+from cbtrace.rundir.layout import INPUTS, prepare_new_run
+from cbtrace.schema import manifest as manifest_schema
 from cbtrace.capture.helper_thread import HelperThread, InlineHelper
 from cbtrace.store.tensor_store import run_copies
-from cbtrace.schema.modules import COPY_FAILED, ModuleRecord, records_to_table
+from cbtrace.schema.modules import COPY_FAILED, ModuleRecord
 from cbtrace.nested import flat_tensors
+from cbtrace.state import state_digest
 
 
 @dataclass(kw_only=True)
@@ -42,18 +46,20 @@ class CaptureConfig:
     """Store input tensors larger than this as metadata + statistics only (replay synthesizes)."""
     max_pending_bytes: int | None = None
     """Write captured inputs out early once this many bytes of copies are pending."""
-    profile: bool = True
+    trace: bool = True
     """Run the step under torch.profiler and write its Kineto trace into the run directory."""
     worker_name: str | None = None
     """Trace file prefix (torch-tb-profiler naming); default: <hostname>_<pid>."""
     overwrite: bool = False
     """Allow capturing into a non-empty directory (never the default)."""
-    spec: str | None = None
-    """Provider spec that built the model (stored so replay can rebuild it)."""
-    options: dict = field(default_factory=dict)
-    """Provider options and other run settings stored in the manifest."""
-    seed: int | None = None
-    """Seed the provider used (stored in the manifest)."""
+
+    def settings(self) -> manifest_schema.CaptureSettings:
+        """What the manifest keeps of this config."""
+        return manifest_schema.CaptureSettings(
+            include=list(self.include), exclude=list(self.exclude), max_depth=self.max_depth,
+            synthesize_above_bytes=self.synthesize_above_bytes,
+            max_pending_bytes=self.max_pending_bytes, trace=self.trace,
+            worker_name=self.worker_name)
 
 
 def module_depth(fqn: str) -> int:
@@ -94,11 +100,17 @@ _REC, _MOD, _RF, _PENDING = range(4)
 
 
 class capture:
-    """Context manager capturing one step of ``model`` into the run directory ``out_dir``."""
+    """Context manager capturing one step of ``model`` into the run directory ``out_dir``.
+
+    ``source`` says where the model came from (``cbtrace capture`` passes its provider spec, so
+    replay can rebuild it) and ``step`` how the step was run; both go into the manifest.
+    """
 
     def __init__(self, model: torch.nn.Module, out_dir, *, config: CaptureConfig | None = None,
-                 **overrides):
+                 source: manifest_schema.ModelSource | None = None,
+                 step: manifest_schema.StepSettings | None = None, **overrides):
         self.model = model
+        self.source, self.step_settings = source, step
         self.cfg = config or CaptureConfig(**overrides)
         if config is not None and overrides:
             raise ValueError("capture: pass either config= or keyword overrides, not both")
@@ -121,10 +133,10 @@ class capture:
         if _ACTIVE:
             raise CaptureError(f"{self.out}: a cbtrace capture is already active; captures "
                                "cannot nest")
-        if self.cfg.profile and torch.autograd.profiler._is_profiler_enabled:
+        if self.cfg.trace and torch.autograd.profiler._is_profiler_enabled:
             raise CaptureError(f"{self.out}: a torch.profiler session is already active; "
-                               "capture with profile=False inside it (ranges still recorded)")
-        self.out = rundir.prepare_new_run(self.out, overwrite=self.cfg.overwrite)
+                               "capture with trace=False inside it (ranges still recorded)")
+        self.out = prepare_new_run(self.out, overwrite=self.cfg.overwrite)
         _ACTIVE.append(self)
         try:
             self._start()
@@ -137,7 +149,7 @@ class capture:
         from cbtrace.store.snapshot import Snapshotter
 
         self._state_sha256 = state_digest(self.model)  # before the step changes any buffer
-        self._snap = Snapshotter(self.out / rundir.INPUTS,
+        self._snap = Snapshotter(self.out / INPUTS,
                                  synthesize_above_bytes=self.cfg.synthesize_above_bytes,
                                  max_pending_bytes=self.cfg.max_pending_bytes)
         for name, mod in self.model.named_modules(remove_duplicate=False):
@@ -156,7 +168,7 @@ class capture:
             self._handles.append(mod.register_forward_hook(self._post, with_kwargs=True,
                                                            always_call=True))
         self._t0 = time.perf_counter()
-        if self.cfg.profile:
+        if self.cfg.trace:
             self._prof = torch.profiler.profile(activities=_activities(), record_shapes=True,
                                                 with_stack=True)
             self._prof.__enter__()
@@ -319,7 +331,7 @@ class capture:
                 t1 = time.perf_counter()
                 for rec in self.records:
                     rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
-                rundir.write_modules(self.out, records_to_table(self.records))
+                writer.write_records(self.out, self.records)
                 t["modules_table"] = time.perf_counter() - t1
             except BaseException as e:
                 failed = flushing.exception()  # waits: no write is left running
@@ -330,18 +342,29 @@ class capture:
         t["inputs_and_trace"] = time.perf_counter() - t0
         t.update({f"inputs_{k}_thread_s": v for k, v in shards.PHASE_S.items()})
         t0 = time.perf_counter()
-        manifest = _manifest(self.model, self.cfg, self.records, self.step_s)
-        manifest["state_sha256"] = self._state_sha256
-        manifest["training_flags"] = self._flags
-        manifest["trace"] = self.trace_path.name if self.trace_path else None
-        manifest["input_files"] = [str(Path(f).relative_to(self.out)) for f in files]
-        manifest["input_bytes_written"] = self._snap.bytes_written
-        manifest["complete"] = exc is None
-        if exc is not None:
-            manifest["error"] = _short(exc)
-        manifest["capture_timings_s"] = t
-        rundir.refresh_checksums(self.out, known=self._snap.digests, manifest=manifest)
+        manifest = self._manifest(files, exc)
+        writer.write_manifest(self.out, manifest, known=self._snap.digests)
         t["checksums_and_manifest"] = time.perf_counter() - t0
+
+    def _manifest(self, files, exc) -> manifest_schema.Manifest:
+        from cbtrace.cost.peaks import device_name
+
+        p = next(iter(self.model.parameters()), None)
+        dev = str(p.device) if p is not None else "cpu"
+        cls = type(self.model)
+        source = self.source or manifest_schema.ModelSource(
+            model_class=f"{cls.__module__}.{cls.__qualname__}")
+        return manifest_schema.Manifest(
+            created=manifest_schema.now(), environment=manifest_schema.environment(),
+            device=dev, device_name=device_name(dev), model=source, step=self.step_settings,
+            capture=self.cfg.settings(), torch_initial_seed=torch.initial_seed(),
+            num_calls=len(self.records), capture_step_s=self.step_s,
+            capture_timings_s=self.timings_s, state_sha256=self._state_sha256,
+            training_flags=self._flags,
+            trace=self.trace_path.name if self.trace_path else None,
+            input_files=[str(Path(f).relative_to(self.out)) for f in files],
+            input_bytes_written=self._snap.bytes_written, complete=exc is None,
+            error=_short(exc))
 
     def _timed_flush(self):
         t0 = time.perf_counter()
@@ -359,7 +382,7 @@ class capture:
         with tempfile.TemporaryDirectory(dir=self.out) as tmp:
             raw = Path(tmp) / "trace.json"
             self._prof.export_chrome_trace(str(raw))
-            with rundir.atomic_path(path) as out, open(raw, "rb") as src, \
+            with atomic_path(path) as out, open(raw, "rb") as src, \
                     gzip.open(out, "wb", compresslevel=TRACE_GZIP_LEVEL) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
         return path
@@ -431,44 +454,3 @@ def _short(exc) -> str | None:
     if exc is None:
         return None
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
-
-
-def state_digest(model) -> str:
-    """sha256 over parameter and buffer bytes (names, dtypes, shapes, values)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
-    return h.hexdigest()
-
-
-def _manifest(model, cfg: CaptureConfig, records, step_s: float) -> dict:
-    import platform
-
-    import cbtrace
-    from cbtrace.cost.peaks import device_name
-
-    dev = "cpu"
-    for p in list(model.parameters())[:1]:
-        dev = str(p.device)
-    name = device_name(dev)
-    return {
-        "cbtrace_version": cbtrace.__version__,
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda,
-        "python_version": platform.python_version(),
-        "hostname": socket.gethostname(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "device": dev,
-        "device_name": name,
-        "model_spec": cfg.spec,
-        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "options": {k: v for k, v in asdict(cfg).items() if k not in {"spec"}},
-        "seeds": {"provider_seed": cfg.seed, "torch_initial_seed": torch.initial_seed()},
-        "num_calls": len(records),
-        "capture_step_s": step_s,
-    }
-

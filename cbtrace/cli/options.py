@@ -41,3 +41,28 @@ def model_options(f):
     ]):
         f = deco(f)
     return f
+
+
+class TimerChoice(click.Choice):
+    """``--timer``: ``auto`` or any timer in the backend registry (plugins included), listed
+    when first needed so that ``cbtrace --help`` loads no plugin."""
+
+    def __init__(self):
+        super().__init__([], case_sensitive=True)
+
+    @property
+    def choices(self):
+        from cbtrace import registry
+        from cbtrace.replay import timers
+
+        return timers.names(registry.backends())
+
+    @choices.setter
+    def choices(self, value):  # click.Choice.__init__ assigns it
+        pass
+
+
+def timer_option(f):
+    return click.option("--timer", type=TimerChoice(), default="auto", show_default=True,
+                        help="measurement backend: auto or a registered timer (fallbacks are "
+                             "recorded per row)")(f)

@@ -1,128 +1,198 @@
-"""One dataclass per record: a captured module call, and what replay adds to it.
+"""``modules.parquet``: one row per captured module call, its columns declared once.
 
-``modules.parquet`` holds one row per ``ModuleRecord``; capture fills the first block,
-replay the second, attribution (``profile``) the third. Units are in the field names.
+Each column is a field of ``ModuleRecord`` declared with ``column(stage, unit, doc)``: its name
+and type (the annotation: str, int, float, bool, optional or not), its unit, and the stage
+that produces it. Stages, in pipeline order:
+
+- ``capture``: the call tree and inputs (``cbtrace.capture``), every row at once;
+- ``host_insitu``: CPU runs, each call's host time in an unprofiled repeat of the step;
+- ``replay``: the isolated figures (``cbtrace.replay``);
+- ``insitu``: the in-situ time from the capture trace, and the isolation error.
+
+A stage returns its columns; ``cbtrace.rundir.writer`` merges them and refuses a column that
+is not declared for that stage.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass
+
+CAPTURE, HOST_INSITU, REPLAY, INSITU = "capture", "host_insitu", "replay", "insitu"
+STAGES = (CAPTURE, HOST_INSITU, REPLAY, INSITU)
+# Writing a stage clears the stages computed from it (a new replay makes the old error stale).
+DERIVED = {REPLAY: (INSITU,), HOST_INSITU: (INSITU,)}
+
+_MISSING = dataclasses.MISSING
+
+
+def column(stage: str, unit: str | None = None, doc: str = "", default=_MISSING):
+    """A ModuleRecord field: a modules.parquet column produced by ``stage``."""
+    assert stage in STAGES, stage
+    return dataclasses.field(default=default, metadata={"stage": stage, "unit": unit, "doc": doc})
 
 
 @dataclass
 class ModuleRecord:
-    # --- capture ---
-    fqn: str                    # "transformer.h.3.attn", as in named_modules(); "" is the root
-    call_index: int             # n-th call of this module (fqn) in the step
-    call_id: int                # global order of entry into the module in the step (0 = first)
-    parent_call_id: int         # call_id of the enclosing captured call, -1 for a root
-    parent_fqn: str | None      # fqn of that enclosing call, None for a root
-    depth: int                  # 0 for a root call, parent's depth + 1 otherwise
-    module_type: str            # class name, e.g. "Linear"
-    module_class: str           # "torch.nn.modules.linear.Linear"
-    param_bytes: int            # bytes of this module's parameters (recursive)
-    buffer_bytes: int           # bytes of its buffers (recursive)
-    input_bytes: int            # bytes of the tensors among its inputs (unique storage spans)
-    input_shapes: str           # JSON list of the input tensors' shapes, in argument order
-    input_meta: str             # JSON: per input tensor shape, dtype, stride, device, requires_grad
-    output_meta: str            # JSON: the same for output tensors
-    training: bool              # module.training at call time
-    grad_enabled: bool          # torch.is_grad_enabled() at call time
-    autocast_dtype: str | None  # e.g. "bfloat16" when the call ran under autocast, else None
-    inputs_ref: str             # JSON tree of the call's (args, kwargs), tensors by reference
-    synthesized: bool = False   # True if some inputs were stored as metadata only
-    capture_error: str | None = None  # message if the module raised during capture
-    insitu_host_ms: float | None = None  # CPU runs: host wall time of this call in an unprofiled
-                                         # repeat of the captured step (the CPU in-situ time)
+    fqn: str = column(CAPTURE, doc='"transformer.h.3.attn", as in named_modules(); "" is the root')
+    call_index: int = column(CAPTURE, doc="n-th call of this module (fqn) in the step")
+    call_id: int = column(CAPTURE, doc="global order of entry into the module (0 = first)")
+    parent_call_id: int = column(CAPTURE, doc="call_id of the enclosing captured call, -1 for a root")
+    parent_fqn: str | None = column(CAPTURE, doc="fqn of that enclosing call, None for a root")
+    depth: int = column(CAPTURE, doc="0 for a root call, parent's depth + 1 otherwise")
+    module_type: str = column(CAPTURE, doc='class name, e.g. "Linear"')
+    module_class: str = column(CAPTURE, doc='"torch.nn.modules.linear.Linear"')
+    param_bytes: int = column(CAPTURE, "bytes", "this module's parameters (recursive)")
+    buffer_bytes: int = column(CAPTURE, "bytes", "its buffers (recursive)")
+    input_bytes: int = column(CAPTURE, "bytes", "tensors among its inputs (unique storage spans)")
+    input_shapes: str = column(CAPTURE, "JSON", "the input tensors' shapes, in argument order")
+    input_meta: str = column(CAPTURE, "JSON", "per input tensor: shape, dtype, stride, device, "
+                                              "requires_grad")
+    output_meta: str = column(CAPTURE, "JSON", "the same for output tensors")
+    training: bool = column(CAPTURE, doc="module.training at call time")
+    grad_enabled: bool = column(CAPTURE, doc="torch.is_grad_enabled() at call time")
+    autocast_dtype: str | None = column(CAPTURE, doc='"bfloat16" when the call ran under autocast')
+    inputs_ref: str = column(CAPTURE, "JSON", "tree of the call's (args, kwargs), tensors by "
+                                              "reference to inputs/ (cbtrace.store.snapshot)")
+    synthesized: bool = column(CAPTURE, doc="some inputs stored as statistics only", default=False)
+    capture_error: str | None = column(CAPTURE, doc="message if the module raised during capture",
+                                       default=None)
 
-    # --- replay ---
-    status: str | None = None          # ok | skipped | error
-    status_reason: str | None = None
-    timer: str | None = None           # graph | events | cpu (the backend that produced isolated_ms)
-    timer_fallback: str | None = None  # why the preferred timer was not used
-    timer_notes: str | None = None     # how it timed: "K=20" calls per graph, spin, "cold", ...
-    isolated_ms: float | None = None   # median of the timed runs
-    isolated_ms_p10: float | None = None
-    isolated_ms_p90: float | None = None
-    runs: int | None = None            # number of timed calls
-    kernel_count: int | None = None    # device kernels (incl. memcpy/memset) per call
-    device_ms: float | None = None     # sum of device activity per call, from the profiler
-    wall_ms: float | None = None       # host wall time per call, from the profiler
-    launch_overhead_ms: float | None = None  # wall_ms - device_ms, floored at 0
-    host_ms: float | None = None       # host time to issue one call without a sync (GPU only)
-    flops: float | None = None         # dense-convention FLOPs (used for mfu)
-    flops_executed: float | None = None  # FLOPs actually executed (causal attention halves; hfu)
-    bytes: float | None = None         # bytes moved: unique inputs + outputs + params touched
-    unknown_ops: int | None = None     # aten ops with no FLOP/byte formula
-    compute_dtype: str | None = None   # dtype whose peak was used for mfu
-    mfu: float | None = None           # flops / time / datasheet peak
-    hfu: float | None = None           # flops_executed / time / datasheet peak
-    mbu: float | None = None           # bytes / time / datasheet bandwidth
-    mfu_calibrated: float | None = None  # against the measured (calibrated) peak, if any
-    mbu_calibrated: float | None = None
-    bound: str | None = None           # compute | memory | launch
-    peak_mem_bytes: int | None = None  # allocated-memory delta at peak (GPU) / estimate (CPU)
-    peak_mem_source: str | None = None  # "cuda_allocator" or "estimate"
-    residual_ms: float | None = None   # parent isolated - sum(children isolated)
-    aggregated: bool = False           # row filled from children (parent skipped)
-    replay_wall_s: float | None = None  # host wall time spent replaying this call (all runs)
+    insitu_host_ms: float | None = column(
+        HOST_INSITU, "ms", "CPU runs: host time of the call in an unprofiled repeat of the step",
+        default=None)
 
-    # --- attribution join (cbtrace profile) ---
-    insitu_ms: float | None = None     # in-situ time of this call in the capture trace
-    error_pct: float | None = None     # 100 * (isolated / in-situ - 1)
+    status: str | None = column(REPLAY, doc="ok | skipped | error", default=None)
+    status_reason: str | None = column(REPLAY, doc="why skipped or failed", default=None)
+    timer: str | None = column(REPLAY, doc="the timer behind isolated_ms (graph | events | cpu "
+                                           "| a plugin's | aggregated)", default=None)
+    timer_fallback: str | None = column(REPLAY, doc="why timers before it were not used",
+                                        default=None)
+    timer_notes: str | None = column(REPLAY, doc='how it timed: "K=20", spin, "cold", ...',
+                                     default=None)
+    isolated_ms: float | None = column(REPLAY, "ms", "median of the timed runs", default=None)
+    isolated_ms_p10: float | None = column(REPLAY, "ms", "10th percentile", default=None)
+    isolated_ms_p90: float | None = column(REPLAY, "ms", "90th percentile", default=None)
+    runs: int | None = column(REPLAY, doc="number of timed samples", default=None)
+    kernel_count: int | None = column(REPLAY, doc="device kernels (incl. memcpy/memset) per call",
+                                      default=None)
+    device_ms: float | None = column(REPLAY, "ms", "device activity per call, from the profiler",
+                                     default=None)
+    wall_ms: float | None = column(REPLAY, "ms", "synchronised host wall time per call",
+                                   default=None)
+    launch_overhead_ms: float | None = column(REPLAY, "ms", "wall_ms - device_ms, floored at 0",
+                                              default=None)
+    host_ms: float | None = column(REPLAY, "ms", "host time to issue one call, no sync (GPU)",
+                                   default=None)
+    flops: float | None = column(REPLAY, "FLOP", "dense convention (for mfu)", default=None)
+    flops_executed: float | None = column(REPLAY, "FLOP", "actually executed (causal attention "
+                                                          "halves; for hfu)", default=None)
+    bytes: float | None = column(REPLAY, "bytes", "unique inputs + outputs + parameters touched",
+                                 default=None)
+    unknown_ops: int | None = column(REPLAY, doc="aten ops with no FLOP/byte formula",
+                                     default=None)
+    compute_dtype: str | None = column(REPLAY, doc="dtype whose peak mfu/mbu use", default=None)
+    mfu: float | None = column(REPLAY, "fraction", "flops / time / datasheet peak", default=None)
+    hfu: float | None = column(REPLAY, "fraction", "flops_executed / time / datasheet peak",
+                               default=None)
+    mbu: float | None = column(REPLAY, "fraction", "bytes / time / datasheet bandwidth",
+                               default=None)
+    mfu_calibrated: float | None = column(REPLAY, "fraction", "against the calibrated peak",
+                                          default=None)
+    mbu_calibrated: float | None = column(REPLAY, "fraction", "against the calibrated bandwidth",
+                                          default=None)
+    bound: str | None = column(REPLAY, doc="compute | memory | launch", default=None)
+    peak_mem_bytes: int | None = column(REPLAY, "bytes", "allocated-memory delta at peak (GPU) "
+                                                         "or an estimate (CPU)", default=None)
+    peak_mem_source: str | None = column(REPLAY, doc='"cuda_allocator" or "estimate"',
+                                         default=None)
+    residual_ms: float | None = column(REPLAY, "ms", "parent isolated - sum(children isolated)",
+                                       default=None)
+    aggregated: bool = column(REPLAY, doc="row filled from its children (the parent was skipped)",
+                              default=False)
+    replay_wall_s: float | None = column(REPLAY, "s", "host wall time spent replaying this call",
+                                         default=None)
+
+    insitu_ms: float | None = column(INSITU, "ms", "the call's own time in the captured step",
+                                     default=None)
+    error_pct: float | None = column(INSITU, "%", "100 * (isolated / in-situ - 1)", default=None)
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.fqn, self.call_index)
 
 
-
 COPY_FAILED = "copying its inputs failed"  # capture_error prefix: the stored inputs are zeros
 
 
-def capture_fields() -> tuple[str, ...]:
-    """The fields capture fills (everything before ``status``); replay starts from these."""
-    names = field_names()
-    return tuple(names[:names.index("status")])
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: type            # str, int, float or bool
+    nullable: bool
+    unit: str | None
+    stage: str
+    doc: str
+
+
+def _column(f: dataclasses.Field, hints: dict) -> Column:
+    hint = hints[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    nullable = len(args) < len(typing.get_args(hint))  # "X | None"
+    return Column(f.name, base, nullable, f.metadata["unit"], f.metadata["stage"],
+                  f.metadata["doc"])
+
+
+COLUMNS: dict[str, Column] = {
+    f.name: _column(f, typing.get_type_hints(ModuleRecord)) for f in dataclasses.fields(ModuleRecord)}
+
+
+def stage_columns(stage: str) -> tuple[str, ...]:
+    """The columns ``stage`` produces, in table order."""
+    if stage not in STAGES:
+        raise ValueError(f"stage: {stage!r} is not one of {STAGES}")
+    return tuple(n for n, c in COLUMNS.items() if c.stage == stage)
 
 
 def required_fields() -> tuple[str, ...]:
-    """Fields without a default: a modules table lacking one is not a capture."""
+    """Columns without a default: a modules table lacking one is not a capture."""
     return tuple(f.name for f in dataclasses.fields(ModuleRecord)
-                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 if f.default is _MISSING and f.default_factory is _MISSING)
 
 
-def field_names() -> list[str]:
-    """All column names of modules.parquet, in order."""
-    return [f.name for f in dataclasses.fields(ModuleRecord)]
+def arrow_schema():
+    """The pyarrow schema of modules.parquet (pyarrow imported lazily)."""
+    import pyarrow as pa
 
-
-def records_to_frame(records):
-    """ModuleRecords -> pandas DataFrame with every column (pandas imported lazily)."""
-    import pandas as pd
-
-    rows = [dataclasses.asdict(r) for r in records]
-    return pd.DataFrame(rows, columns=field_names())
+    types = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
+    return pa.schema([pa.field(c.name, types[c.type], nullable=c.nullable)
+                      for c in COLUMNS.values()])
 
 
 def records_to_table(records):
     """ModuleRecords -> pyarrow Table with every column, without pandas (capture's writer)."""
     import pyarrow as pa
 
-    names = field_names()
-    return pa.Table.from_pydict({n: [getattr(r, n) for r in records] for n in names})
+    return pa.Table.from_pydict({n: [getattr(r, n) for r in records] for n in COLUMNS},
+                                schema=arrow_schema())
+
+
+def records_to_frame(records):
+    """ModuleRecords -> pandas DataFrame with every column (pandas imported lazily)."""
+    import pandas as pd
+
+    return pd.DataFrame([dataclasses.asdict(r) for r in records], columns=list(COLUMNS))
 
 
 def frame_to_records(df) -> list[ModuleRecord]:
     """pandas DataFrame -> ModuleRecords; unknown columns are ignored, NaN becomes None."""
-    import math
-
-    names = set(field_names())
     out = []
     for row in df.to_dict("records"):
         kw = {}
         for k, v in row.items():
-            if k not in names:
+            if k not in COLUMNS:
                 continue
             if isinstance(v, float) and math.isnan(v):
                 v = None

@@ -15,18 +15,21 @@ class ReportError(CbtraceError):
 def report_run(run, *, out_dir=None, names=DEFAULT_REPORTERS) -> list[Path]:
     """Write the reports ``names`` of RUN into ``out_dir`` (default: RUN); the paths written.
 
+    Each reporter gets the run's ModuleRecords and its Manifest.
+
     Args:
         run: run directory (manifest.json + modules.parquet).
         out_dir: where the files go (created if missing).
         names: registered reporter names, e.g. ("icicle", "svg", "summary").
     """
     from cbtrace import registry
-    from cbtrace.rundir import load_run
+    from cbtrace.rundir.read import load_run
+    from cbtrace.schema.modules import frame_to_records
 
     manifest, df = load_run(run)
-    df.attrs["manifest"] = manifest
     if df.empty:
         raise RunDirError(f"{run}: modules.parquet holds no module calls")
+    records = frame_to_records(df)
     table = registry.reporters()
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -38,9 +41,16 @@ def report_run(run, *, out_dir=None, names=DEFAULT_REPORTERS) -> list[Path]:
     for name in names:
         reporter = table[name]
         try:
-            written += list(reporter.report(df, out) or [])
+            written += list(reporter.report(records, manifest, out) or [])
         except (ValueError, KeyError, OSError) as e:
             raise ReportError(f"{run}: reporter '{name}' failed: {e}") from e
         finally:
             reporter.close()
     return written
+
+
+def write_report(run, out_dir=None, *, svg: bool = True) -> Path:
+    """icicle.html (+ icicle.svg, summary.txt) of a run directory; returns the icicle.html path
+    (the demo's report step)."""
+    names = ("icicle", "summary") + (("svg",) if svg else ())
+    return report_run(run, out_dir=out_dir, names=names)[0]

@@ -1,8 +1,7 @@
 """Built-in reporters, registered through the same hook as third-party ones.
 
-A reporter has ``report(records, out_dir) -> list[Path]`` (records: a modules DataFrame or a
-list of ModuleRecords; ``records.attrs["manifest"]``, if set, gives title and device) and
-``close()``.
+A reporter has ``report(records, manifest, out_dir) -> list[Path]`` (records: the run's
+ModuleRecords; manifest: its ``cbtrace.schema.manifest.Manifest``) and ``close()``.
 """
 from cbtrace.hookspecs import hookimpl
 from cbtrace.plugins.reporters.icicle import IcicleReporter

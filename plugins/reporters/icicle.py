@@ -36,20 +36,12 @@ def render_html(data: dict) -> str:
     return _PLACEHOLDER.sub(lambda m: parts[m.group(1)], static_text("icicle.html"))
 
 
-def _frame(records):
-    """A modules DataFrame from a DataFrame or a list of ModuleRecords."""
-    if hasattr(records, "to_dict") and hasattr(records, "columns"):
-        return records
+def model_of(records, manifest, name: str = "run") -> dict:
+    """Icicle model of a run's records (ModuleRecords) and its Manifest."""
+    from cbtrace.plugins.reporters import icicle_model
     from cbtrace.schema.modules import records_to_frame
 
-    return records_to_frame(list(records))
-
-
-def model_of(records, name: str = "run") -> dict:
-    """Icicle model of records; ``records.attrs["manifest"]`` (if set) gives title and device."""
-    from cbtrace.plugins.reporters import icicle_model
-
-    return icicle_model.build(_frame(records), name=name)
+    return icicle_model.build(records_to_frame(list(records)), manifest, name=name)
 
 
 class IcicleReporter:
@@ -57,25 +49,13 @@ class IcicleReporter:
 
     filename = "icicle.html"
 
-    def report(self, records, out_dir) -> list[Path]:
-        out = Path(out_dir) / self.filename
-        from cbtrace.rundir import atomic_write_bytes
+    def report(self, records, manifest, out_dir) -> list[Path]:
+        from cbtrace.rundir.files import atomic_write_bytes
 
-        page = render_html(model_of(records, name=Path(out_dir).name))
+        out = Path(out_dir) / self.filename
+        page = render_html(model_of(records, manifest, name=Path(out_dir).name))
         atomic_write_bytes(out, page.encode("utf-8"))
         return [out]
 
     def close(self) -> None:
         pass
-
-
-def write_report(run, out_dir=None, *, svg: bool = True) -> Path:
-    """icicle.html (+ icicle.svg, summary.txt) of a run directory; returns the icicle.html path.
-
-    The library call behind ``cbtrace report`` and the demo; files go to ``out_dir`` (default:
-    the run directory).
-    """
-    from cbtrace.workflows.report import report_run
-
-    names = ("icicle", "summary") + (("svg",) if svg else ())
-    return report_run(run, out_dir=out_dir, names=names)[0]

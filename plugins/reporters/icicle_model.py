@@ -137,35 +137,23 @@ def _node_json(node: dict, nodes: dict, xs: dict, vals: dict, modes: list[str]) 
     }
 
 
-def _describe(manifest: dict, fallback: str) -> tuple[str, str]:
-    """(title, subtitle) from whatever scalar facts the manifest holds."""
-    def pick(*keys):
-        for k in keys:
-            v = manifest.get(k)
-            if isinstance(v, dict):
-                v = v.get("name") or v.get("spec")
-            if isinstance(v, (str, int, float)) and str(v):
-                return str(v)
-        return None
-
-    title = pick("name", "model", "model_spec", "spec", "model_class") or fallback
-    replay = manifest.get("replay") if isinstance(manifest.get("replay"), dict) else {}
-    device = replay.get("device_name") or replay.get("device")
-    device = f"replayed on {device}" if isinstance(device, str) and device else None
-    facts = [device or pick("device_name", "device"), pick("torch_version", "torch"),
-             pick("created", "created_at", "timestamp")]
-    if manifest.get("synthetic_figures"):
+def _describe(manifest, fallback: str) -> tuple[str, str]:
+    """(title, subtitle) of a run: its model, where it was replayed, torch, when captured."""
+    if manifest is None:
+        return fallback, ""
+    device = (f"replayed on {manifest.replay.device_name}" if manifest.replay is not None
+              else manifest.device_name)
+    facts = [device, manifest.environment.torch_version, manifest.created]
+    if manifest.synthetic_figures:
         facts.append("synthetic figures (test data)")
-    return title, " · ".join(f for f in facts if f)
+    return manifest.title, " · ".join(f for f in facts if f)
 
 
-def build(df, manifest: dict | None = None, *, name: str = "run") -> dict:
+def build(df, manifest=None, *, name: str = "run") -> dict:
     """The icicle model of a modules DataFrame: nodes with layout per size mode, colours, table.
 
-    ``manifest`` defaults to ``df.attrs["manifest"]`` (how reporters receive it).
+    ``manifest``: the run's Manifest (title and subtitle), or None (``name`` is the title).
     """
-    if manifest is None:
-        manifest = getattr(df, "attrs", {}).get("manifest")
     rows = record_rows(df)
     if not rows:
         raise ValueError(f"{name}: the modules table is empty")
@@ -173,7 +161,7 @@ def build(df, manifest: dict | None = None, *, name: str = "run") -> dict:
     modes = available_modes(rows)
     xs = {m: layout(nodes, root, m) for m in modes}
     vals = {m: values(nodes, root, m) for m in modes}
-    title, subtitle = _describe(manifest or {}, name)
+    title, subtitle = _describe(manifest, name)
     order = preorder(nodes, root)
     missing = {m: sum(1 for r in rows if r.get(col) is None)
                for m, col in (("isolated", "isolated_ms"), ("insitu", "insitu_ms"))}

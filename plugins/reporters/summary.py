@@ -88,12 +88,12 @@ class SummaryReporter:
 
     filename = "summary.txt"
 
-    def report(self, records, out_dir) -> list[Path]:
-        from cbtrace.plugins.reporters.icicle import _frame
-        from cbtrace.rundir import atomic_write_bytes
+    def report(self, records, manifest, out_dir) -> list[Path]:
+        from cbtrace.rundir.files import atomic_write_bytes
+        from cbtrace.schema.modules import records_to_frame
 
         out = Path(out_dir) / self.filename
-        atomic_write_bytes(out, (summary_table(_frame(records)) + "\n").encode())
+        atomic_write_bytes(out, (summary_table(records_to_frame(records)) + "\n").encode())
         return [out]
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """icicle.svg: a static icicle for docs and papers (no JS; every name XML-escaped).
 
-Same model as the HTML page (``icicle_data.build``): one size mode, the MFU/MBU or bound
+Same model as the HTML page (``icicle_model.build``): one size mode, the MFU/MBU or bound
 colours, labels truncated to the box at ~6.4 px per character of 11 px sans-serif, and a
 ``<title>`` per box so browsers still show the figures on hover.
 """
@@ -96,12 +96,13 @@ class SvgReporter:
 
     filename = "icicle.svg"
 
-    def report(self, records, out_dir) -> list[Path]:
+    def report(self, records, manifest, out_dir) -> list[Path]:
         from cbtrace.plugins.reporters.icicle import model_of
-        from cbtrace.rundir import atomic_write_bytes
+        from cbtrace.rundir.files import atomic_write_bytes
 
         out = Path(out_dir) / self.filename
-        atomic_write_bytes(out, render_svg(model_of(records, Path(out_dir).name)).encode())
+        data = model_of(records, manifest, Path(out_dir).name)
+        atomic_write_bytes(out, render_svg(data).encode())
         return [out]
 
     def close(self) -> None:

@@ -70,19 +70,17 @@ class CbtracePlugin(base_plugin.TBPlugin):
 
     @wrappers.Request.application
     def _serve_runs(self, request):
-        from cbtrace.rundir import read_manifest
+        from cbtrace.rundir.read import read_manifest
 
         out = []
         for run in self._runs():
             path = Path(self._logdir) / run
             try:
-                manifest = read_manifest(path)
-                traces = ld.annotated_traces(path)
+                name, traces = read_manifest(path).title, ld.annotated_traces(path)
+                entry = {"run": run, "name": name, "traces": traces}
             except Exception as e:  # a broken run is listed with its error, not hidden
-                manifest, traces = {"error": str(e)}, []
-            name = manifest.get("name") or manifest.get("model")
-            out.append({"run": run, "name": name if isinstance(name, str) else None,
-                        "traces": traces})
+                entry = {"run": run, "name": None, "traces": [], "error": str(e)}
+            out.append(entry)
         return http_util.Respond(request, {"runs": out, "logdir": self._logdir},
                                  "application/json")
 
@@ -94,7 +92,7 @@ class CbtracePlugin(base_plugin.TBPlugin):
     def _serve_data(self, request):
         from cbtrace.errors import CbtraceError
         from cbtrace.plugins.reporters import icicle_model
-        from cbtrace.rundir import load_run
+        from cbtrace.rundir.read import load_run
 
         try:
             run_dir = ld.resolve_run(self._logdir, request.args.get("run"), self._runs())

@@ -20,7 +20,7 @@ def command(traces, out, capture_run, top, force, steps_per_window):
     from pathlib import Path
 
     from cbtrace.attribution.attribute import attribute, summary_text
-    from cbtrace.rundir import atomic_path
+    from cbtrace.rundir.files import atomic_path
 
     if out and Path(out).exists() and not force:
         raise click.ClickException(f"{out}: already exists (use --force to overwrite)")

@@ -15,8 +15,9 @@ def command(out, models):
     from pathlib import Path
 
     from cbtrace.cost.peaks import device_name, load_calibration
-    from cbtrace.workflows.profile_model import error_table, profile
-    from cbtrace.replay.summary import summary_text
+    from cbtrace.attribution.join import error_table
+    from cbtrace.plugins.reporters.summary import summary_table
+    from cbtrace.workflows.profile_model import profile
 
     if device_name("cpu") not in load_calibration():
         from cbtrace.cost.calibrate import calibrate, format_calibration
@@ -27,10 +28,10 @@ def command(out, models):
         run = Path(out) / spec.replace(":", "-").replace("/", "_")
         click.echo(f"== {spec} -> {run}")
         df = profile(spec, run, device="cpu", replay_options=dict(timer="cpu", budget_s=0.1))
-        click.echo(summary_text(df, top=10))
+        click.echo(summary_table(df, top=10))
         click.echo(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
         for name, target in (("annotate", "cbtrace.annotate.write:annotate"),
-                             ("report", "cbtrace.plugins.reporters.icicle:write_report")):
+                             ("report", "cbtrace.workflows.report:write_report")):
             _optional_step(name, target, run)
 
 

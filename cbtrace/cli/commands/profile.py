@@ -1,13 +1,12 @@
 import click
 
-from cbtrace.cli.options import model_options, parse_kv
+from cbtrace.cli.options import model_options, parse_kv, timer_option
 
 
 @click.command("profile")
 @model_options
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="new run directory")
-@click.option("--timer", type=click.Choice(["auto", "graph", "events", "cpu"]), default="auto",
-              show_default=True)
+@timer_option
 @click.option("--cold", is_flag=True,
               help="replay each call alone after an L2 flush, for do_bench's warm-up and run "
                    "durations (do_bench's convention, launch-free)")
@@ -22,8 +21,9 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
     """
     from pathlib import Path
 
-    from cbtrace.workflows.profile_model import error_table, profile
-    from cbtrace.replay.summary import summary_text
+    from cbtrace.attribution.join import error_table
+    from cbtrace.workflows.profile_model import profile
+    from cbtrace.plugins.reporters.summary import summary_table
 
     if tb_logdir:
         out = str(Path(tb_logdir) / Path(out).name)
@@ -31,7 +31,7 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
                  dtype=dtype, step=step, seed=seed, options=parse_kv(opts), include=include,
                  exclude=exclude, max_depth=max_depth,
                  synthesize_above_bytes=synthesize_above_bytes)
-    click.echo(summary_text(df))
+    click.echo(summary_table(df))
     click.echo("\nisolation error by module class (error_pct = isolated / in-situ - 1, %):")
     click.echo(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
     if tb_logdir:

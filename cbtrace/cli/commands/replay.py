@@ -1,11 +1,12 @@
 import click
 
+from cbtrace.cli.options import timer_option
+
 
 @click.command("replay")
 @click.argument("run", type=click.Path(exists=True, file_okay=False))
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: the capture device)")
-@click.option("--timer", type=click.Choice(["auto", "graph", "events", "cpu"]), default="auto",
-              show_default=True, help="measurement backend (fallbacks are recorded per row)")
+@timer_option
 @click.option("--budget-s", type=float, default=None,
               help="timing budget per call (seconds; default 0.03, with --cold 0.1)")
 @click.option("--memory-budget", "memory_budget_bytes", type=int, default=None, metavar="BYTES",
@@ -23,10 +24,10 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, top
     Example: cbtrace replay runs/gpt --timer auto
     """
     import cbtrace
-    from cbtrace.replay.summary import summary_text
+    from cbtrace.plugins.reporters.summary import summary_table
 
     opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold)
     if budget_s is not None:
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
     df = cbtrace.replay(run, device=device, **opts)
-    click.echo(summary_text(df, top=top))
+    click.echo(summary_table(df, top=top))

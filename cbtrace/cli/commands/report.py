@@ -17,7 +17,7 @@ def command(run, out_dir, svg, extra, top):
     """
     from cbtrace.workflows.report import report_run
     from cbtrace.plugins.reporters.summary import summary_table
-    from cbtrace.rundir import read_modules
+    from cbtrace.rundir.read import read_modules
 
     names = ["icicle", "summary"] + (["svg"] if svg else [])
     names += [n for n in extra if n not in names]

@@ -1,0 +1,33 @@
+"""The one check of a device the user asked for: cpu, cuda, cuda:N or auto."""
+from __future__ import annotations
+
+from cbtrace.errors import CbtraceError
+
+
+class DeviceError(CbtraceError):
+    """A --device that is not a device, or not on this machine."""
+
+
+def resolve_device(device=None, *, default: str = "auto"):
+    """A torch.device: ``device`` if valid here, else ``default`` ("auto": cuda if available,
+    else cpu); a bare "cuda" becomes the current CUDA device."""
+    import torch
+
+    want = default if device is None else device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(want)
+    except (RuntimeError, TypeError):
+        raise DeviceError(f"--device {want}: not a device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"--device {want}: CUDA is not available on this machine")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {want}: this machine has {torch.cuda.device_count()} "
+                              "CUDA device(s)")
+    elif dev.type != "cpu":
+        raise DeviceError(f"--device {want}: cbtrace runs on cpu and cuda devices")
+    return dev

@@ -1,0 +1,44 @@
+"""Names inside a run directory, making a new one, and finding its files::
+
+    manifest.json                 the typed record (cbtrace.schema.manifest)
+    modules.parquet               one row per captured call (cbtrace.schema.modules)
+    inputs/tensors-NNNNN.parquet  captured input tensors (cbtrace.store)
+    <worker>.<ms>.pt.trace.json.gz  Kineto trace of the captured step
+    replay.progress.jsonl         rows of a replay in progress (cbtrace.replay.progress)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from cbtrace.errors import RunDirError
+
+MANIFEST = "manifest.json"
+MODULES = "modules.parquet"
+INPUTS = "inputs"
+
+
+def prepare_new_run(out_dir, *, overwrite: bool = False) -> Path:
+    """Create ``out_dir`` for a new run; refuse to reuse one that already holds a run."""
+    out = Path(out_dir)
+    if out.exists():
+        if not out.is_dir():
+            raise RunDirError(f"{out}: exists and is not a directory")
+        if any(out.iterdir()) and not overwrite:
+            raise RunDirError(f"{out}: already exists and is not empty; choose a new --out "
+                              "(an existing run is never overwritten)")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / INPUTS).mkdir(exist_ok=True)
+    return out
+
+
+def find_trace(run, manifest=None) -> Path | None:
+    """The capture's Kineto trace in the run directory, if any."""
+    from cbtrace.rundir.read import read_manifest
+
+    run = Path(run)
+    manifest = read_manifest(run) if manifest is None else manifest
+    if manifest.trace and (run / manifest.trace).is_file():
+        return run / manifest.trace
+    found = sorted(run.glob("*.pt.trace.json*"))
+    found = [p for p in found if not p.name.startswith("annotated_")]
+    return found[0] if found else None
