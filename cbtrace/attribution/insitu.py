@@ -18,6 +18,7 @@ import numpy as np
 from cbtrace.attribution import backward, identity
 from cbtrace.attribution.op_costs import peak_of, utilization
 from cbtrace.attribution.forest import Forest, by_level, string_mask
+from cbtrace.cost.compute_dtype import dominant_dtype
 
 UNATTRIBUTED = "<unattributed>"
 OVERHEAD = "<cbtrace-overhead>"
@@ -64,7 +65,7 @@ def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = 
 
 class _Buckets:
     """Per owner key: host time, device time and span, kernels, FLOPs, bytes, ops without
-    a formula, FLOPs per dtype (``acc``, aligned with the sorted ``keys``)."""
+    a formula, FLOPs and bytes per dtype (``acc``, aligned with the sorted ``keys``)."""
 
     def __init__(self, forest: Forest, key, roots, copy_root, module_of, copy_of, costs):
         s, n, ar = forest.strings, len(forest), np.arange(len(forest))
@@ -101,9 +102,10 @@ class _Buckets:
         cc = forest.cost[cost_at]
         for j, name in enumerate(("flops", "flops_x", "bytes")):
             acc[name] = np.bincount(i_cost, table[cc, j], nb)
-        acc["dt"] = np.zeros((nb, max(len(self.dtypes), 1)))
-        with_dt = (dcode[cc] >= 0) & (table[cc, 0] != 0) if len(cc) else np.zeros(0, bool)
-        np.add.at(acc["dt"], (i_cost[with_dt], dcode[cc][with_dt]), table[cc, 0][with_dt])
+        with_dt = dcode[cc] >= 0 if len(cc) else np.zeros(0, bool)
+        for name, j in (("dt_flops", 0), ("dt_bytes", 2)):   # (keys, dtypes)
+            acc[name] = np.zeros((nb, max(len(self.dtypes), 1)))
+            np.add.at(acc[name], (i_cost[with_dt], dcode[cc][with_dt]), table[cc, j][with_dt])
         self.acc = acc
 
     def lookup(self, keys: np.ndarray) -> dict:
@@ -255,9 +257,7 @@ def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes) -> dict:
     gpu_ms = f["gpu"] / 1e3
     nan = np.nan
     flops = f["flops"] if with_shapes else np.full(len(gpu_ms), nan)
-    has_dt = f["dt"].sum(axis=1) > 0
-    dt_code = np.where(has_dt, f["dt"].argmax(axis=1), -1)
-    dtype = [dtypes[c] if c >= 0 else None for c in dt_code.tolist()]
+    dtype = _compute_dtypes(f["dt_flops"], f["dt_bytes"], dtypes)
     peaks = {d: peak_of(device_name, d) for d in set(dtype)}
     pf = np.array([peaks[d][0] for d in dtype], float)
     pb = np.array([peaks[d][1] for d in dtype], float)
@@ -276,3 +276,14 @@ def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes) -> dict:
                mbu=np.where((kernels > 0) & with_shapes, utilization(f["bytes"], gpu_ms, pb), nan))
     return res
 
+
+
+def _compute_dtypes(flops, nbytes, dtypes: list) -> list:
+    """``dominant_dtype`` per row of per-dtype FLOPs and bytes (rows, dtypes); once per
+    distinct row, since steps and layers repeat the same figures."""
+    if not dtypes or not len(flops):
+        return [None] * len(flops)
+    n = len(dtypes)
+    uniq, inv = np.unique(np.c_[flops, nbytes], axis=0, return_inverse=True)
+    picked = [dominant_dtype(zip(dtypes, u[:n], u[n:])) for u in uniq.tolist()]
+    return [picked[i] for i in inv.ravel().tolist()]

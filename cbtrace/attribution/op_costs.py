@@ -11,6 +11,8 @@ import math
 import msgspec
 
 from cbtrace.attribution.loader import SHAPED
+from cbtrace.cost.compute_dtype import op_dtype
+from cbtrace.cost.dtypes import kineto_name
 
 NO_FORMULA = -1  # cost code of an op with shapes but no formula
 _decode = msgspec.json.Decoder().decode
@@ -19,10 +21,10 @@ _decode = msgspec.json.Decoder().decode
 class OpCoster:
     """Loader callback: ``(name, dims, types, concrete)`` raw JSON -> cost code (-1: no formula).
 
-    ``costs[code]`` is ``(flops, flops_executed, bytes, dtype)``; dtype is the first tensor
-    input's dtype name ("bfloat16", "float32" ...) or None. An op without a formula, or a free
-    one (views ...), gets its code from its name alone; others are costed once per distinct
-    args text.
+    ``costs[code]`` is ``(flops, flops_executed, bytes, dtype)``; dtype is the op's compute
+    dtype (``cost.compute_dtype.op_dtype``: its first floating input's, "bfloat16" ...) or
+    None. An op without a formula, or a free one (views ...), gets its code from its name
+    alone; others are costed once per distinct args text.
     """
 
     def __init__(self):
@@ -59,13 +61,9 @@ class OpCoster:
             return None
         if cost is None:
             return None
-        dtype = next((self._flops.dtype_name(x) for x in t
-                      if isinstance(x, str) and self._flops.itemsize(x) and _is_float(x)), None)
+        # TF32 is invisible in a trace: fp32 matmuls count as float32
+        dtype = op_dtype(kineto_name(x) for x in t if isinstance(x, str))
         return (float(cost.flops), float(cost.flops_executed), float(cost.bytes), dtype)
-
-
-def _is_float(kineto_type: str) -> bool:
-    return kineto_type in ("float", "double", "c10::Half", "c10::BFloat16") or "Float8" in kineto_type
 
 
 def peak_of(device_name: str | None, dtype: str | None):

@@ -10,8 +10,9 @@ import statistics
 import time
 from datetime import datetime, timezone
 
-from cbtrace.errors import CbtraceError
+from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.cost.peaks import device_name, save_calibration
+from cbtrace.errors import CbtraceError
 
 # Settings. CPU: grow the matrix until one matmul takes MIN_CALL_S; stay within BUDGET_S per figure.
 CPU_DTYPES = ("fp32", "bf16")
@@ -24,13 +25,6 @@ GPU_CALLS_PER_SAMPLE = 10   # back-to-back calls between one event pair: launch 
 
 class CalibrationError(CbtraceError):
     """The device to calibrate is unavailable or a measurement failed."""
-
-
-def _torch_dtype(key):
-    import torch
-
-    return {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-            "fp16": torch.float16}[key]
 
 
 def _median_seconds(fn, device: str, calls: int = 1) -> float:
@@ -64,7 +58,7 @@ def _matmul_rate(key: str, device: str) -> tuple[float, int]:
 
     if key == "fp8":
         return _fp8_rate()
-    dtype = _torch_dtype(key)
+    dtype = torch_dtype(key)    # "tf32": float32, run with TF32 allowed by the caller
     if device == "cuda":
         n = GPU_N
     else:

@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from cbtrace.cost.dtypes import itemsize, kineto_name, name_of
+
 
 @dataclass(frozen=True)
 class OpCost:
@@ -76,23 +78,6 @@ ELEMENTWISE_FLOPS = {
 }
 _COMPARISONS = frozenset("eq ne lt le gt ge isnan isinf logical_not logical_and logical_or".split())
 
-# dtype names: torch's (``str(torch.bfloat16)`` without "torch.") and Kineto's "Input type" strings.
-_ITEMSIZE = {
-    "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-    "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "complex32": 4,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1, "uint16": 2, "uint32": 4, "uint64": 8,
-}
-_KINETO_DTYPES = {
-    "float": "float32", "double": "float64", "c10::Half": "float16", "c10::BFloat16": "bfloat16",
-    "long int": "int64", "long": "int64", "int": "int32", "short int": "int16", "short": "int16",
-    "signed char": "int8", "unsigned char": "uint8", "bool": "bool",
-    "c10::complex<float>": "complex64", "c10::complex<double>": "complex128",
-    "c10::complex<c10::Half>": "complex32", "c10::Float8_e4m3fn": "float8_e4m3fn",
-    "c10::Float8_e5m2": "float8_e5m2", "c10::Float8_e4m3fnuz": "float8_e4m3fnuz",
-    "c10::Float8_e5m2fnuz": "float8_e5m2fnuz", "c10::Float8_e8m0fnu": "float8_e8m0fnu",
-}
-
 
 class _Unknown(Exception):
     """A formula lacks a shape or argument it needs (e.g. conv stride missing from a trace)."""
@@ -107,21 +92,6 @@ def normalize_name(name) -> str:
         return f"{ns}::{rest.split('.')[0]}"
     parts = name.split(".")
     return f"{parts[0]}::{parts[1]}" if len(parts) > 1 else f"aten::{parts[0]}"
-
-
-@functools.lru_cache(maxsize=256)
-def dtype_name(dtype) -> str | None:
-    """torch.dtype, "torch.bfloat16", "bfloat16" or a Kineto "c10::BFloat16" -> "bfloat16"."""
-    if dtype is None:
-        return None
-    s = str(dtype)
-    s = s[6:] if s.startswith("torch.") else s
-    return _KINETO_DTYPES.get(s, s)
-
-
-def itemsize(dtype) -> int:
-    """Bytes per element; 4 for a dtype we do not know."""
-    return _ITEMSIZE.get(dtype_name(dtype), 4)
 
 
 def flop_formula(*names: str, params: tuple[str, ...] | None = None):
@@ -159,7 +129,7 @@ class _Inputs:
 
     def __init__(self, shapes, dtypes, scalars, params):
         self.shapes = [None if s is None else _as_shape(s) for s in shapes]
-        self.dtypes = [dtype_name(d) for d in dtypes] + [None] * (len(shapes) - len(dtypes))
+        self.dtypes = [name_of(d) for d in dtypes] + [None] * (len(shapes) - len(dtypes))
         self.params = params or ()
         self.scalars = dict(scalars or {})
 
@@ -261,11 +231,12 @@ def _trace_op_cost(key, input_dims, input_types, concrete_inputs):
     shapes, dtypes, scalars = [], [], {}
     for i, typ in enumerate(input_types or []):
         dims = input_dims[i] if i < len(input_dims or []) else []
-        tensor = typ in _KINETO_DTYPES or typ in _ITEMSIZE
+        dtype = kineto_name(typ)
+        tensor = dtype is not None
         if typ == "TensorList" and dims and isinstance(dims[0], list):
-            tensor = True   # some torch versions record each list member's dims
+            tensor = True   # some torch versions record each list member's dims (not dtypes)
         shapes.append(dims if tensor else None)
-        dtypes.append(_KINETO_DTYPES.get(typ, typ) if tensor else None)
+        dtypes.append(dtype)
         if not tensor and concrete_inputs and i < len(concrete_inputs) and i < len(params):
             value = _parse_concrete(concrete_inputs[i])
             if value is not None:

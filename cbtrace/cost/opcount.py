@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from cbtrace.cost.flops import OpCost, dtype_name, is_free, normalize_name, op_cost
+from cbtrace.cost.compute_dtype import dominant_dtype, op_dtype
+from cbtrace.cost.dtypes import name_of
+from cbtrace.cost.flops import OpCost, is_free, normalize_name, op_cost
 
 # Ops whose fp32 inputs run as TF32 on CUDA when TF32 is allowed.
 _MATMULS = frozenset(f"aten::{n}" for n in "mm addmm bmm baddbmm matmul linear _addmm_activation mv addmv".split())
@@ -120,23 +122,22 @@ def _describe(func, args, kwargs):
             shapes.append(None)
             dtypes.append(None)
             if v is not None:
-                scalars[arg.name] = dtype_name(v) if isinstance(v, torch.dtype) else v
+                scalars[arg.name] = name_of(v) if isinstance(v, torch.dtype) else v
     return shapes, dtypes, scalars
 
 
 def _compute_dtype(name, tensors) -> str | None:
+    """``op_dtype`` of the op's tensors; TF32 where CUDA runs this fp32 matmul/conv as TF32."""
+    first = next((t for t in tensors if t.is_floating_point()), None)
+    return op_dtype([t.dtype for t in tensors], tf32=first is not None and first.is_cuda and _tf32(name))
+
+
+def _tf32(name) -> bool:
     import torch
 
-    t = next((t for t in tensors if t.is_floating_point()), None)
-    if t is None:
-        return dtype_name(tensors[0].dtype) if tensors else None
-    if t.dtype == torch.float32 and t.is_cuda:
-        if name in _MATMULS and (torch.backends.cuda.matmul.allow_tf32
-                                 or torch.get_float32_matmul_precision() != "highest"):
-            return "tf32"
-        if name in _CONVS and torch.backends.cudnn.allow_tf32:
-            return "tf32"
-    return dtype_name(t.dtype)
+    if name in _MATMULS:
+        return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    return name in _CONVS and torch.backends.cudnn.allow_tf32
 
 
 class OpCounter:
@@ -263,16 +264,6 @@ class OpCounter:
             bytes=float(read + written), bytes_read=float(read), bytes_written=float(written),
             op_bytes=sum(op.cost.bytes for op in known),
             unknown_ops=len(self._ops) - len(known), unknown_names=tuple(unknown),
-            compute_dtype=self._dominant_dtype(known),
+            compute_dtype=dominant_dtype((op.dtype, op.cost.flops, op.cost.bytes) for op in known),
             params_touched=tuple(sorted(self._touched)), ops=tuple(self._ops))
 
-    @staticmethod
-    def _dominant_dtype(known) -> str | None:
-        by_flops, by_bytes = Counter(), Counter()
-        for op in known:
-            if op.dtype:
-                by_flops[op.dtype] += op.cost.flops
-                by_bytes[op.dtype] += op.cost.bytes
-        if sum(by_flops.values()) > 0:
-            return by_flops.most_common(1)[0][0]
-        return by_bytes.most_common(1)[0][0] if by_bytes else None

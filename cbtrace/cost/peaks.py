@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from cbtrace.cost.dtypes import peak_key
 from cbtrace.errors import CbtraceError
 
 T = 1e12
@@ -32,7 +33,7 @@ class Peak:
 class DevicePeaks:
     key: str                  # "h100-sxm"
     pattern: str              # regex matched (case-insensitive) against the device name
-    flops_per_s: dict         # dtype ("fp32", "tf32", "bf16", "fp16", "fp8") -> FLOP/s, dense
+    flops_per_s: dict         # peak key (dtypes.PEAK_KEYS: "fp32", "tf32", "bf16", ...) -> FLOP/s, dense
     bytes_per_s: float        # HBM / DRAM bandwidth
     url: str                  # datasheet the numbers come from
 
@@ -80,21 +81,6 @@ register_device(DevicePeaks(  # MI300X: 163.4 FP32 matrix, TF32 653.7, BF16/FP16
                           "fp8": 2614.9 * T}, 5.3e12,
     "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"))
 
-_DTYPE_KEYS = {
-    "float32": "fp32", "float": "fp32", "fp32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "bf16": "bf16",
-    "float16": "fp16", "half": "fp16", "fp16": "fp16", "fp8": "fp8", "float8_e4m3fn": "fp8",
-    "float8_e5m2": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2fnuz": "fp8",
-}
-
-
-def dtype_key(dtype) -> str | None:
-    """torch.float32 / "bfloat16" / "tf32" -> "fp32" / "bf16" / "tf32"; None for non-float dtypes."""
-    if dtype is None:
-        return None
-    s = str(dtype)
-    return _DTYPE_KEYS.get(s[6:] if s.startswith("torch.") else s)
-
-
 def match_device(device_name: str) -> DevicePeaks | None:
     """The datasheet entry whose pattern matches ``device_name`` first, or None."""
     for peaks in DATASHEET.values():
@@ -141,7 +127,7 @@ def peak_for(device_name: str, dtype, *, calibrated: bool = False, path: Path | 
         dtype: compute dtype ("bf16", "bfloat16", "tf32", torch.float16, ...).
         calibrated: read the measured figures written by ``cbtrace calibrate`` instead.
     """
-    key = dtype_key(dtype)
+    key = peak_key(dtype)
     if calibrated:
         entry = load_calibration(path).get(device_name)
         if entry is None:

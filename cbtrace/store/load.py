@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.errors import SerializationError
 from cbtrace.store import shards
 from cbtrace.store import synth
@@ -46,10 +47,10 @@ def resolve_device(captured: str, device=None) -> torch.device:
 
 
 def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise SerializationError(f"inputs_ref: this torch has no dtype {name!r}")
-    return dt
+    try:
+        return torch_dtype(name)
+    except ValueError as e:
+        raise SerializationError(f"inputs_ref: {e}") from None
 
 
 class _TensorLoader:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cbtrace.cost.dtypes import name_of
 from cbtrace.store import synth
 from cbtrace.store.codec import unsupported
 
@@ -21,7 +22,8 @@ ALIGN = 16  # largest element size (complex128)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """"float32" for torch.float32: the canonical name of the one dtype table (cost/dtypes.py)."""
+    return name_of(dtype)
 
 
 def tensor_meta(t: torch.Tensor) -> dict:
