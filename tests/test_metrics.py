@@ -1,7 +1,9 @@
 """Metric functions against figures worked out by hand."""
 import pytest
 
+from cbtrace.annotate.figures import colour
 from cbtrace.cost import metrics as m
+from cbtrace.plugins.reporters.palette import metric_color
 
 H200_BF16, H200_BW = 989.5e12, 4.8e12
 
@@ -22,16 +24,7 @@ def test_missing_or_meaningless_inputs_give_none():
     assert m.mfu(None, 1e-3, H200_BF16) is None
     assert m.mfu(1e9, 0.0, H200_BF16) is None
     assert m.mbu(1e9, 1e-3, None) is None
-    assert m.arithmetic_intensity(1e9, 0) is None
     assert m.bound(1e9, 1e6, 0, H200_BF16, H200_BW) is None
-
-
-def test_arithmetic_intensity_and_ridge_point():
-    # bf16 mm 4096^3: 2*4096^3 = 137.4 GFLOP over 3 * 4096^2 * 2 B = 100.7 MB -> 1365.33 FLOP/B
-    flops, nbytes = 2 * 4096 ** 3, 3 * 4096 ** 2 * 2
-    assert m.arithmetic_intensity(flops, nbytes) == pytest.approx(4096 / 3)
-    # H200: 989.5e12 / 4.8e12 = 206.15 FLOP/B
-    assert m.ridge_point(H200_BF16, H200_BW) == pytest.approx(206.145833, rel=1e-6)
 
 
 def test_bound_roofline():
@@ -66,6 +59,29 @@ def test_residual():
     assert m.residual(None, [0.2]) is None
 
 
-def test_achieved_rate():
-    # 632.97 GFLOP in 0.8 ms = 791.21 TFLOP/s (close to the 788 calibrated on the H200)
-    assert m.achieved_per_s(632_970_805_248, 0.8e-3) == pytest.approx(791.2135e12, rel=1e-6)
+
+def test_binding_utilisation():
+    # a GEMM at 64 % MFU, 10 % MBU: compute binds
+    assert m.binding_utilisation(0.64, 0.10, True, "compute") == ("mfu", 0.64)
+    # a ReLU: no FLOPs, so MBU even though mfu reads 0
+    assert m.binding_utilisation(0.0, 0.55, False) == ("mbu", 0.55)
+    # an EmbeddingBag: 2 pooling FLOPs per gathered element give 0.1 % MFU next to 40 % MBU
+    assert m.binding_utilisation(0.001, 0.40, True) == ("mbu", 0.40)
+    # memory-bound says MBU even where the two shares compare the other way (other peaks)
+    assert m.binding_utilisation(0.30, 0.20, True, "memory") == ("mbu", 0.20)
+    # a missing MFU (no FLOP peak, e.g. fp64) falls back to MBU; nothing known -> no metric
+    assert m.binding_utilisation(None, 0.3, True) == ("mbu", 0.3)
+    assert m.binding_utilisation(float("nan"), None, True) == (None, None)
+    assert m.binding_utilisation(0.2, None, False) == (None, None)
+
+
+@pytest.mark.parametrize("mfu, mbu, flops, bound", [
+    (0.64, 0.10, 1e9, "compute"), (0.0, 0.55, 0, None), (0.001, 0.40, 512, None),
+    (0.30, 0.20, 1e6, "memory"), (None, 0.3, 1e6, None), (None, None, 0, None),
+    (0.5, 0.5, 1e6, "launch"), (0.2, None, None, None),
+])
+def test_annotation_and_icicle_colour_by_the_same_metric(mfu, mbu, flops, bound):
+    metric, _ = colour(mfu, mbu, flops, bound)
+    _, label = metric_color(mfu, mbu, bool(flops), bound)
+    assert metric == m.binding_utilisation(mfu, mbu, bool(flops), bound)[0]
+    assert (label.split()[0].lower() if label else None) == metric

@@ -10,12 +10,16 @@ from __future__ import annotations
 import math
 import re
 
+from cbtrace.cost.metrics import binding_utilisation
+
 # Args written on each module slice (omitted when unknown).
 FIGURE_KEYS = ("fqn", "call_index", "module_type", "isolated_ms", "insitu_ms", "error_pct",
                "flops", "mfu", "hfu", "mbu", "bound", "peak_mem_bytes", "status")
 # Colour buckets (trace-format colour names, `cname`) by utilisation: first whose floor is met.
 BUCKETS = ((0.6, "good"), (0.3, "olive"), (0.1, "yellow"), (0.03, "bad"), (0.0, "terrible"))
 NO_FIGURE_CNAME = "grey"
+# How ``colour`` picks its metric, for the trace's metadata.
+COLOUR_METRIC = "mfu, or mbu for modules with no FLOPs, memory-bound ones, or ones with mbu > mfu"
 CBTRACE_PREFIX = "cbtrace::"
 NN_MODULE_PREFIX = "nn.Module: "
 _INSTANCE = re.compile(r"_\d+$")
@@ -32,10 +36,12 @@ def clean(v):
     return v
 
 
-def colour(mfu, mbu, flops) -> tuple[str | None, str]:
-    """(metric used, cname): MFU, or MBU for a module with no FLOPs."""
-    metric, value = ("mfu", mfu) if flops else ("mbu", mbu)
-    if value is None:
+def colour(mfu, mbu, flops, bound=None) -> tuple[str | None, str]:
+    """(metric used, cname): the utilisation that binds the module (``binding_utilisation``,
+    the icicle's rule too), bucketed."""
+    has_flops = bool(flops) and not (isinstance(flops, float) and math.isnan(flops))
+    metric, value = binding_utilisation(mfu, mbu, has_flops, bound)
+    if metric is None:
         return None, NO_FIGURE_CNAME
     return metric, next(c for floor, c in BUCKETS if value >= floor)
 

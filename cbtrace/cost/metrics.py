@@ -5,6 +5,7 @@ so callers can pass record fields straight through.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 # A kernel costs at least this much device+host time however little work it does (launch
@@ -37,20 +38,6 @@ def hfu(flops_executed, seconds, peak_flops_per_s) -> float | None:
 def mbu(bytes_moved, seconds, peak_bytes_per_s) -> float | None:
     """Memory-bandwidth utilisation: bytes moved / time / peak bandwidth."""
     return _rate(bytes_moved, seconds, peak_bytes_per_s)
-
-
-def arithmetic_intensity(flops, bytes_moved) -> float | None:
-    """FLOPs per byte moved."""
-    if not _ok(flops, bytes_moved) or bytes_moved <= 0:
-        return None
-    return flops / bytes_moved
-
-
-def ridge_point(peak_flops_per_s, peak_bytes_per_s) -> float | None:
-    """Arithmetic intensity (FLOP/byte) above which the roofline is compute-bound."""
-    if not _ok(peak_flops_per_s, peak_bytes_per_s) or peak_bytes_per_s <= 0:
-        return None
-    return peak_flops_per_s / peak_bytes_per_s
 
 
 def bound(flops, bytes_moved, seconds, peak_flops_per_s, peak_bytes_per_s,
@@ -93,8 +80,18 @@ def residual(parent_ms, children_ms: Iterable) -> float | None:
     return parent_ms - sum(children)
 
 
-def achieved_per_s(amount, seconds) -> float | None:
-    """FLOP/s or bytes/s achieved."""
-    if not _ok(amount, seconds) or seconds <= 0:
-        return None
-    return amount / seconds
+def binding_utilisation(mfu, mbu, has_flops: bool, bound: str | None = None) -> tuple[str | None, float | None]:
+    """("mfu" | "mbu" | None, value): the utilisation of the resource that binds a call, the one
+    figure a module is coloured by (Perfetto annotation and icicle alike).
+
+    MBU when the call has no FLOPs (ReLU, a copy), is memory-bound, or uses a larger share of
+    its bandwidth peak than of its FLOP peak (an EmbeddingBag's few pooling FLOPs must not show
+    it as 0 % MFU); else MFU, or MBU when MFU is missing. (None, None) without either figure.
+    """
+    mfu, mbu = (None if v is None or math.isnan(v) else v for v in (mfu, mbu))
+    use_mbu = not has_flops or (mbu is not None and (bound == "memory" or (mfu is not None and mbu > mfu)))
+    if not use_mbu and mfu is not None:
+        return "mfu", mfu
+    if mbu is not None:
+        return "mbu", mbu
+    return None, None

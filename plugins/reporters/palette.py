@@ -1,12 +1,14 @@
 """Colours of the icicle: MFU (blue), MBU (orange) or bound; pure functions of numbers.
 
-A module is coloured by the utilisation of the resource that binds it: MFU when it has FLOPs
-(and is not memory-bound), MBU when it has no FLOPs (ReLU, dropout, a copy) or is memory-bound
-(a LayerNorm), so an elementwise op shows how much of the bandwidth it used instead of a flat
-"bad" colour at 0 % MFU.
+A module is coloured by the utilisation of the resource that binds it
+(``cbtrace.cost.metrics.binding_utilisation``): MFU when it has FLOPs (and is not memory-bound),
+MBU when it has no FLOPs (ReLU, dropout, a copy) or is memory-bound (a LayerNorm), so an
+elementwise op shows how much of the bandwidth it used instead of a flat "bad" colour at 0 % MFU.
 Both scales are linear from 0 to 100 % of the datasheet peak (values above are clamped).
 """
 from __future__ import annotations
+
+from cbtrace.cost.metrics import binding_utilisation
 
 MFU_SCALE = ("#e3ecfb", "#0b3d91")   # 0 % -> 100 % MFU
 MBU_SCALE = ("#fdebd6", "#a84300")   # 0 % -> 100 % MBU
@@ -33,16 +35,13 @@ def lerp_color(lo: str, hi: str, t: float) -> str:
 
 def metric_color(mfu: float | None, mbu: float | None, has_flops: bool,
                  bound: str | None = None) -> tuple[str, str]:
-    """(colour, label) for the efficiency scheme: MFU, or MBU without FLOPs, when memory-bound,
-    or when bandwidth is the larger share of its peak (an EmbeddingBag's few pooling FLOPs must
-    not paint it as a 0 % MFU box)."""
-    use_mbu = not has_flops or (mbu is not None and (
-        bound == "memory" or (mfu is not None and mbu > mfu)))
-    if not use_mbu and mfu is not None:
-        return lerp_color(*MFU_SCALE, mfu), f"MFU {100 * mfu:.1f}%"
-    if mbu is not None:
-        return lerp_color(*MBU_SCALE, mbu), f"MBU {100 * mbu:.1f}%"
-    return NO_FIGURES, ""
+    """(colour, label) for the efficiency scheme: the utilisation that binds the module
+    (``binding_utilisation``, the Perfetto annotation's rule too) on its scale."""
+    metric, value = binding_utilisation(mfu, mbu, has_flops, bound)
+    if metric is None:
+        return NO_FIGURES, ""
+    scale = MFU_SCALE if metric == "mfu" else MBU_SCALE
+    return lerp_color(*scale, value), f"{metric.upper()} {100 * value:.1f}%"
 
 
 def bound_color(bound: str | None) -> str:
