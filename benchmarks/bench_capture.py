@@ -48,23 +48,23 @@ def plain_profiled_step(provider, model, batch, device, out_dir, hooks=False) ->
     """A profiled step and its gzipped trace export; ``hooks``: every module also gets the
     pre/post hooks a capture needs, doing nothing but open and close its two ranges
     (the floor of what any capture adds to the step, before copying or writing anything)."""
-    from cbtrace.capture.recorder import _RANGE_ENTER, _RANGE_EXIT, TRACE_GZIP_LEVEL, _activities
+    from cbtrace.capture.recorder import RANGE_ENTER, RANGE_EXIT, TRACE_GZIP_LEVEL, profiler_activities
 
     stack, handles = [], []
 
     def pre(mod, args, kwargs):  # capture's two ranges: the (empty) copy range, then the call
-        _RANGE_EXIT(_RANGE_ENTER("cbtrace.copy::", None))
-        stack.append(_RANGE_ENTER("cbtrace::", None))
+        RANGE_EXIT(RANGE_ENTER("cbtrace.copy::", None))
+        stack.append(RANGE_ENTER("cbtrace::", None))
 
     def post(mod, args, kwargs, out):
-        _RANGE_EXIT(stack.pop())
+        RANGE_EXIT(stack.pop())
 
     sync(device)
     t0 = time.perf_counter()
     for mod in model.modules() if hooks else ():
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
-    with torch.profiler.profile(activities=_activities(), record_shapes=True, with_stack=True) as p:
+    with torch.profiler.profile(activities=profiler_activities(), record_shapes=True, with_stack=True) as p:
         provider.run(model, batch)
         sync(device)
     for h in handles:
@@ -115,11 +115,12 @@ def minimal_writes(run: Path, out_dir) -> float:
 
 
 def bench(spec, device, dtype, work):
-    from cbtrace.capture.from_spec import DTYPES, warm_up
+    from cbtrace.capture.from_spec import warm_up
+    from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.model.spec import resolve
 
     provider = resolve(spec)
-    model, batch = provider.model_and_batch(device, DTYPES.get(dtype))
+    model, batch = provider.model_and_batch(device, torch_dtype(dtype) if dtype else None)
     model.eval()
     with torch.no_grad():
         warm_up(provider, model, batch, "forward", 2)

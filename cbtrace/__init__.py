@@ -21,7 +21,7 @@ _LAZY = {
     "annotate": ("cbtrace.annotate", None),
     "trace_handler": ("cbtrace.annotate.trace_handler", "trace_handler"),
     "CaptureConfig": ("cbtrace.capture.recorder", "CaptureConfig"),
-    "load_inputs": ("cbtrace.rundir.read", "load_inputs"),
+    "load_inputs": ("cbtrace.store.load", "load_inputs"),
     "load_run": ("cbtrace.rundir.read", "load_run"),
     "ModuleRecord": ("cbtrace.schema.modules", "ModuleRecord"),
     "ReplayConfig": ("cbtrace.replay.config", "ReplayConfig"),

@@ -1,11 +1,13 @@
 """Plugin manager: loads built-ins and entry points once, lazily.
 
-Entry points (group ``cbtrace``) are not loaded under pytest unless asked for
-(``load(entrypoints=True)``), so tests see only what they register themselves.
+Third-party entry points (group ``cbtrace``) are loaded unless ``CBTRACE_DISABLE_PLUGIN_AUTOLOAD``
+is set (as pytest's ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``): the test suite sets it, so tests see
+only what they register themselves, while a user's process that merely imports pytest keeps its
+plugins. ``load(entrypoints=True)`` loads them regardless.
 """
 from __future__ import annotations
 
-import sys
+import os
 import threading
 
 import pluggy
@@ -19,6 +21,8 @@ DEFAULT_PLUGINS = (
     "cbtrace.plugins.backends.hooks",
     "cbtrace.plugins.reporters.hooks",
 )
+
+DISABLE_AUTOLOAD = "CBTRACE_DISABLE_PLUGIN_AUTOLOAD"
 
 pm = pluggy.PluginManager("cbtrace")
 pm.add_hookspecs(hookspecs)
@@ -43,7 +47,7 @@ def load(*, entrypoints: bool | None = None) -> pluggy.PluginManager:
                     pm.register(mod, name=name)
             _loaded["builtins"] = True
         if entrypoints is None:
-            entrypoints = "pytest" not in sys.modules
+            entrypoints = not os.environ.get(DISABLE_AUTOLOAD)
         if entrypoints and not _loaded["entrypoints"]:
             pm.load_setuptools_entrypoints("cbtrace")
             _loaded["entrypoints"] = True

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.replay.copies import clone_like, embedding_copies, n_copies, tensor_bytes
 
 
@@ -16,7 +17,7 @@ def call_context(rec, device_type: str | None = None):
     stack.enter_context(torch.set_grad_enabled(bool(rec.grad_enabled)))
     if rec.autocast_dtype:
         dev = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-        stack.enter_context(torch.autocast(dev, dtype=getattr(torch, rec.autocast_dtype)))
+        stack.enter_context(torch.autocast(dev, dtype=torch_dtype(rec.autocast_dtype)))
     return stack
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from cbtrace.cost import metrics
+from cbtrace.cost.compute_dtype import dominant_dtype
 from cbtrace.calltree import CallTree
 
 
@@ -33,8 +34,8 @@ def aggregate_from_children(rec, children) -> None:
             setattr(rec, name, sum(vals))
     mems = [c.peak_mem_bytes for c in children if c.peak_mem_bytes is not None]
     rec.peak_mem_bytes = max(mems) if mems else None
-    dtypes = [c.compute_dtype for c in children if c.compute_dtype]
-    rec.compute_dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
+    rec.compute_dtype = dominant_dtype((c.compute_dtype, c.flops or 0.0, c.bytes or 0.0)
+                                       for c in children)
 
 
 def add_utilisation(rec, device_name: str) -> None:

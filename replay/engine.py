@@ -167,7 +167,7 @@ def footprint_bytes(rec) -> int:
 def _meta_bytes(m) -> int:
     import math
 
-    from cbtrace.cost.flops import itemsize
+    from cbtrace.cost.dtypes import itemsize
 
     return math.prod(m.get("shape", [])) * itemsize(m.get("dtype", "float32"))
 

@@ -6,7 +6,7 @@ from cbtrace.errors import CbtraceError, ReplayError
 
 
 def rebuild_model(manifest, device, *, verify: bool):
-    from cbtrace.capture.from_spec import DTYPES
+    from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.model.spec import resolve
     from cbtrace.state import state_digest
 
@@ -16,7 +16,7 @@ def rebuild_model(manifest, device, *, verify: bool):
     dtype = manifest.step.dtype if manifest.step is not None else None
     try:
         provider = resolve(spec, seed=manifest.model.seed or 0, options=manifest.model.options)
-        model, _ = provider.model_and_batch(device, DTYPES.get(dtype) if dtype else None)
+        model, _ = provider.model_and_batch(device, torch_dtype(dtype) if dtype else None)
     except CbtraceError as e:
         raise ReplayError(f"cannot rebuild the run's model '{spec}' ({e}); pass model= to "
                           "cbtrace.replay") from None

@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# tests see only the plugins they register (tests/test_plugins.py unsets it for its subprocesses)
+os.environ["CBTRACE_DISABLE_PLUGIN_AUTOLOAD"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

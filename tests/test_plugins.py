@@ -41,13 +41,28 @@ class Fraction:
         return fractions.Fraction(node["num"], node["den"])
 
 
+class ConstantTimer:
+    """Times every call at 1.234 ms, after running it once (proves it was the one used)."""
+    name = "constant"
+
+    def unavailable_reason(self, device):
+        return None
+
+    def measure(self, call, n_copies, device, cfg):
+        from cbtrace.replay.timing import Timing
+
+        call(0)
+        return Timing(median_ms=1.234, p10_ms=1.234, p90_ms=1.234, runs=1, timer=self.name,
+                      notes="third-party")
+
+
 class NullTimer:
     def unavailable_reason(self, device):
         return "a test timer"
 
 
 class Echo:
-    def report(self, records, out_dir):
+    def report(self, records, manifest, out_dir):
         return None
 
     def close(self):
@@ -67,6 +82,7 @@ def register_serializers(register):
 @hookimpl
 def register_backends(register):
     register("nulltimer", NullTimer())
+    register("constant", ConstantTimer())
 
 
 @hookimpl
@@ -99,8 +115,16 @@ def site(tmp_path_factory):
     return target
 
 
-def run_py(code, site):
+def plugin_env(site) -> dict:
+    """This environment with the plugin installed and entry points loaded (conftest turns them
+    off for the suite's own process)."""
     env = dict(os.environ, PYTHONPATH=str(site))
+    env.pop("CBTRACE_DISABLE_PLUGIN_AUTOLOAD", None)
+    return env
+
+
+def run_py(code, site):
+    env = plugin_env(site)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     return out.stdout
@@ -125,23 +149,61 @@ def test_third_party_plugin_found_in_every_layer(site):
 
 
 def test_cli_lists_third_party_plugins(site):
-    env = dict(os.environ, PYTHONPATH=str(site))
+    env = plugin_env(site)
     out = subprocess.run([sys.executable, "-m", "cbtrace", "models"], env=env,
                          capture_output=True, text=True, check=True).stdout
     assert "thirdparty" in out and "nulltimer" in out and "echo" in out
 
 
-def test_entry_points_not_loaded_under_pytest():
+def test_entry_points_not_loaded_when_autoload_is_off():
+    assert os.environ["CBTRACE_DISABLE_PLUGIN_AUTOLOAD"]  # conftest
     registry.load()
     names = {name for name, _ in registry.pm.list_name_plugin()}
     assert set(registry.DEFAULT_PLUGINS) & names
     assert not any("thirdparty" in n for n in names)
 
 
-def test_every_hook_is_documented():
-    for name in ("register_models", "register_serializers", "register_backends",
-                 "register_reporters"):
-        assert getattr(hookspecs, name).__doc__
+def test_importing_pytest_does_not_turn_plugins_off(site):
+    code = textwrap.dedent('''
+        import pytest  # a user's process that merely imports pytest keeps its plugins
+        from cbtrace import registry
+        print(sorted(registry.models()))
+    ''')
+    assert "thirdparty" in run_py(code, site)
+
+
+def test_a_third_party_timer_is_chosen_with_timer_and_used(site, tmp_path):
+    env = plugin_env(site)
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "cbtrace", "capture", "--model", "dlrm:tiny",
+                    "--device", "cpu", "--max-depth", "1", "--out", str(run)], env=env,
+                   check=True, capture_output=True)
+    help_text = subprocess.run([sys.executable, "-m", "cbtrace", "replay", "--help"], env=env,
+                               check=True, capture_output=True, text=True).stdout
+    assert "constant" in help_text.replace("\n", " ")
+    subprocess.run([sys.executable, "-m", "cbtrace", "replay", str(run), "--timer", "constant"],
+                   env=env, check=True, capture_output=True)
+    import pandas as pd
+
+    df = pd.read_parquet(run / "modules.parquet")
+    assert (df["timer"] == "constant").all() and (df["isolated_ms"] == 1.234).all()
+    assert (df["timer_notes"] == "third-party").all() and df["kernel_count"].notna().all()
+    bad = subprocess.run([sys.executable, "-m", "cbtrace", "replay", str(run), "--timer", "nope"],
+                         env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "constant" in bad.stderr and "'nope' is not one of" in bad.stderr
+
+
+def test_every_hook_is_documented_and_in_the_readme():
+    from conftest import REPO
+
+    specs = [name for name, f in vars(hookspecs).items()
+             if callable(f) and hasattr(f, "cbtrace_spec")]
+    assert sorted(specs) == ["register_backends", "register_models", "register_reporters",
+                             "register_serializers"]
+    readme = (REPO / "README.md").read_text()
+    for name in specs:
+        assert getattr(hookspecs, name).__doc__, name
+        assert f"`{name}(register)`" in readme, name
 
 
 def test_duplicate_registration_raises():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from cbtrace import registry
 from cbtrace.errors import PluginError, SerializationError
 from equality import first_difference
+from snapshots import take
 from cbtrace.store.load import load_call_inputs
 from cbtrace.store.snapshot import Snapshotter, tensor_meta
 
@@ -48,7 +49,7 @@ DTYPES = _dtypes()
 
 def roundtrip(tmp_path, args, kwargs=None, **snap_kw):
     snap = Snapshotter(tmp_path / "inputs", **snap_kw)
-    ref = snap.take(tuple(args), dict(kwargs or {}))
+    ref = take(snap, tuple(args), dict(kwargs or {}))
     snap.flush()
     return load_call_inputs(tmp_path, ref), ref
 
@@ -197,7 +198,7 @@ def test_local_dataclass_is_a_clear_error(tmp_path):
         x: int
 
     snap = Snapshotter(tmp_path / "inputs")
-    ref = snap.take((Local(1),), {})
+    ref = take(snap, (Local(1),), {})
     snap.flush()
     with pytest.raises(SerializationError, match="dataclass .*Local cannot be imported"):
         load_call_inputs(tmp_path, ref)
@@ -206,7 +207,7 @@ def test_local_dataclass_is_a_clear_error(tmp_path):
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 def test_unsupported_object_is_recorded_and_fails_on_load(tmp_path):
     snap = Snapshotter(tmp_path / "inputs")
-    ref = snap.take((torch.ones(2), object()), {"q": torch.quantize_per_tensor(
+    ref = take(snap, (torch.ones(2), object()), {"q": torch.quantize_per_tensor(
         torch.ones(2), 0.1, 0, torch.qint8)})
     snap.flush()
     assert '"unsupported"' in ref

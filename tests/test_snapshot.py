@@ -9,6 +9,7 @@ import torch
 from cbtrace.errors import SerializationError
 from cbtrace.store import shards
 from equality import first_difference
+from snapshots import take
 from cbtrace.store.load import load_call_inputs
 from cbtrace.store.snapshot import Snapshotter
 
@@ -28,7 +29,7 @@ def test_model_mutating_its_input_in_place(tmp_path):
 
     def pre_hook(name):
         def hook(mod, args, kwargs):
-            refs[name] = snap.take(args, kwargs)
+            refs[name] = take(snap, args, kwargs)
             seen[name] = args[0].clone()
         return hook
 
@@ -49,7 +50,7 @@ def test_value_is_the_one_at_take(tmp_path):
     x = torch.randn(3, 5)
     before = x.clone()
     snap = Snapshotter(tmp_path / "inputs")
-    ref = snap.take((x[:, 1:],), {"full": x})
+    ref = take(snap, (x[:, 1:],), {"full": x})
     x.mul_(2).add_(1)
     snap.flush()
     (view,), kw = load_call_inputs(tmp_path, ref)
@@ -59,11 +60,11 @@ def test_value_is_the_one_at_take(tmp_path):
 def test_one_tensor_passed_twice_is_stored_once(tmp_path):
     x = torch.randn(256, 64)  # 64 KiB
     snap = Snapshotter(tmp_path / "inputs")
-    refs = [snap.take((x, x), {}), snap.take((x,), {"again": x}), snap.take((x[3:7],), {})]
+    refs = [take(snap, (x, x), {}), take(snap, (x,), {"again": x}), take(snap, (x[3:7],), {})]
     assert snap.last_input_bytes == 4 * 64 * 4
     before = x.clone()
     x.add_(1)  # a new version: stored again
-    refs.append(snap.take((x,), {}))
+    refs.append(take(snap, (x,), {}))
     files = snap.flush()
     assert rows_and_bytes(files) == (2, 2 * x.nbytes)
     for ref in refs[:2]:
@@ -77,7 +78,7 @@ def test_freed_storage_is_never_mistaken_for_a_new_one(tmp_path):
     refs, expected = [], []
     for i in range(20):  # the allocator hands out the same address again and again
         t = torch.full((1024,), float(i))
-        refs.append(snap.take((t,), {}))
+        refs.append(take(snap, (t,), {}))
         expected.append(t.clone())
         del t
     snap.flush()
@@ -88,7 +89,7 @@ def test_freed_storage_is_never_mistaken_for_a_new_one(tmp_path):
 def test_aliasing_between_arguments_survives(tmp_path):
     base = torch.arange(24.0).reshape(4, 6)
     snap = Snapshotter(tmp_path / "inputs")
-    ref = snap.take((base, base[1:, ::2], base.t()), {"row": base[2]})
+    ref = take(snap, (base, base[1:, ::2], base.t()), {"row": base[2]})
     assert snap.last_input_bytes == base.nbytes
     snap.flush()
     (a, b, c), kw = load_call_inputs(tmp_path, ref)
@@ -103,7 +104,7 @@ def test_far_offset_keeps_alignment_not_the_prefix(tmp_path):
     big = torch.randn(3 << 18)  # 3 MiB
     tail = big[(2 << 18) + 3:]  # starts 8 MiB + 12 B in: the prefix is not copied back
     snap = Snapshotter(tmp_path / "inputs")
-    ref = snap.take((tail, big[:5]), {})
+    ref = take(snap, (tail, big[:5]), {})
     snap.flush()
     (got, head), _ = load_call_inputs(tmp_path, ref)
     assert torch.equal(got, tail) and torch.equal(head, big[:5])
@@ -119,7 +120,7 @@ def test_inference_tensors_and_gradients(tmp_path):
     w = torch.randn(3, requires_grad=True)
     y = w * 2  # non-leaf with a grad_fn
     snap = Snapshotter(tmp_path / "inputs")
-    ref = snap.take((inf, w, y, torch.nn.Parameter(torch.ones(2))), {})
+    ref = take(snap, (inf, w, y, torch.nn.Parameter(torch.ones(2))), {})
     snap.flush()
     got, _ = load_call_inputs(tmp_path, ref)
     assert torch.equal(got[0], inf) and got[1].requires_grad and got[2].requires_grad
@@ -134,7 +135,7 @@ def test_synthesis_keeps_ranges_and_moments(tmp_path):
     mask = torch.rand(100, 50, generator=g) < 0.3
     small = torch.randn(4)
     snap = Snapshotter(tmp_path / "inputs", synthesize_above_bytes=4096)
-    ref = snap.take((ids, dense, mask), {"small": small, "half": dense.half()})
+    ref = take(snap, (ids, dense, mask), {"small": small, "half": dense.half()})
     assert snap.last_synthesized
     files = snap.flush()
     assert rows_and_bytes(files)[1] < 4096 + 16 * 4 * 4  # only small (+ stats) stored
@@ -159,7 +160,7 @@ def test_early_writes_and_shards(tmp_path, monkeypatch):
     tensors = [torch.randn(700) for _ in range(8)]  # 2800 B each
     refs = []
     for t in tensors:
-        refs.append(snap.take((t,), {}))
+        refs.append(take(snap, (t,), {}))
     written_early = sorted((tmp_path / "inputs").glob("*.parquet"))
     assert written_early, "max_pending_bytes must write shards before flush()"
     files = snap.flush()
@@ -174,7 +175,7 @@ def test_early_writes_and_shards(tmp_path, monkeypatch):
 def one_shard(tmp_path):
     payload = torch.arange(4096, dtype=torch.int32)
     snap = Snapshotter(tmp_path / "inputs")
-    ref = snap.take((payload,), {})
+    ref = take(snap, (payload,), {})
     (path,) = snap.flush()
     return path, ref, payload
 
@@ -220,7 +221,7 @@ def test_cuda_roundtrip_and_synthesis(tmp_path):
     x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 1000, (4096,), device="cuda")
     snap = Snapshotter(tmp_path / "inputs", synthesize_above_bytes=16 << 10)
-    ref = snap.take((x, x[:, ::2].t(), ids), {"cpu": torch.ones(3)})
+    ref = take(snap, (x, x[:, ::2].t(), ids), {"cpu": torch.ones(3)})
     x.zero_()  # after take: must not reach the stored copy
     snap.flush()
     (a, b, ids2), kw = load_call_inputs(tmp_path, ref)

@@ -5,7 +5,8 @@ All events are Chrome-trace dicts (``ph`` X / C / M): the JSON and .pftrace writ
 """
 from __future__ import annotations
 
-from cbtrace.annotate.figures import BUCKETS, FIGURE_KEYS, NO_FIGURE_CNAME, clean, colour
+from cbtrace.annotate.figures import (BUCKETS, COLOUR_METRIC, FIGURE_KEYS, NO_FIGURE_CNAME, clean,
+                                      colour)
 from cbtrace.calltree import CallTree
 
 PID = "cbtrace"
@@ -14,15 +15,12 @@ COUNTER = "achieved"  # counter tracks: "achieved TFLOP/s", "achieved GB/s"
 INSITU_TID0 = 100     # tracks holding the in-situ module slices (one per source thread)
 
 
-def metadata(manifest: dict | None, source: str, version: str, *, run_id=None,
-             peaks=None) -> dict:
+def metadata(source: str, version: str, *, device: str | None = None, run_id: str | None = None,
+             peaks: dict | None = None) -> dict:
     """Trace-level metadata: device, peaks used, cbtrace version, run id, colour buckets."""
-    m = manifest or {}
-    device = (m.get("replay") or {}).get("device_name") or m.get("device_name") or m.get("device")
-    out = {"cbtrace_version": version, "source_trace": source,
-           "run_id": m.get("run_id") or run_id, "device": device,
-           "peaks": m.get("peaks") or peaks,
-           "colour_metric": "mfu, or mbu for modules with no FLOPs",
+    out = {"cbtrace_version": version, "source_trace": source, "run_id": run_id,
+           "device": device, "peaks": peaks,
+           "colour_metric": COLOUR_METRIC,
            "colour_buckets": [{"min": f, "cname": c} for f, c in BUCKETS] +
                              [{"min": None, "cname": NO_FIGURE_CNAME}]}
     return {k: v for k, v in out.items() if v is not None}
@@ -74,7 +72,7 @@ def _side_by_side(ts: float, widths: list[float]) -> list[float]:
 
 def _isolated_slice(r: dict, ts: float, width: float) -> dict:
     iso = r.get("isolated_ms")
-    metric, cname = colour(r.get("mfu"), r.get("mbu"), r.get("flops"))
+    metric, cname = colour(r.get("mfu"), r.get("mbu"), r.get("flops"), r.get("bound"))
     args = {k: r.get(k) for k in FIGURE_KEYS if r.get(k) is not None}
     args["colour_metric"] = metric or "none"
     return {"ph": "X", "pid": PID, "tid": int(r.get("depth", 0)) + 1,
@@ -117,7 +115,7 @@ def insitu_copy(slices: list[dict]) -> tuple[list[dict], list[dict]]:
     for s in slices:
         tid = tids.setdefault((s["pid"], s["tid"]), INSITU_TID0 + len(tids))
         a = s["args"]
-        metric, cname = colour(a.get("mfu"), a.get("mbu"), a.get("flops"))
+        metric, cname = colour(a.get("mfu"), a.get("mbu"), a.get("flops"), a.get("bound"))
         events.append({"ph": "X", "pid": PID, "tid": tid, "cat": "cbtrace_insitu",
                        "name": _label(a.get("fqn"), s["name"]), "ts": s["ts"], "dur": s["dur"],
                        "cname": cname, "args": {**a, "colour_metric": metric or "none"}})

@@ -98,9 +98,8 @@ def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool 
     fig = Figures(modules, insitu if insitu is not False else None, own_trace=own)
     ann = SliceAnnotator(fig)
     device = _device_name(manifest)
-    meta = metadata({"device_name": device} if device else None, trace.name,
-                    cbtrace.__version__, run_id=_run_id(run, manifest),
-                    peaks=_peaks_used(device, modules))
+    meta = metadata(trace.name, cbtrace.__version__, device=device,
+                    run_id=_run_id(run, manifest), peaks=_peaks_used(device, modules))
     rows = list(fig.calls.values())
     extra: list[dict] = []
 

@@ -22,7 +22,7 @@ DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy
 # Host-side X events that are not code ranges of the profiled process.
 SKIP_CATS = frozenset({"Trace", "gpu_user_annotation", "cuda_profiler_range", "critical_path",
                        "cuda_sync"})
-_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 _INT = re.compile(r"-?\d+$")
 
 
@@ -214,7 +214,7 @@ def _depth(parent: np.ndarray) -> np.ndarray:
 
 
 def _steps(f: Forest) -> list:
-    nums = np.array([int(m.group(1)) if (m := _STEP.match(x)) else -1 for x in f.strings],
+    nums = np.array([int(m.group(1)) if (m := STEP_NAME.match(x)) else -1 for x in f.strings],
                     np.int64)
     if not len(f.host) or not (nums >= 0).any():
         return []

@@ -33,7 +33,7 @@ def step_windows(path, coster) -> tuple[np.ndarray, np.ndarray, dict]:
     names: dict = {}
 
     def keep(ts, cats, nms):  # host ranges only, as forest.build: not GPU-side annotations
-        return np.fromiter((names.setdefault(n, forest._STEP.match(n) is not None)
+        return np.fromiter((names.setdefault(n, forest.STEP_NAME.match(n) is not None)
                             and c not in forest.SKIP_CATS and c not in forest.DEVICE_CATS
                             for n, c in zip(nms, cats)), bool, len(nms))
 

@@ -6,10 +6,9 @@ from pathlib import Path
 import torch
 
 from cbtrace.capture.recorder import CaptureConfig, capture
+from cbtrace.cost.dtypes import CLI_DTYPES, torch_dtype
 from cbtrace.errors import CaptureError
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
 def stored_spec(spec: str) -> str:
@@ -64,15 +63,15 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     from cbtrace.schema.manifest import ModelSource, StepSettings
 
     device = resolve_device(device)
-    if dtype is not None and dtype not in DTYPES:
-        raise CaptureError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if dtype is not None and dtype not in CLI_DTYPES:
+        raise CaptureError(f"--dtype {dtype}: expected one of {', '.join(CLI_DTYPES)}")
     if Path(out).exists() and any(Path(out).iterdir()):  # before minutes of model building
         prepare_new_run(out)
     spec = stored_spec(spec)
     options = dict(options or {})
     provider = resolve(spec, seed=seed, options=options)
     try:
-        model, batch = provider.model_and_batch(device, DTYPES.get(dtype))
+        model, batch = provider.model_and_batch(device, torch_dtype(dtype) if dtype else None)
         model.train(step == "train")
         warm_up(provider, model, batch, step, warmup)
     except CbtraceError:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from cbtrace.cost.dtypes import name_of
 from cbtrace.errors import CaptureError
 from cbtrace.rundir import writer
 from cbtrace.rundir.files import atomic_path
@@ -88,8 +89,8 @@ def _raw_op(overload):
 
 # The ops behind torch.autograd.profiler.record_function (a user_annotation range), called
 # directly: the context manager's own Python layers made ~17 trace events per range.
-_RANGE_ENTER = _raw_op(torch.ops.profiler._record_function_enter_new.default)
-_RANGE_EXIT = _raw_op(torch.ops.profiler._record_function_exit._RecordFunction)
+RANGE_ENTER = _raw_op(torch.ops.profiler._record_function_enter_new.default)
+RANGE_EXIT = _raw_op(torch.ops.profiler._record_function_exit._RecordFunction)
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
 
@@ -169,7 +170,7 @@ class capture:
                                                            always_call=True))
         self._t0 = time.perf_counter()
         if self.cfg.trace:
-            self._prof = torch.profiler.profile(activities=_activities(), record_shapes=True,
+            self._prof = torch.profiler.profile(activities=profiler_activities(), record_shapes=True,
                                                 with_stack=True)
             self._prof.__enter__()
             # started after the profiler, so the profiler neither traces it nor records its ops
@@ -210,7 +211,7 @@ class capture:
                 rec, _, rf, _ = self._stack.pop()
                 if rec is None:
                     continue
-                _RANGE_EXIT(rf)
+                RANGE_EXIT(rf)
                 rec.capture_error = rec.capture_error or _short(exc)
         self.step_s = time.perf_counter() - self._t0
         self._finish(exc if exc is not None else helper_error)
@@ -256,7 +257,7 @@ class capture:
             grad = torch.is_grad_enabled()  # this thread's modes
             autocast = _autocast_dtype() if _ANY_AUTOCAST() else None
             stream = torch.cuda.current_stream() if self._cuda else None
-            copy_range = _RANGE_ENTER(f"cbtrace.copy::{fqn}", None)
+            copy_range = RANGE_ENTER(f"cbtrace.copy::{fqn}", None)
             try:
                 rec, copies = self._helper.call(self._plan_call, module, fqn, args, kwargs,
                                                 grad, autocast, stream)
@@ -266,8 +267,8 @@ class capture:
                     rec.capture_error = f"{COPY_FAILED}: {_short(e)}"
                     raise
             finally:
-                _RANGE_EXIT(copy_range)
-            self._stack.append((rec, module, _RANGE_ENTER(f"cbtrace::{fqn}", None), pending))
+                RANGE_EXIT(copy_range)
+            self._stack.append((rec, module, RANGE_ENTER(f"cbtrace::{fqn}", None), pending))
 
     def _plan_call(self, module, fqn, args, kwargs, grad, autocast, stream):
         """The call's record and its input copies to run (on the helper thread; kernels it
@@ -297,7 +298,7 @@ class capture:
             rec, _, rf, pending = self._stack.pop()
             if rec is None:
                 return
-            _RANGE_EXIT(rf)
+            RANGE_EXIT(rf)
             raised = sys.exc_info()[1]  # always_call hooks run inside torch's except block
             if raised is not None and raised is not pending:  # the call itself raised
                 rec.capture_error = _short(raised)
@@ -417,7 +418,7 @@ def _static_facts(module) -> tuple[str, str, int, int]:
 def _autocast_dtype() -> str | None:
     for dev in ("cuda", "cpu"):
         if torch.is_autocast_enabled(dev):
-            return str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+            return name_of(torch.get_autocast_dtype(dev))
     return None
 
 
@@ -443,7 +444,7 @@ def _input_meta(inputs_ref: str) -> tuple[str, str]:
     return json.dumps(metas), json.dumps([m["shape"] for m in metas])
 
 
-def _activities():
+def profiler_activities():
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)

@@ -1,4 +1,4 @@
-"""Reading a run directory: the typed manifest, the modules table, one call's inputs."""
+"""Reading a run directory: the typed manifest and the modules table."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,22 +50,3 @@ def read_records(run) -> list[ModuleRecord]:
 def load_run(run):
     """(Manifest, modules DataFrame) of a run directory."""
     return read_manifest(run), read_modules(run)
-
-
-def load_inputs(run, fqn: str, call_index: int = 0, device=None):
-    """``(args, kwargs)`` of one captured call, bit-identical to what the module received.
-
-    Args:
-        run: run directory.
-        fqn: module path as in ``named_modules()`` ("" for the root).
-        call_index: which call of that module (0 = first).
-        device: move tensors there (default: the device they were captured on, if present).
-    """
-    from cbtrace.store.load import load_call_inputs
-
-    df = read_modules(run)
-    rows = df[(df["fqn"] == fqn) & (df["call_index"] == call_index)]
-    if rows.empty:
-        known = ", ".join(sorted(set(df["fqn"]))[:8])
-        raise RunDirError(f"{run}: no captured call '{fqn}' #{call_index} (known: {known} ...)")
-    return load_call_inputs(Path(run), rows.iloc[0]["inputs_ref"], device=device)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from cbtrace.cost.dtypes import torch_dtype
-from cbtrace.errors import SerializationError
+from cbtrace.errors import RunDirError, SerializationError
 from cbtrace.store import shards
 from cbtrace.store import synth
 from cbtrace.store.codec import DecodeContext
@@ -31,7 +31,7 @@ def _pad(lo: int) -> int:
     return lo if lo < EXACT_OFFSET_BYTES else lo % PAGE
 
 
-def resolve_device(captured: str, device=None) -> torch.device:
+def load_device(captured: str, device=None) -> torch.device:
     """``device`` if given, else the captured device when present here, else CPU."""
     if device is not None:
         return torch.device(device)
@@ -107,7 +107,7 @@ class _TensorLoader:
 
     def tensor(self, node: dict) -> torch.Tensor:
         dtype = _dtype(node["dtype"])
-        dev = resolve_device(node["dev"], self.device)
+        dev = load_device(node["dev"], self.device)
         shape, stride, off = node["shape"], node["stride"], node["off"]
         cid = node.get("c")
         isz = dtype.itemsize
@@ -161,3 +161,22 @@ def load_call_inputs(run_dir: Path, inputs_ref: str, device=None, *, serializers
         args = tuple(ctx.decode(n) for n in doc["args"])
         kwargs = {k: ctx.decode(n) for k, n in doc["kwargs"].items()}
     return args, kwargs
+
+
+def load_inputs(run, fqn: str, call_index: int = 0, device=None):
+    """``(args, kwargs)`` of one captured call, bit-identical to what the module received.
+
+    Args:
+        run: run directory.
+        fqn: module path as in ``named_modules()`` ("" for the root).
+        call_index: which call of that module (0 = first).
+        device: move tensors there (default: the device they were captured on, if present).
+    """
+    from cbtrace.rundir.read import read_modules
+
+    df = read_modules(run)
+    rows = df[(df["fqn"] == fqn) & (df["call_index"] == call_index)]
+    if rows.empty:
+        known = ", ".join(sorted(set(df["fqn"]))[:8])
+        raise RunDirError(f"{run}: no captured call '{fqn}' #{call_index} (known: {known} ...)")
+    return load_call_inputs(Path(run), rows.iloc[0]["inputs_ref"], device=device)

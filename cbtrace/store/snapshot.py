@@ -1,6 +1,6 @@
 """Snapshotter: copy a module call's live inputs at entry, write them to Parquet after the step.
 
-``take(args, kwargs)`` walks the inputs with the registered serializers, copies tensor data on
+``plan(args, kwargs)`` walks the inputs with the registered serializers, copies tensor data on
 its own device (no host sync) and returns ``inputs_ref``, a JSON string of the (args, kwargs)
 tree with tensors by reference to chunks in ``inputs/tensors-NNNNN.parquet``. ``flush()``
 moves the copies to the host and writes the shards. Format of ``inputs_ref``::
@@ -32,7 +32,7 @@ WRITERS = max(2, min(8, os.cpu_count() or 2))  # shards written concurrently by 
 
 
 class Snapshotter:
-    """Copies inputs at ``take()``, writes them at ``flush()``.
+    """Copies inputs at ``plan()``, writes them at ``flush()``.
 
     Args:
         inputs_dir: the run's ``inputs/`` directory (created if missing).
@@ -59,18 +59,12 @@ class Snapshotter:
         self.last_input_bytes = 0
         self.last_synthesized = False
         self.bytes_written = 0
-        self._type_cache: dict = {}  # type -> serializer, shared by every take()
+        self._type_cache: dict = {}  # type -> serializer, shared by every plan()
         self.digests: dict[Path, str] = {}  # sha256 of each shard, computed while writing
-
-    def take(self, args: tuple, kwargs: dict) -> str:
-        """Copy the call's inputs now; return its ``inputs_ref`` JSON."""
-        ref, copies = self.plan(args, kwargs)
-        run_copies(copies)
-        return ref
 
     def plan(self, args: tuple, kwargs: dict) -> tuple[str, list]:
         """The call's ``inputs_ref`` JSON and the copies still to run (``run_copies``) before the
-        call may go on; ``take`` does both. Pending shards are written early here, before any
+        call may go on. Pending shards are written early here, before any
         chunk of this call exists, once more than ``max_pending_bytes`` are held."""
         if self.max_pending_bytes is not None and self._plan.pending_bytes > self.max_pending_bytes:
             self._plan.close()
