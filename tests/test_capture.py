@@ -11,7 +11,7 @@ import torch
 
 import cbtrace
 from cbtrace.rundir.read import read_manifest, read_modules, read_records
-from cbtrace.rundir.layout import find_trace
+from cbtrace.rundir.read import find_trace
 from cbtrace.rundir.files import sha256_file
 from cbtrace.errors import RunDirError
 from cbtrace.capture.from_spec import capture_model

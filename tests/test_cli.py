@@ -63,7 +63,7 @@ def _one_line_error(args, cwd=None):
 def test_bad_inputs_give_one_line_errors_and_lose_nothing(tmp_path):
     import json
 
-    from cbtrace.rundir.layout import find_trace
+    from cbtrace.rundir.read import find_trace
     from cbtrace.rundir.files import sha256_file
     from cbtrace.capture.from_spec import capture_model
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cbtrace
-from cbtrace.rundir.layout import find_trace
+from cbtrace.rundir.read import find_trace
 from cbtrace.capture.from_spec import capture_model
 from cbtrace.model.spec import resolve
 from cbtrace.state import state_fingerprint

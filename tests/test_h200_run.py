@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cbtrace.rundir.read import read_modules
-from cbtrace.rundir.layout import find_trace
+from cbtrace.rundir.read import find_trace
 
 RUN = Path(__file__).parent / "data" / "h200_nanogpt_run"
 

@@ -101,3 +101,12 @@ def test_schema_1_manifests_are_read(tmp_path):
     assert m.environment.torch_version.startswith("2.11") and m.capture.trace is True
     assert m.replay.timer_requested == "auto" and m.replay.device_name == "NVIDIA H200"
     assert m.files_stat and all(isinstance(v, tuple) for v in m.files_stat.values())
+
+
+def test_architecture_doc_names_every_column_and_manifest_field():
+    text = (DATA.parent.parent / "docs" / "ARCHITECTURE.md").read_text()
+    for stage in STAGES:
+        row = next(ln for ln in text.splitlines() if ln.startswith(f"| `{stage}` "))
+        assert [c.strip() for c in row.split("|")[2].split(",")] == list(stage_columns(stage))
+    for field in ms.Manifest.__struct_fields__:
+        assert f"`{field}`" in text, field

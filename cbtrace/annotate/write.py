@@ -32,7 +32,7 @@ def pftrace_path(out: Path) -> Path:
 
 def _resolve(run, trace) -> tuple[Path, bool]:
     """(trace path, whether it is the run's own capture trace)."""
-    from cbtrace.rundir.layout import find_trace
+    from cbtrace.rundir.read import find_trace
 
     own = find_trace(run) if run is not None else None
     if trace is None:

@@ -41,7 +41,7 @@ def insitu_for_run(run_dir, manifest):
     """
     from cbtrace.attribution.attribute import attribute_file
     from cbtrace.errors import RunDirError
-    from cbtrace.rundir.layout import find_trace
+    from cbtrace.rundir.read import find_trace
 
     trace = find_trace(run_dir, manifest)
     if trace is None:

@@ -1,4 +1,4 @@
-"""Names inside a run directory, making a new one, and finding its files::
+"""Names inside a run directory, and making a new one::
 
     manifest.json                 the typed record (cbtrace.schema.manifest)
     modules.parquet               one row per captured call (cbtrace.schema.modules)
@@ -29,16 +29,3 @@ def prepare_new_run(out_dir, *, overwrite: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / INPUTS).mkdir(exist_ok=True)
     return out
-
-
-def find_trace(run, manifest=None) -> Path | None:
-    """The capture's Kineto trace in the run directory, if any."""
-    from cbtrace.rundir.read import read_manifest
-
-    run = Path(run)
-    manifest = read_manifest(run) if manifest is None else manifest
-    if manifest.trace and (run / manifest.trace).is_file():
-        return run / manifest.trace
-    found = sorted(run.glob("*.pt.trace.json*"))
-    found = [p for p in found if not p.name.startswith("annotated_")]
-    return found[0] if found else None

@@ -1,4 +1,4 @@
-"""Reading a run directory: the typed manifest and the modules table."""
+"""Reading a run directory: the typed manifest, the modules table, the capture trace."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,3 +50,14 @@ def read_records(run) -> list[ModuleRecord]:
 def load_run(run):
     """(Manifest, modules DataFrame) of a run directory."""
     return read_manifest(run), read_modules(run)
+
+
+def find_trace(run, manifest=None) -> Path | None:
+    """The capture's Kineto trace in the run directory, if any."""
+    run = Path(run)
+    manifest = read_manifest(run) if manifest is None else manifest
+    if manifest.trace and (run / manifest.trace).is_file():
+        return run / manifest.trace
+    found = sorted(run.glob("*.pt.trace.json*"))
+    found = [p for p in found if not p.name.startswith("annotated_")]
+    return found[0] if found else None

@@ -1,0 +1,71 @@
+"""`cbtrace profile` over several models in one run: statuses, fidelity and the error tables.
+
+Per model: capture (the model's spec, dtype and options), replay (default timer), in-situ join;
+then one line per model (calls, ok / skipped / error, share of calls with in-situ >= 10 us that
+read within +-5 % of in situ, the root's error, replay wall and duty cycle) and its error table
+by module class. Writes OUT_DIR/<model>_modules.csv. Usage:
+
+    python benchmarks/profile_models.py OUT_DIR nanogpt dlrm [...]   (names from MODELS)
+"""
+import sys
+import time
+from pathlib import Path
+
+MIN_MS, WITHIN_PCT = 0.010, 5.0
+GPU = dict(device="cuda", dtype="bf16")
+MODELS = {
+    "nanogpt": dict(spec="nanogpt", options={"batch_size": 8}, **GPU),
+    "dlrm": dict(spec="dlrm", options={"batch_size": 8192}, **GPU),
+    "nanogpt-tiny-cpu": dict(spec="nanogpt:tiny", device="cpu", dtype=None, options={}),
+    "dlrm-tiny-cpu": dict(spec="dlrm:tiny", device="cpu", dtype=None, options={}),
+}
+
+
+def summary(name, df, wall_s):
+    """One row of the model table (a dict)."""
+    status = df["status"].value_counts().to_dict()
+    timed = df[(df["status"] == "ok") & (df["insitu_ms"] >= MIN_MS)]
+    within = (timed["error_pct"].abs() <= WITHIN_PCT).mean() if len(timed) else float("nan")
+    root = df[df["parent_call_id"] == -1]
+    device_s = (df["isolated_ms"].fillna(0) * df["runs"].fillna(0)).sum() / 1e3
+    return {"model": name, "calls": len(df), "ok": status.get("ok", 0),
+            "skipped": status.get("skipped", 0), "error": status.get("error", 0),
+            "calls>=10us": len(timed), "within5%": within,
+            "root_err%": float(root["error_pct"].iloc[0]) if len(root) else float("nan"),
+            "replay_wall_s": wall_s, "duty": device_s / wall_s if wall_s else float("nan")}
+
+
+def main(out_dir, names):
+    import pandas as pd
+
+    from cbtrace.attribution.join import error_table, join_insitu
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.replay.engine import replay
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in names:
+        m = MODELS[name]
+        run = out / name
+        cap = capture_model(m["spec"], run, device=m["device"], dtype=m["dtype"],
+                            options=m["options"])
+        t0 = time.perf_counter()
+        replay(cap.out)
+        wall = time.perf_counter() - t0
+        df = join_insitu(cap.out)
+        df.to_csv(out / f"{name}_modules.csv", index=False)
+        rows.append(summary(name, df, wall))
+        errors = df[df["status"] != "ok"][["fqn", "status", "status_reason"]]
+        print(f"\n== {name}: error table (calls with in-situ >= {MIN_MS * 1e3:.0f} us)")
+        print(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
+        if len(errors):
+            print(errors.head(10).to_string(index=False))
+    print("\n== models")
+    print(pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2:])
