@@ -13,6 +13,8 @@ import contextlib
 
 import torch
 
+from cbtrace import module_tree
+
 
 class StateGuard:
     def __init__(self, model: torch.nn.Module):
@@ -82,6 +84,7 @@ def state_digest(model) -> str:
 
     h = hashlib.sha256()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        name = module_tree.user_name(name)  # the same digest compiled or not
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         if t.numel():
             h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())

@@ -4,11 +4,13 @@ from __future__ import annotations
 import torch
 
 from cbtrace.nested import flat_tensors, map_tensors
+from cbtrace.store.autograd_shape import as_non_leaf, is_non_leaf
 
 
 def clone_like(x):
-    """Deep copy of a nested structure; tensors keep dtype, shape, strides and requires_grad.
-    torchrec objects are shared: modules only read them."""
+    """Deep copy of a nested structure; tensors keep dtype, shape, strides and their autograd
+    shape (a leaf that requires grad, or a non-leaf). torchrec objects are shared: modules only
+    read them."""
     return map_tensors(_clone, x)
 
 
@@ -16,7 +18,9 @@ def _clone(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
     with torch.no_grad():
         y.copy_(x)
-    return y.requires_grad_(x.requires_grad) if x.is_leaf and x.is_floating_point() else y
+    if is_non_leaf(x):
+        return as_non_leaf(y)
+    return y.requires_grad_(x.requires_grad) if x.is_floating_point() else y
 
 
 def tensor_bytes(x) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from cbtrace import registry
+from cbtrace import module_tree, registry
 from cbtrace.calltree import bfs_order
 from cbtrace.errors import ReplayError
 from cbtrace.replay.config import ReplayConfig
@@ -123,7 +123,7 @@ def set_training_flags(module, rec, flags: dict) -> None:
     """The call's own train/eval flag, and each submodule's as it was at capture."""
     module.training = bool(rec.training)
     prefix = f"{rec.fqn}." if rec.fqn else ""
-    for name, sub in module.named_modules():
+    for name, sub in module_tree.named_modules(module):
         if name and f"{prefix}{name}" in flags:
             sub.training = bool(flags[f"{prefix}{name}"])
 
@@ -135,7 +135,7 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None) ->
     if (rec.capture_error or "").startswith(COPY_FAILED):
         return dict(status="error", status_reason=f"inputs not captured ({rec.capture_error})")
     try:
-        module = model.get_submodule(rec.fqn) if rec.fqn else model
+        module = module_tree.get_submodule(model, rec.fqn)  # eager, inside any compile wrapper
     except AttributeError:
         return dict(status="error", status_reason=f"module '{rec.fqn}' not found in the model")
     need = footprint_bytes(rec)

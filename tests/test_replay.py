@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import cbtrace
 from cbtrace.rundir.read import read_manifest, read_modules
@@ -228,3 +229,22 @@ def test_replay_again_clears_stale_figures_and_refuses_corrupt_inputs(tmp_path):
 
     rec = fresh_replay_fields(frame_to_records(read_modules(cap.out))[0])
     assert rec.isolated_ms is None and rec.status is None and rec.insitu_ms is None
+
+
+def test_inplace_op_on_a_non_leaf_input_replays_as_in_the_step(tmp_path):
+    """A BatchNorm output feeding ReLU(inplace=True) in a training step: stored as a non-leaf,
+    rebuilt as one (a leaf that requires grad would raise on the in-place op)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 4, 3)).train()
+    x = torch.randn(2, 3, 10, 10)
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(x).sum().backward()
+    (got,), _ = cbtrace.load_inputs(tmp_path / "r", "2")
+    assert got.requires_grad and not got.is_leaf  # as the ReLU saw it
+    bn = model[1].eval()(model[0](x)).detach()  # eval: the values, not the batch statistics
+    assert got.shape == bn.shape and got.stride() == bn.stride()
+    before = state_fingerprint(model.train())
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["fqn", "status_reason"]]
+    assert state_fingerprint(model) == before

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from cbtrace import module_tree
 from cbtrace.capture.recorder import CaptureConfig, capture
 from cbtrace.cost.dtypes import CLI_DTYPES, torch_dtype
 from cbtrace.errors import CaptureError
@@ -83,7 +84,7 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
         raise ProviderError(f"{spec}: failed to build or run the model "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})"
                             ) from e
-    cls = type(model)
+    cls = type(module_tree.unwrap(model))
     source = ModelSource(model_class=f"{cls.__module__}.{cls.__qualname__}", spec=spec,
                          options=options, seed=seed)
     settings = StepSettings(device=str(device), dtype=dtype, step=step, warmup=warmup)

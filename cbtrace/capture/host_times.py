@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import time
 
+from cbtrace import module_tree
+
 
 def time_calls(model, fqns: list[str], run_step) -> list[float] | None:
     """Milliseconds of each call, in the order the calls are entered; None if the step's calls do
     not line up with ``fqns`` (the captured call order)."""
-    modules = {f: (model.get_submodule(f) if f else model) for f in set(fqns)}
+    modules = {f: module_tree.get_submodule(model, f) for f in set(fqns)}
     starts, spans, order, handles = [], [], [], []
 
     def pre(mod, args):
@@ -28,7 +30,8 @@ def time_calls(model, fqns: list[str], run_step) -> list[float] | None:
         for m in {id(m): m for m in modules.values()}.values():
             handles.append(m.register_forward_pre_hook(pre))
             handles.append(m.register_forward_hook(post))
-        run_step()
+        with module_tree.eager(model):  # a compiled model: its calls, as capture saw them
+            run_step()
     finally:
         for h in handles:
             h.remove()
@@ -53,7 +56,7 @@ def host_times(model, records, run_step, *, repeats: int = 7,
     while len(runs) < repeats and (not runs or time.perf_counter() < t_end):
         with guard.call():
             spans = time_calls(model, [r.fqn for r in records], run_step)
-        with guard.call():
+        with guard.call(), module_tree.eager(model):
             t0 = time.perf_counter()
             run_step()
             plain.append((time.perf_counter() - t0) * 1e3)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from cbtrace import module_tree
 from cbtrace.cost.dtypes import name_of
 from cbtrace.errors import CaptureError
 from cbtrace.rundir import writer
@@ -126,6 +127,7 @@ class capture:
         self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread while profiling)
         self._lock = threading.RLock()
         self._cuda = False
+        self._eager = None
         self.trace_path: Path | None = None
         self.timings_s: dict[str, float] = {}  # where capture time went (also in the manifest)
 
@@ -153,21 +155,24 @@ class capture:
         self._snap = Snapshotter(self.out / INPUTS,
                                  synthesize_above_bytes=self.cfg.synthesize_above_bytes,
                                  max_pending_bytes=self.cfg.max_pending_bytes)
-        for name, mod in self.model.named_modules(remove_duplicate=False):
+        # the user's tree: a torch.compile'd model (or submodule) is hooked inside its wrapper
+        for name, mod in module_tree.named_modules(self.model, remove_duplicate=False):
             self._names.setdefault(id(mod), []).append(name)
             self._selected[name] = selected(name, self.cfg)  # once: hooks only look it up
         self._static = {id(m): _static_facts(m) for m in self.model.modules()}
-        self._flags = {n: m.training for n, m in self.model.named_modules()}
+        self._flags = {n: m.training for n, m in module_tree.named_modules(self.model)}
         self._cuda = any(t.is_cuda for t in self.model.parameters()) or any(
             t.is_cuda for t in self.model.buffers())
         seen = set()
-        for name, mod in self.model.named_modules(remove_duplicate=False):
+        for name, mod in module_tree.named_modules(self.model, remove_duplicate=False):
             if id(mod) in seen or not any(self._selected[n] for n in self._names[id(mod)]):
                 continue
             seen.add(id(mod))
             self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(mod.register_forward_hook(self._post, with_kwargs=True,
                                                            always_call=True))
+        self._eager = module_tree.eager(self.model)  # compiled parts run eagerly: calls of their own
+        self._eager.__enter__()
         self._t0 = time.perf_counter()
         if self.cfg.trace:
             self._prof = torch.profiler.profile(activities=profiler_activities(), record_shapes=True,
@@ -180,6 +185,7 @@ class capture:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         self._remove_hooks()
+        self._leave_eager()
         try:
             self._stop_helper()
         except BaseException:  # noqa: BLE001 - the original error is the one to report
@@ -207,6 +213,7 @@ class capture:
                 self.timings_s["profiler_stop"] = time.perf_counter() - t0
         finally:
             self._remove_hooks()
+            self._leave_eager()
             while self._stack:  # forward raised past some post hooks
                 rec, _, rf, _ = self._stack.pop()
                 if rec is None:
@@ -218,6 +225,11 @@ class capture:
         if helper_error is not None and exc is None:
             raise helper_error
         return False
+
+    def _leave_eager(self) -> None:
+        eager, self._eager = self._eager, None
+        if eager is not None:
+            eager.__exit__(None, None, None)
 
     # --- hooks -----------------------------------------------------------------------
     def _remove_hooks(self) -> None:
@@ -352,9 +364,10 @@ class capture:
 
         p = next(iter(self.model.parameters()), None)
         dev = str(p.device) if p is not None else "cpu"
-        cls = type(self.model)
+        cls = type(module_tree.unwrap(self.model))
         source = self.source or manifest_schema.ModelSource(
             model_class=f"{cls.__module__}.{cls.__qualname__}")
+        source.compiled = module_tree.has_compiled(self.model)
         return manifest_schema.Manifest(
             created=manifest_schema.now(), environment=manifest_schema.environment(),
             device=dev, device_name=device_name(dev), model=source, step=self.step_settings,

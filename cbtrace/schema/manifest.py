@@ -38,6 +38,7 @@ class ModelSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     spec: str | None = None              # provider spec that built it ("nanogpt:tiny", file.py:fn)
     options: dict[str, Any] = {}         # the provider's options, as given (-o KEY=VALUE)
     seed: int | None = None              # the seed the provider built model and batch with
+    compiled: bool = False               # torch.compile'd parts, captured running eagerly
 
 
 class StepSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

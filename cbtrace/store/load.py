@@ -18,6 +18,7 @@ from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.errors import RunDirError, SerializationError
 from cbtrace.store import shards
 from cbtrace.store import synth
+from cbtrace.store.autograd_shape import as_non_leaf
 from cbtrace.store.codec import DecodeContext
 from cbtrace.store.tensor_store import ALIGN, span_bytes
 
@@ -59,6 +60,7 @@ class _TensorLoader:
     def __init__(self, inputs_dir: Path, chunks: dict, device):
         self.inputs_dir, self.chunks, self.device = inputs_dir, chunks, device
         self._storages: dict = {}
+        self._grad_bases: dict = {}  # storage -> its non-leaf copy (autograd_shape.as_non_leaf)
 
     def _read(self, cid: int):
         try:
@@ -122,13 +124,15 @@ class _TensorLoader:
             storage, shift = self._storage(cid, dev)
         t = torch.empty(0, dtype=dtype, device=dev)
         t.set_(storage, off - shift // isz, shape, stride)
+        if node.get("nl"):  # before the conj/neg views, which keep its autograd shape
+            t = as_non_leaf(t, self._grad_bases)
         if node.get("conj"):
             t = t.conj()
         if node.get("neg"):
             t = torch._neg_view(t)
         if node.get("param"):
             return torch.nn.Parameter(t, requires_grad=bool(node["rg"]))
-        if node["rg"]:
+        if node["rg"] and t.is_leaf:
             t.requires_grad_(True)
         return t
 

@@ -9,7 +9,8 @@ moves the copies to the host and writes the shards. Format of ``inputs_ref``::
      "chunks": {id: [shard, row, nparts, lo_bytes, nbytes, "d" | "s"]}}
 
 A tensor node: {"t": "tensor", "dtype", "shape", "stride", "off", "dev", "rg", "c": chunk id,
-optional "syn": 1 (synthesized from statistics), "conj"/"neg"/"param": 1}.
+optional "syn": 1 (synthesized from statistics), "conj"/"neg"/"param": 1, "nl": 1 (a non-leaf
+that requires grad: made by an op in the step).
 """
 from __future__ import annotations
 

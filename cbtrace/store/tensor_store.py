@@ -16,6 +16,7 @@ import torch
 
 from cbtrace.cost.dtypes import name_of
 from cbtrace.store import synth
+from cbtrace.store.autograd_shape import is_non_leaf
 from cbtrace.store.codec import unsupported
 
 ALIGN = 16  # largest element size (complex128)
@@ -162,6 +163,8 @@ class TensorStore:
     def _meta(t: torch.Tensor) -> dict:
         node = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": list(t.stride()),
                 "off": t.storage_offset(), "dev": str(t.device), "rg": t.requires_grad, "c": None}
+        if is_non_leaf(t):
+            node["nl"] = 1  # made by an op: rebuilt as a view of a non-leaf (autograd_shape.py)
         if t.is_conj():
             node["conj"] = 1
         if t.is_neg():

@@ -1,0 +1,73 @@
+"""The user's module tree, seen through ``torch.compile`` wrappers.
+
+``torch.compile(m)`` returns an ``OptimizedModule`` whose only child is ``_orig_mod``; its
+``named_modules()`` spell every path with ``_orig_mod.`` and its compiled forward erases the
+submodules' boundaries (hooks inside do not fire as calls of their own). cbtrace names modules
+as the user wrote them (``layers.0.attn``, not ``_orig_mod.layers.0.attn``), hooks the eager
+modules inside the wrapper, and runs a compiled model's step eagerly while it captures or times
+calls (``eager``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+WRAPPER = "_orig_mod"
+
+
+def is_compiled(module) -> bool:
+    """A torch.compile wrapper (torch._dynamo's OptimizedModule)."""
+    return type(module).__name__ == "OptimizedModule" and WRAPPER in module._modules
+
+
+def unwrap(module):
+    """The eager module inside any torch.compile wrappers."""
+    while is_compiled(module):
+        module = module._modules[WRAPPER]
+    return module
+
+
+def named_modules(model, *, remove_duplicate: bool = True):
+    """(fqn, module) of every module as the user's tree names it: wrappers left out, each
+    compiled module under its own name; parents before children, in registration order."""
+    seen: set[int] = set()
+    stack = [("", unwrap(model))]
+    while stack:
+        name, module = stack.pop()
+        if remove_duplicate:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+        yield name, module
+        children = [(f"{name}.{k}" if name else k, unwrap(c))
+                    for k, c in module._modules.items() if c is not None]
+        stack.extend(reversed(children))
+
+
+def get_submodule(model, fqn: str):
+    """The module at ``fqn`` (a user's path) under ``model``; AttributeError if there is none."""
+    module = unwrap(model)
+    for part in fqn.split(".") if fqn else ():
+        child = module._modules.get(part)
+        if child is None:
+            raise AttributeError(f"{type(module).__name__} has no submodule {part!r}")
+        module = unwrap(child)
+    return module
+
+
+def user_name(name: str) -> str:
+    """A parameter or module path without the wrappers' ``_orig_mod`` components."""
+    return ".".join(p for p in name.split(".") if p != WRAPPER)
+
+
+def has_compiled(model) -> bool:
+    return any(is_compiled(m) for m in model.modules())
+
+
+def eager(model):
+    """Context in which the model's compiled parts run eagerly (``torch.compiler`` stance
+    ``force_eager``), so every module call is a call of its own; a no-op for eager models."""
+    if not has_compiled(model):
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.compiler.set_stance("force_eager")

@@ -1,0 +1,34 @@
+"""The autograd shape of an input tensor: a leaf, or the output of an op that requires grad.
+
+A module in a training step often gets a non-leaf input (a BatchNorm's output feeding
+``ReLU(inplace=True)``); rebuilt as a leaf that requires grad, the in-place op raises ("a leaf
+Variable that requires grad is being used in an in-place operation"). ``as_non_leaf`` gives the
+tensor back as a view of a non-leaf base: same values, shape, strides and storage offset, and
+in-place ops run as they did in the step. Capture records the shape per tensor node (``"nl"``).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def is_non_leaf(t: torch.Tensor) -> bool:
+    """True for a tensor that requires grad and was made by an op (has a grad_fn)."""
+    return t.requires_grad and not t.is_leaf
+
+
+def as_non_leaf(t: torch.Tensor, bases: dict | None = None) -> torch.Tensor:
+    """``t`` (no grad) as a non-leaf that requires grad: a view, with ``t``'s shape, strides and
+    offset, of a copy of its whole storage (bytes unchanged). Tensors over one storage share one
+    copy through ``bases`` (storage -> base), so aliasing between arguments survives."""
+    storage = t.untyped_storage()
+    key = (storage.data_ptr(), t.device, t.dtype)
+    base = None if bases is None else bases.get(key)
+    if base is None:
+        n = storage.nbytes() // t.element_size()
+        flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,))
+        with torch.enable_grad():
+            base = flat.detach().requires_grad_(True).clone()  # CloneBackward: a non-leaf
+        if bases is not None:
+            bases[key] = base
+    with torch.enable_grad():
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
