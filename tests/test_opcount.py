@@ -152,6 +152,17 @@ def test_compute_dtype_under_autocast():
     assert cost.compute_dtype == "bfloat16"
 
 
+def test_autocast_linear_counts_its_bf16_matmul_once():
+    # a dispatch mode sees what ran: the three casts and one bf16 addmm, never the aten::linear
+    # wrapper that saw fp32 weights (issue 12: a trace nests both; insitu.working_ops)
+    lin = nn.Linear(32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cost = count(lin, torch.randn(4, 8, 32), outputs=True)
+    assert [(op.name, op.dtype) for op in cost.ops if op.cost.flops] == [("aten::addmm", "bfloat16")]
+    assert {op.name for op in cost.ops} == {"aten::_to_copy", "aten::addmm"}
+    assert cost.flops == 2 * 32 * 32 * 64 and cost.compute_dtype == "bfloat16"
+
+
 def test_dominant_dtype_is_the_one_with_most_flops():
     class Mixed(nn.Module):
         def __init__(self):

@@ -14,7 +14,14 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
   ``kernel_count`` (inclusive).
 - ``flops``, ``flops_executed``, ``bytes``, ``ops_without_formula``, ``compute_dtype``, ``mfu``,
   ``mbu``: from op shapes (``record_shapes=True``), cbtrace.cost.flops formulas, cbtrace.cost.peaks peaks;
-  inclusive; mfu/mbu use ``gpu_ms`` and the trace's device (NaN on CPU-only traces).
+  inclusive; mfu/mbu use ``gpu_ms`` and the trace's device (NaN on CPU-only traces). Each op's
+  FLOPs and bytes count once, at the op that did the work (an autocast ``aten::linear`` on
+  fp32 weights only casts and calls the bf16 ``aten::addmm``: insitu.working_ops), and
+  ``compute_dtype`` (whose peak mfu/mbu divide by) is the dtype with the most FLOPs (else
+  bytes) over those ops, each op's dtype its first floating operand's (cost.compute_dtype).
+- ``figures_suspect``: mfu, mbu or hfu (flops_executed / gpu time / peak) is above 1, which no
+  call can reach: a bug in a count, flagged, not capped (cost.metrics.suspect); summary_text
+  names such rows.
 - Slice identity: ``pid``, ``tid``, ``ts_us``, ``dur_us`` (as in the trace), ``ev_index`` (position
   in ``traceEvents`` = HTA's ``index`` column: join with
   ``df.merge(hta_df, left_on="ev_index", right_on="index")``), ``module_label`` ("Linear_3"),
@@ -44,7 +51,8 @@ GROUP = ["rank", "fqn", "call_index", "phase"]
 COLUMNS = ["rank", "step", "fqn", "source", "call_index", "depth", "parent_fqn", "phase",
            "cpu_ms", "cpu_self_ms", "gpu_ms", "gpu_self_ms", "gpu_span_ms", "kernel_count",
            "flops", "flops_executed", "bytes", "ops_without_formula", "compute_dtype", "mfu",
-           "mbu", "module_label", "pid", "tid", "ts_us", "dur_us", "ev_index", "trace"]
+           "mbu", "figures_suspect", "module_label", "pid", "tid", "ts_us", "dur_us", "ev_index",
+           "trace"]
 _SUFFIXES = (".json", ".json.gz")
 _RANK_IN_NAME = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
 
@@ -109,6 +117,7 @@ def attribute_file(path, *, rank: int | None = None, class_map: dict | None = No
     if not with_shapes:  # no op shapes anywhere: no FLOPs known
         df[["flops", "flops_executed", "bytes", "mbu"]] = float("nan")
         df["mfu"] = float("nan")
+        df["figures_suspect"] = False
     df["rank"] = rank_of(meta, path, 0) if rank is None else rank
     df["trace"] = str(path)
     return df[COLUMNS]
@@ -224,4 +233,21 @@ def summary_text(df, *, top: int = 15) -> str:
             "kernel_count", "mfu"]
     steps = sorted(set(df["step"]))
     head = f"{len(df)} rows, ranks {sorted(set(df['rank']))}, steps {steps[:6]}{' ...' if len(steps) > 6 else ''}"
-    return head + "\n" + s[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}")
+    warn = suspect_line(df)
+    return "\n".join([head] + ([warn] if warn else []) +
+                     [s[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}")])
+
+
+def suspect_line(df, *, names: int = 3) -> str | None:
+    """One line naming the rows whose mfu, hfu or mbu is above 1 (figures_suspect), or None."""
+    bad = df[df["figures_suspect"].astype(bool)] if "figures_suspect" in df else df.iloc[:0]
+    if not len(bad):
+        return None
+    worst = {}  # (fqn, phase) -> its largest mfu or mbu, in row order
+    for fqn, phase, v in zip(bad["fqn"], bad["phase"], bad[["mfu", "mbu"]].max(axis=1)):
+        worst[(fqn, phase)] = max(v, worst.get((fqn, phase), v))
+    shown = ", ".join(f"{f or '<root>'} {p}" + ("" if v != v else f" ({v:.3g}x peak)")
+                      for (f, p), v in list(worst.items())[:names])
+    more = f" and {len(worst) - names} more calls" if len(worst) > names else ""
+    return (f"SUSPECT: {len(bad)} rows with mfu, hfu or mbu above 1 (no call beats its peak: "
+            f"a FLOP or byte miscounted; column figures_suspect): {shown}{more}")

@@ -19,6 +19,7 @@ from cbtrace.attribution import backward, identity
 from cbtrace.attribution.op_costs import peak_of, utilization
 from cbtrace.attribution.forest import Forest, by_level, string_mask
 from cbtrace.cost.compute_dtype import dominant_dtype
+from cbtrace.cost.metrics import suspect
 
 UNATTRIBUTED = "<unattributed>"
 OVERHEAD = "<cbtrace-overhead>"
@@ -63,6 +64,46 @@ def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = 
     return _finish(m_cols, m_figs, u_cols, u_figs, b.dtypes, device_name, with_shapes)
 
 
+def working_ops(forest: Forest, op_flops: np.ndarray, op_bytes: np.ndarray) -> np.ndarray:
+    """Per host event: is it an op whose cost counts? (``op_flops`` / ``op_bytes``: per cost code)
+
+    Kineto nests the ops a call dispatches to inside it. Under autocast ``aten::linear`` sees
+    the fp32 weights, calls ``aten::_to_copy`` for each operand and then ``aten::linear`` again
+    on the bf16 copies, which calls ``aten::addmm``; ``aten::matmul`` calls ``aten::mm``; on
+    CUDA ``aten::embedding`` calls ``index_select``, which calls ``gather``. Each FLOP and byte
+    is counted once, at the op that did the work, so its dtype is the one its operands had
+    when it ran:
+
+    - an op with FLOPs only dispatched when the ops inside it (each by this same rule) count
+      at least its FLOPs: they are counted, it is not; otherwise it did the work itself (CPU
+      ``aten::addmm`` copies the bias with ``aten::copy_``, then multiplies) and nothing below
+      it counts;
+    - an op without FLOPs (data movement) dispatched when the ops inside it count no more bytes
+      than it does (``_to_copy`` -> ``copy_``, which writes the bf16 copy). Formulas see shapes,
+      not strides: ``gather``'s index in an embedding is a (tokens, d) view of one id per
+      token, so where the inside counts more, the op's own formula (the gathered rows) is kept;
+    - ops without a formula and free ops (views, ``aten::to``, ``aten::reshape``) are
+      transparent: what runs inside them counts.
+    """
+    n = len(forest)
+    formula = forest.cost > 0  # code 0: a free op, -1: no formula
+    code = np.maximum(forest.cost, 0)
+    own_f = np.where(formula, op_flops[code], 0.0) if len(op_flops) else np.zeros(n)
+    own_b = np.where(formula, op_bytes[code], 0.0) if len(op_bytes) else np.zeros(n)
+    below_f, below_b = np.zeros(n + 1), np.zeros(n + 1)  # counted in the children's subtrees
+    has_below = np.zeros(n + 1, bool)  # an op with a formula in a child's subtree; [-1]: top
+    works = np.zeros(n, bool)
+    for idx in reversed(forest.levels()):
+        f, b = own_f[idx], own_b[idx]
+        inside = has_below[idx] & (below_f[idx] >= f) & ((f > 0) | (below_b[idx] <= b))
+        works[idx] = formula[idx] & ~inside
+        up = forest.parent[idx]
+        np.add.at(below_f, up, np.where(works[idx], f, below_f[idx]))
+        np.add.at(below_b, up, np.where(works[idx], b, below_b[idx]))
+        np.logical_or.at(has_below, up, formula[idx] | has_below[idx])
+    return works & ~forest.strict_any(works)
+
+
 class _Buckets:
     """Per owner key: host time, device time and span, kernels, FLOPs, bytes, ops without
     a formula, FLOPs and bytes per dtype (``acc``, aligned with the sorted ``keys``)."""
@@ -71,8 +112,8 @@ class _Buckets:
         s, n, ar = forest.strings, len(forest), np.arange(len(forest))
         is_op = string_mask(s, _OPS.__contains__)[forest.cat] if n else np.zeros(0, bool)
         aten = string_mask(s, lambda x: x.startswith("aten::"))[forest.name] if n else is_op
-        has_cost = forest.cost >= 0
-        f_anc = forest.strict_any(has_cost)
+        table = np.array([c[:3] for c in costs or []], np.float64).reshape(-1, 3)
+        f_anc = forest.strict_any(forest.cost >= 0)
         # host time: backward roots, overhead ranges, top-level ops outside every module
         top_op = is_op & ~forest.strict_any(is_op) & (roots < 0) & (copy_of < 0) & (module_of < 0)
         cpu_at = np.flatnonzero((roots == ar) | copy_root | top_op)
@@ -80,9 +121,10 @@ class _Buckets:
         la = forest.launcher
         d_key = np.where(la >= 0, key[np.maximum(la, 0)] if n else 0,
                          _key(UFWD, forest.step_at(forest.d_ts)))
-        # FLOPs: the outermost op with a formula; ops with none anywhere in their subtree count
-        cost_at = np.flatnonzero(has_cost & ~f_anc)
-        nof_at = np.flatnonzero(is_op & aten & ~forest.subtree_any(has_cost) & ~f_anc
+        # FLOPs and bytes: once, at the ops that did the work (working_ops); ops without a
+        # formula count where nothing in their subtree or above them has one
+        cost_at = np.flatnonzero(working_ops(forest, table[:, 0], table[:, 2]))
+        nof_at = np.flatnonzero(is_op & aten & ~forest.subtree_any(forest.cost >= 0) & ~f_anc
                                 & ~forest.strict_any(aten))
         self.keys, inv = np.unique(np.r_[key[cpu_at], d_key, key[cost_at], key[nof_at]],
                                    return_inverse=True)
@@ -96,7 +138,6 @@ class _Buckets:
                "first": np.full(nb, np.inf), "last": np.full(nb, -np.inf)}
         np.minimum.at(acc["first"], i_dev, d_ts)
         np.maximum.at(acc["last"], i_dev, d_ts + d_dur)
-        table = np.array([c[:3] for c in costs or []], np.float64).reshape(-1, 3)
         self.dtypes = sorted({c[3] for c in costs or [] if c[3]})
         dcode = np.array([self.dtypes.index(c[3]) if c[3] else -1 for c in costs or []], np.int64)
         cc = forest.cost[cost_at]
@@ -274,8 +315,11 @@ def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes) -> dict:
                ops_without_formula=f["nof"].astype(np.int64), compute_dtype=dtype,
                mfu=np.where(kernels > 0, utilization(flops, gpu_ms, pf), nan),
                mbu=np.where((kernels > 0) & with_shapes, utilization(f["bytes"], gpu_ms, pb), nan))
+    hfu = np.where(kernels > 0, utilization(res["flops_executed"], gpu_ms, pf), nan)
+    res["figures_suspect"] = np.fromiter(
+        (suspect(*x) for x in zip(res["mfu"].tolist(), hfu.tolist(), res["mbu"].tolist())),
+        bool, len(gpu_ms))
     return res
-
 
 
 def _compute_dtypes(flops, nbytes, dtypes: list) -> list:

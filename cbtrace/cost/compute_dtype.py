@@ -2,7 +2,10 @@
 
 - An op computes in the dtype its floating operands had when it ran: the first floating one
   ("tf32" for float32 when the op ran on TF32 tensor cores); an op with none (integer index
-  arithmetic) has no compute dtype.
+  arithmetic) has no compute dtype. Under autocast that is the dtype of the casts: replay's
+  dispatch mode sees only the ops that ran (``_to_copy``, then the bf16 ``addmm``), and a trace
+  counts the op that did the work, not the ``aten::linear`` that saw the fp32 weights
+  (``attribution.insitu.working_ops``).
 - A module call computes in the dtype with the most FLOPs over its ops, or the most bytes when
   none of them has FLOPs (an Embedding); ties go to the name that sorts first, so the answer
   does not depend on the order ops were seen in.

@@ -12,13 +12,18 @@ Conventions (torch ``utils/flop_counter.py`` where it is right, our own where it
 - norms and softmax: per-element constants documented beside each formula.
 - embedding: 0 FLOPs; embedding_bag: one add per gathered row element (+ the mean divide, or a
   multiply per element with per_sample_weights).
-- bytes: tensor inputs read + outputs written, except embedding(_bag) tables, where only the
-  gathered rows count, and loss gathers, where only the gathered logits count.
+- bytes: tensor inputs read + outputs written, except embedding(_bag) and index_select tables,
+  where only the gathered rows count, at most the table's rows (a row gathered twice is read
+  from memory once: BERT's all-zero token-type ids touch one row of two), and loss gathers,
+  where only the gathered logits count.
 
-``trace_op_cost`` memoises by the event args' text. In a Kineto trace, aten ops nest (``aten::linear`` > ``aten::addmm``). Count the OUTERMOST op that
-has a formula and skip its subtree; ops for which ``is_free`` is true (views, allocation, and
-wrappers such as ``aten::to`` / ``aten::reshape`` / ``aten::contiguous``) are transparent: look
-at their children. Under a TorchDispatchMode composite ops never appear, so nothing nests.
+``trace_op_cost`` memoises by the event args' text. In a Kineto trace, aten ops nest
+(``aten::linear`` > ``aten::addmm``; under autocast ``aten::linear`` on fp32 weights >
+``aten::_to_copy`` and ``aten::linear`` on their bf16 copies). Each op's cost is counted once,
+at the op that did the work (``attribution.insitu.working_ops``); ops for which ``is_free`` is
+true (views, allocation, and wrappers such as ``aten::to`` / ``aten::reshape`` /
+``aten::contiguous``) are transparent. Under a TorchDispatchMode composite ops never appear, so
+nothing nests.
 """
 from __future__ import annotations
 
@@ -638,8 +643,8 @@ flop_formula("aten::_log_softmax_backward_data",
 
 @flop_formula("aten::embedding", params=("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"))
 def _embedding(x):
-    (_, d), idx = x.shape(0), x.shape(1)
-    rows = _numel(idx) * d * itemsize(x.dtype(0))           # only the gathered rows are read
+    (v, d), idx = x.shape(0), x.shape(1)
+    rows = min(_numel(idx), v) * d * itemsize(x.dtype(0))   # only the gathered rows are read
     read = rows + _nbytes(idx, x.dtype(1))
     return _cost(0, x, _numel(idx) * d, read=read, out_dtype=x.dtype(0))
 
@@ -648,7 +653,7 @@ def _embedding(x):
               params=("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse",
                       "per_sample_weights", "include_last_offset", "padding_idx"))
 def _embedding_bag(x):
-    (_, d), idx = x.shape(0), x.shape(1)
+    (v, d), idx = x.shape(0), x.shape(1)
     n = _numel(idx)
     if x.has("offsets") and len(idx) == 1:
         bags = x.shape("offsets")[0] - bool(x.get("include_last_offset", False))
@@ -658,7 +663,7 @@ def _embedding_bag(x):
     flops = n * d                # one add (or compare, for max) per gathered row element
     flops += bags * d if mode in (1, "mean") else 0
     flops += n * d if x.has("per_sample_weights") else 0
-    read = n * d * itemsize(x.dtype(0)) + sum(
+    read = min(n, v) * d * itemsize(x.dtype(0)) + sum(
         _nbytes(x.shape(p), x.dtype(p)) for p in ("indices", "offsets", "per_sample_weights") if x.has(p))
     return _cost(flops, x, bags * d, read=read, out_dtype=x.dtype(0))
 
@@ -780,8 +785,9 @@ def _scatter_add(x):
 def _index_select(x):
     shape, idx = x.shape(0), x.shape(2)
     dim = int(x.get("dim", 0)) % len(shape)
-    out = _numel(shape) // shape[dim] * _numel(idx)
-    read = out * itemsize(x.dtype(0)) + _nbytes(idx, x.dtype(2))
+    row = _numel(shape) // shape[dim]
+    out = row * _numel(idx)
+    read = row * min(_numel(idx), shape[dim]) * itemsize(x.dtype(0)) + _nbytes(idx, x.dtype(2))
     return _cost(0, x, out, read=read)
 
 

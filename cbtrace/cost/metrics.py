@@ -40,6 +40,16 @@ def mbu(bytes_moved, seconds, peak_bytes_per_s) -> float | None:
     return _rate(bytes_moved, seconds, peak_bytes_per_s)
 
 
+def suspect(*fractions) -> bool:
+    """True when a utilisation (mfu, hfu, mbu; 1.0 = the device's peak) is above 1.
+
+    No call runs faster than its device's peak, so such a figure is a bug in what it divides
+    (a FLOP or byte counted twice, the wrong dtype's peak, device time missed): flag it, never
+    cap it. None and NaN (no figure) are not suspect.
+    """
+    return any(f is not None and not math.isnan(f) and f > 1.0 for f in fractions)
+
+
 def bound(flops, bytes_moved, seconds, peak_flops_per_s, peak_bytes_per_s,
           launch_overhead_s=None, kernel_count=None) -> str | None:
     """"launch", "compute" or "memory": what limits a call that took ``seconds``.
