@@ -58,6 +58,7 @@ def add_utilisation(rec, device_name: str) -> None:
                 rec.hfu = metrics.hfu(rec.flops_executed, seconds, peak.flops_per_s)
         if peak.bytes_per_s and rec.bytes is not None:
             setattr(rec, "mbu" + suffix, metrics.mbu(rec.bytes, seconds, peak.bytes_per_s))
+    rec.figures_suspect = metrics.suspect(rec.mfu, rec.hfu, rec.mbu)
     peak = datasheet or measured
     if peak is not None and peak.flops_per_s and peak.bytes_per_s:
         # Launch-bound when issuing the call takes the host >= 1.5x its device time (metrics.bound

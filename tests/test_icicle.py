@@ -369,3 +369,17 @@ def test_screenshot_script_makes_a_png(browser, runs, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     _keep_screenshot(png, "icicle_dlrm.png")
     assert not (runs["dlrm"] / "icicle.html").exists()  # the run is left untouched
+
+
+def test_summary_names_calls_whose_figures_exceed_the_peak():
+    from cbtrace.plugins.reporters.summary import summary_table
+    from cbtrace.replay.derive import add_utilisation
+
+    fast = _rec(0, "", -1, ms=1e-6, flops=1e9, bytes=1e6, compute_dtype="bfloat16")
+    add_utilisation(fast, "NVIDIA H200")  # 1 GFLOP in 1 ns: ~1000x the peak
+    assert fast.mfu > 1 and fast.figures_suspect
+    text = summary_table(records_to_frame([fast]))
+    assert "SUSPECT: 1 call(s) read above 100 % of the device's peak: (root) (MFU" in text
+    ok = _rec(0, "", -1, ms=1.0, flops=1e9, bytes=1e6, compute_dtype="bfloat16")
+    add_utilisation(ok, "NVIDIA H200")
+    assert not ok.figures_suspect and "SUSPECT" not in summary_table(records_to_frame([ok]))

@@ -103,6 +103,8 @@ class ModuleRecord:
     mbu_calibrated: float | None = column(REPLAY, "fraction", "against the calibrated bandwidth",
                                           default=None)
     bound: str | None = column(REPLAY, doc="compute | memory | launch", default=None)
+    figures_suspect: bool = column(REPLAY, doc="mfu, hfu or mbu above 1: a bug in what they "
+                                               "divide, flagged and never capped", default=False)
     peak_mem_bytes: int | None = column(REPLAY, "bytes", "allocated-memory delta at peak (GPU) "
                                                          "or an estimate (CPU)", default=None)
     peak_mem_source: str | None = column(REPLAY, doc='"cuda_allocator" or "estimate"',

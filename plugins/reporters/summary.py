@@ -80,7 +80,19 @@ def summary_table(df, *, top: int = 15) -> str:
         for i, (fqn, a) in enumerate(ranked)]
     title = (f"Top {len(ranked)} of {len(agg)} modules by self time ({mode}; "
              f"step {fmt.ms(step)}; self = own time without children)")
-    return title + "\n" + _table(body)
+    return title + "\n" + _table(body) + suspect_line(rows)
+
+
+def suspect_line(rows: list[dict]) -> str:
+    """A line naming the calls whose MFU, HFU or MBU read above 100 % ("" when none): such a
+    figure is a bug in what it divides, printed rather than capped."""
+    bad = [r for r in rows if r.get("figures_suspect")]
+    if not bad:
+        return ""
+    names = ", ".join(f"{r.get('fqn') or '(root)'} (MFU {fmt.pct(r.get('mfu'))}, MBU "
+                      f"{fmt.pct(r.get('mbu'))})" for r in bad[:5])
+    return (f"\nSUSPECT: {len(bad)} call(s) read above 100 % of the device's peak: {names}"
+            f"{' ...' if len(bad) > 5 else ''}")
 
 
 class SummaryReporter:
