@@ -1,29 +1,63 @@
 """The model of a run rebuilt from its manifest (provider spec, options, seed, dtype), checked
-against the state digest taken at capture."""
+against the state digest taken at capture.
+
+A run directory is data (a teammate's capture, a bug report, a CI artifact): its spec is
+resolved only when it names a registered provider, whose installed code gets the run's options
+as keyword values. A ``file.py:fn`` or ``pkg.module:fn`` spec runs the code it names, so it is
+used only when the user trusts the run (``trust``); or the user names the model (``spec``,
+resolved as ``cbtrace capture --model`` resolves it, with the run's options and seed).
+"""
 from __future__ import annotations
 
 from cbtrace.errors import CbtraceError, ReplayError
 
+HOW = ("pass --model SPEC to name the model (cbtrace.replay: model= or model_spec=), or "
+       "--trust (trust=True) to rebuild it from the run's spec")
 
-def rebuild_model(manifest, device, *, verify: bool):
+
+def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
+                  spec: str | None = None, run=None):
+    """The run's model on ``device``.
+
+    Args:
+        manifest: the run's Manifest.
+        verify: check the rebuilt weights against the digest taken at capture.
+        trust: resolve the run's spec even when it names code (file.py:fn, pkg.module:fn).
+        spec: the user's model spec, used instead of the run's.
+        run: the run directory, named in errors.
+    """
     from cbtrace.cost.dtypes import torch_dtype
-    from cbtrace.model.spec import resolve
+    from cbtrace.model.spec import is_registered, resolve
     from cbtrace.state import state_digest
 
-    spec = manifest.model.spec
+    where = f"{run}: " if run is not None else ""
+    named = spec is not None
+    spec = spec if named else manifest.model.spec
     if not spec:
-        raise ReplayError("run was captured from a live model (no spec): pass model= to replay")
+        raise ReplayError(f"{where}run was captured from a live model (no spec): pass model= "
+                          "to replay, or --model SPEC")
+    if not (named or trust or is_registered(spec)):
+        raise ReplayError(f"{where}the run's model spec '{spec}' is not a registered provider; "
+                          + HOW)
     dtype = manifest.step.dtype if manifest.step is not None else None
+    whose = "the model" if named else "the run's model"
     try:
-        provider = resolve(spec, seed=manifest.model.seed or 0, options=manifest.model.options)
+        provider = resolve(spec, seed=manifest.model.seed or 0,
+                           options=dict(manifest.model.options))
         model, _ = provider.model_and_batch(device, torch_dtype(dtype) if dtype else None)
     except CbtraceError as e:
-        raise ReplayError(f"cannot rebuild the run's model '{spec}' ({e}); pass model= to "
+        raise ReplayError(f"{where}cannot rebuild {whose} '{spec}' ({e}); pass model= to "
                           "cbtrace.replay") from None
     except Exception as e:
-        raise ReplayError(f"cannot rebuild the run's model '{spec}' ({type(e).__name__}: {e}); "
-                          "pass model= to cbtrace.replay") from None
+        raise ReplayError(f"{where}cannot rebuild {whose} '{spec}' ({type(e).__name__}: "
+                          f"{_first_line(e)}); pass model= to cbtrace.replay") from None
     if verify and manifest.state_sha256 and state_digest(model) != manifest.state_sha256:
-        raise ReplayError(f"{spec}: the rebuilt model's weights differ from the captured ones "
-                          "(provider not deterministic?): pass model= to replay")
+        raise ReplayError(f"{where}{spec}: the rebuilt model's weights differ from the captured "
+                          "ones (provider not deterministic, or another model?): pass model= to "
+                          "replay")
     return model
+
+
+def _first_line(e) -> str:
+    lines = str(e).splitlines()
+    return lines[0][:300] if lines else ""

@@ -4,6 +4,10 @@ Specs: a registered name with an optional preset (``nanogpt``, ``nanogpt:tiny``,
 ``torchrec``), ``pkg.module:callable``, or ``path/to/file.py:callable``. The callable returns a
 Provider, or a tuple ``(model, batch)`` where batch is a tuple of positional args or a dict of
 keyword args.
+
+A registered name runs only installed code (its options are passed as values); the other two
+forms run the code they name, so a spec read from a run directory is resolved only if
+``is_registered`` says so or the user asked for it (``cbtrace.replay.rebuild``).
 """
 from __future__ import annotations
 
@@ -79,6 +83,14 @@ def _load_callable(spec: str):
     if fn is None or not callable(fn):
         raise ProviderError(f"{spec}: '{attr}' is not a callable in {target}")
     return fn
+
+
+def is_registered(spec: str) -> bool:
+    """True if ``spec`` (``NAME[:PRESET]``) names a provider registered through the plugin
+    hooks, so that resolving it imports no module the spec names."""
+    from cbtrace import registry
+
+    return str(spec).partition(":")[0] in registry.models()
 
 
 def resolve(spec: str, *, seed: int = 0, options: dict | None = None) -> Provider:

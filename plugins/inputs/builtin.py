@@ -10,12 +10,13 @@ import base64
 import collections
 import dataclasses
 import enum
+import keyword
 import struct
 
 import torch
 
 from cbtrace.errors import SerializationError
-from cbtrace.store.serializer import Serializer, import_qualname, qualname_of
+from cbtrace.store.serializer import Serializer, lookup_class, qualname_of
 
 _JSON_INT = 2**53  # ints beyond this are stored as strings (JSON readers use doubles)
 
@@ -187,7 +188,7 @@ class SliceSerializer(_Exact):
 
 
 class EnumSerializer(Serializer):
-    """An Enum member, by class and member name; the class must import."""
+    """An Enum member, by class and member name; the class must pass ``lookup_class``."""
     by_type = True  # handles() looks at type(obj) only
 
     name = "enum"
@@ -199,14 +200,17 @@ class EnumSerializer(Serializer):
         return {"cls": qualname_of(type(obj)), "member": obj.name}
 
     def decode(self, node, ctx):
+        where = f"enum {node['cls']}.{node['member']}"
         try:
-            cls = import_qualname(node["cls"])
-            if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
-                raise TypeError("not an Enum")
+            cls = lookup_class(node["cls"])
+        except SerializationError as e:
+            raise SerializationError(f"{where} cannot be rebuilt: {e}") from None
+        if not issubclass(cls, enum.Enum):
+            raise SerializationError(f"{where} cannot be rebuilt: {node['cls']} is not an Enum")
+        try:
             return cls[node["member"]]
-        except (ImportError, AttributeError, TypeError, KeyError) as e:
-            raise SerializationError(f"enum {node['cls']}.{node['member']} cannot be rebuilt "
-                                     f"({type(e).__name__}: {e})") from None
+        except KeyError:
+            raise SerializationError(f"{where} cannot be rebuilt: no such member") from None
 
 
 def _is_namedtuple_type(cls) -> bool:
@@ -215,7 +219,8 @@ def _is_namedtuple_type(cls) -> bool:
 
 
 class NamedTupleSerializer(Serializer):
-    """A namedtuple; rebuilt by class if it imports, else as a look-alike with the same fields."""
+    """A namedtuple; rebuilt by class if ``lookup_class`` allows it, else as a look-alike
+    ``collections.namedtuple`` with the same name and fields."""
     by_type = True  # handles() looks at type(obj) only
 
     name = "namedtuple"
@@ -231,17 +236,22 @@ class NamedTupleSerializer(Serializer):
         values = [ctx.decode(n) for n in node["v"]]
         fields = tuple(node["fields"])
         try:
-            cls = import_qualname(node["cls"])
-        except (ImportError, AttributeError):
+            cls = lookup_class(node["cls"])
+        except SerializationError:
             cls = None
         if not (_is_namedtuple_type(cls) and tuple(cls._fields) == fields):
             name = node["cls"].rpartition(".")[2].rpartition(":")[2]
-            cls = collections.namedtuple(name if name.isidentifier() else "Record", fields)
+            try:  # namedtuple checks each name is an identifier before it builds anything
+                ok = name.isidentifier() and not keyword.iskeyword(name)
+                cls = collections.namedtuple(name if ok else "Record", fields)
+            except (TypeError, ValueError) as e:
+                raise SerializationError(f"namedtuple {node['cls']}: {e}") from None
         return cls._make(values)
 
 
 class DataclassSerializer(Serializer):
-    """A dataclass instance: init fields through the constructor, the others set afterwards."""
+    """A dataclass instance: init fields through the constructor, the others set afterwards.
+    The class must pass ``lookup_class`` (a look-alike would hide its methods from the module)."""
     by_type = True  # handles() looks at type(obj) only
 
     name = "dataclass"
@@ -261,11 +271,10 @@ class DataclassSerializer(Serializer):
 
     def decode(self, node, ctx):
         try:
-            cls = import_qualname(node["cls"])
-        except (ImportError, AttributeError) as e:
-            raise SerializationError(f"dataclass {node['cls']} cannot be imported "
-                                     f"({type(e).__name__}: {e})") from None
-        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            cls = lookup_class(node["cls"])
+        except SerializationError as e:
+            raise SerializationError(f"dataclass {e}") from None
+        if not dataclasses.is_dataclass(cls):
             raise SerializationError(f"{node['cls']} is no longer a dataclass; not building it")
         obj = cls(**{k: ctx.decode(v) for k, v in node["init"].items()})
         for k, v in node["other"].items():

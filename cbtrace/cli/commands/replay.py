@@ -16,11 +16,20 @@ from cbtrace.cli.options import timer_option
                    "100 ms of runs (triton do_bench's convention, launch-free) instead of K "
                    "calls back to back in one CUDA graph (in-situ-like)")
 @click.option("--resume", is_flag=True, help="continue an interrupted replay")
+@click.option("--model", "model_spec", default=None, metavar="SPEC",
+              help="rebuild the model from this spec (as cbtrace capture --model takes it, with "
+                   "the run's options and seed) instead of the run's")
+@click.option("--trust", is_flag=True,
+              help="rebuild the model from the run's own spec even if it names code "
+                   "(file.py:fn, pkg.module:fn), which then runs: only for runs you trust")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
-def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, top):
+def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, model_spec, trust,
+            top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
-    Writes the results into RUN/modules.parquet and prints the slowest modules.
+    Writes the results into RUN/modules.parquet and prints the slowest modules. The model is
+    rebuilt from the run's spec only if that names a registered provider (cbtrace models);
+    otherwise name it with --model SPEC, or pass --trust to run the code the run names.
     Example: cbtrace replay runs/gpt --timer auto
     """
     import cbtrace
@@ -29,5 +38,9 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, top
     opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold)
     if budget_s is not None:
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
+    if model_spec is not None:
+        opts["model_spec"] = model_spec
+    if trust:
+        opts["trust"] = True
     df = cbtrace.replay(run, device=device, **opts)
     click.echo(summary_table(df, top=top))
