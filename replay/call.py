@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import enum
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,16 +36,110 @@ class CallUnderTest:
 
 
 def prepare(module, rec, args, kwargs, device, cfg) -> CallUnderTest:
-    """The call on ``args``/``kwargs`` and enough copies of them (ids shifted for embeddings)."""
+    """The call on ``args``/``kwargs`` and enough copies of them (ids shifted for embeddings);
+    objects in the inputs (a transformers Cache) are put back as they were before every run."""
     copies = embedding_copies(module, args, kwargs, device)
     if copies is None:
         n = n_copies(tensor_bytes((args, kwargs)), device, cfg.max_copies)
         copies = [(args, kwargs)] + [clone_like((args, kwargs)) for _ in range(n - 1)]
     n = len(copies)
+    states = [InputState(c) for c in copies]
+    if not any(states):
+        states = None
+    cuda = device.type == "cuda"
 
     def run(i: int = 0):
         a, k = copies[i % n]
+        if states is not None:
+            states[i % n].restore(cuda)
         with call_context(rec, device.type):
             return module(*a, **k)
 
     return CallUnderTest(module, rec, run, n, device, cfg)
+
+
+# Not state of the call: its modules and code, or the model's own state (StateGuard's care).
+NOT_STATE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+             enum.Enum, torch.nn.Module)
+SMALL_NUMEL = 16      # tensors held by objects up to this size are counters: copied back
+MAX_OBJECTS = 10_000  # a walk this long is not a cache; stop there
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+class InputState:
+    """The attribute state of the objects reachable in one input copy, to put back before a run.
+
+    A module may mutate an object it receives: a transformers DynamicLayer appends this call's
+    keys and values (``self.keys = torch.cat([self.keys, k])``), a StaticLayer bumps its
+    ``cumulative_length``. Timers run a call hundreds of times, so run N would see N-1 runs of
+    growth. The snapshot is shallow: each object's attribute dict, and the contents of lists and
+    dicts held by objects, recursively; tensors are not copied. Putting references back
+    suffices because DynamicLayer (and its sliding-window and quantized kin) reassigns rather
+    than writes: the tensors the snapshot points to are never changed. StaticLayer does write
+    in place (index_copy_ at ``cumulative_length + arange(n)``), but with its counter put back
+    every run writes the same positions with the same values, so run N does run 1's work on
+    run 1's data. That counter is a 0-dim tensor bumped with add_, so small tensors held by
+    objects are copied back in place, and only when their version counter moved (or while a
+    CUDA graph is being captured: the copy must be in the graph, which replays without us).
+    Large buffers written elsewhere (a full sliding window rolls) keep shapes and work; only
+    values drift, and copying them back would add a buffer copy to every timed run.
+    """
+
+    def __init__(self, inputs):
+        self.objects: list[tuple[dict, dict]] = []  # (obj.__dict__, its copy)
+        self.lists: list[tuple[list, list]] = []
+        self.dicts: list[tuple[dict, dict]] = []
+        self.small: list[list] = []  # [tensor, its copy, version after the last copy-back]
+        self._walk(inputs)
+
+    def __bool__(self) -> bool:
+        return bool(self.objects)
+
+    def _walk(self, inputs) -> None:
+        seen: set[int] = set()
+        stack = [(inputs, False)]  # (value, held by an object)
+        while stack and len(self.objects) < MAX_OBJECTS:
+            x, held = stack.pop()
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
+            if isinstance(x, torch.Tensor):
+                if held and x.numel() <= SMALL_NUMEL and x.device.type != "meta":
+                    self.small.append([x, x.detach().clone(), _version(x)])
+            elif isinstance(x, (tuple, list)):
+                if held and isinstance(x, list):
+                    self.lists.append((x, list(x)))
+                stack.extend((v, held) for v in x)
+            elif isinstance(x, dict):
+                if held:
+                    self.dicts.append((x, dict(x)))
+                stack.extend((v, held) for v in x.values())
+            elif isinstance(getattr(x, "__dict__", None), dict) and not isinstance(x, NOT_STATE):
+                d = vars(x)
+                self.objects.append((d, dict(d)))
+                stack.extend((v, True) for v in d.values())
+
+    def restore(self, cuda: bool = False) -> None:
+        """Put every attribute, list and dict back; copy back the small tensors that changed."""
+        for d, saved in self.objects:
+            d.clear()
+            d.update(saved)
+        for lst, saved in self.lists:
+            lst[:] = saved
+        for d, saved in self.dicts:
+            d.clear()
+            d.update(saved)
+        if self.small:
+            capturing = cuda and torch.cuda.is_current_stream_capturing()
+            with torch.no_grad():
+                for s in self.small:
+                    t, saved, version = s
+                    if capturing or version is None or _version(t) != version:
+                        t.copy_(saved)
+                        s[2] = _version(t)

@@ -10,6 +10,8 @@ from cbtrace.errors import PluginError, SerializationError
 
 UNSUPPORTED = "unsupported"
 MAX_DEPTH = 100  # deeper nesting is almost surely a cycle
+HOW_TO_REGISTER = ("no serializer handles it; register one with the register_serializers hook "
+                   "(docs/ARCHITECTURE.md, 'a serializer')")
 
 
 def type_name(obj) -> str:
@@ -98,9 +100,8 @@ class DecodeContext:
             raise SerializationError(f"inputs_ref: malformed node {str(node)[:80]}")
         kind = node["t"]
         if kind == UNSUPPORTED:
-            why = f": {node['why']}" if node.get("why") else ""
-            raise SerializationError(f"input of type {node.get('type')} was not captured "
-                                     f"(no serializer handles it{why})")
+            raise SerializationError(f"input of type {node.get('type')} was not captured: "
+                                     + (node.get("why") or HOW_TO_REGISTER))
         s = self._by_name.get(kind)
         if s is None:
             raise SerializationError(f"inputs_ref: no serializer named '{kind}' is registered "
