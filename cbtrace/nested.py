@@ -1,20 +1,31 @@
-"""Walking nested inputs and outputs: tuples, NamedTuples, lists, dicts, dataclasses, torchrec."""
+"""Walking nested inputs and outputs: tuples, NamedTuples, lists, dicts, dataclasses, torchrec,
+and the state objects that libraries pass between modules (transformers' caches)."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
 
 TORCHREC = {"KeyedJaggedTensor", "JaggedTensor", "KeyedTensor"}
+# Modules whose objects are plain state (attributes holding tensors, no behaviour we must keep
+# shared): copied attribute by attribute, walked for their tensors.
+STATE_MODULES = ("transformers.cache_utils",)
 
 
 def is_torchrec(x) -> bool:
     return type(x).__name__ in TORCHREC and type(x).__module__.startswith("torchrec")
 
 
+def is_state_object(x) -> bool:
+    """A transformers cache or cache layer (by its class's module, without importing it)."""
+    return type(x).__module__ in STATE_MODULES and hasattr(x, "__dict__") and not isinstance(x, type)
+
+
 def map_tensors(fn, obj, torchrec=None):
     """``obj`` rebuilt with ``fn(t)`` for every tensor; torchrec objects go to ``torchrec(x)``
-    (default: kept as they are); anything else is kept."""
+    (default: kept as they are); state objects are copied with their attributes mapped;
+    anything else is kept."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
@@ -25,6 +36,10 @@ def map_tensors(fn, obj, torchrec=None):
         return {k: map_tensors(fn, v, torchrec) for k, v in obj.items()}
     if torchrec is not None and is_torchrec(obj):
         return torchrec(obj)
+    if is_state_object(obj):  # a copy with every attribute mapped (a cache's keys and values)
+        new = copy.copy(obj)
+        new.__dict__.update({k: map_tensors(fn, v, torchrec) for k, v in vars(obj).items()})
+        return new
     return obj
 
 
@@ -42,6 +57,9 @@ def flat_tensors(obj, out=None) -> list:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             flat_tensors(getattr(obj, f.name), out)
+    elif is_state_object(obj):
+        for v in vars(obj).values():
+            flat_tensors(v, out)
     elif is_torchrec(obj):
         for name in ("values", "weights_or_none", "lengths", "offsets"):
             fn = getattr(obj, name, None)

@@ -5,6 +5,7 @@ import torch
 
 from cbtrace.nested import flat_tensors, map_tensors
 from cbtrace.store.autograd_shape import as_non_leaf, is_non_leaf
+from cbtrace.store.tensor_store import span_bytes
 
 
 def clone_like(x):
@@ -15,9 +16,24 @@ def clone_like(x):
 
 
 def _clone(x: torch.Tensor) -> torch.Tensor:
-    y = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+    """A copy with x's shape and strides over a copy of the storage span it covers: an expanded
+    tensor (stride 0, e.g. an attention mask) stays expanded, where copying element by element
+    into new strided memory is refused ("more than one element ... refers to a single memory
+    location")."""
+    if x.is_conj():  # the conj/neg bits are views over the same bytes: keep them
+        return _clone(x.conj()).conj()
+    if x.is_neg():
+        return torch._neg_view(_clone(torch._neg_view(x)))
+    isz = x.element_size()
+    lo, hi = span_bytes(x.shape, x.stride(), x.storage_offset(), isz)
     with torch.no_grad():
-        y.copy_(x)
+        raw = torch.empty(hi - lo, dtype=torch.uint8, device=x.device)
+        if hi > lo:
+            src = torch.empty(0, dtype=torch.uint8, device=x.device)
+            src.set_(x.untyped_storage(), lo, (hi - lo,), (1,))
+            raw.copy_(src)
+        y = torch.empty(0, dtype=x.dtype, device=x.device)
+        y.set_(raw.untyped_storage(), 0, x.shape, x.stride())
     if is_non_leaf(x):
         return as_non_leaf(y)
     return y.requires_grad_(x.requires_grad) if x.is_floating_point() else y
