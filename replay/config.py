@@ -44,6 +44,10 @@ class ReplayConfig:
     """Show a progress bar (default: when stderr is a terminal)."""
     verify_state: bool = True
     """Check that a model rebuilt from the spec matches the captured state digest."""
+    trust: bool = False
+    """Rebuild the model from the run's own spec even if it names code (file.py:fn, pkg.module:fn)."""
+    model_spec: str | None = None
+    """Rebuild the model from this spec (as ``cbtrace capture --model``) instead of the run's."""
 
     def __post_init__(self):
         bad = {k: getattr(self, k) for k in ("budget_s", "cold_budget_s", "cold_warmup_s",

@@ -41,7 +41,8 @@ def replay(run, model=None, device=None, **options):
         raise ReplayError(f"{run}: the capture did not complete ({manifest.error})")
     device = replay_device(device, manifest, model)
     if model is None:
-        model = rebuild_model(manifest, device, verify=cfg.verify_state)
+        model = rebuild_model(manifest, device, verify=cfg.verify_state, trust=cfg.trust,
+                              spec=cfg.model_spec, run=run)
     verify_inputs(run, manifest)
     records = [fresh_replay_fields(r) for r in frame_to_records(df)]
     by_id = {r.call_id: r for r in records}

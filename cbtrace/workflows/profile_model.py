@@ -11,5 +11,5 @@ def profile(spec: str, out, *, replay_options: dict | None = None, **capture_opt
     from cbtrace.replay.engine import replay
 
     cap = capture_model(spec, Path(out), **capture_options)
-    replay(cap.out, **(replay_options or {}))
+    replay(cap.out, **{"model_spec": spec, **(replay_options or {})})  # the spec the user named
     return join_insitu(cap.out)

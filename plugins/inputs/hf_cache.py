@@ -17,28 +17,20 @@ from __future__ import annotations
 import sys
 
 from cbtrace.errors import SerializationError
-from cbtrace.store.serializer import Serializer, qualname_of
+from cbtrace.store.serializer import Serializer, lookup_class, qualname_of
 
 MODULE = "transformers.cache_utils"
 
 
 def _cache_class(spec) -> type:
-    """The class ``spec`` ("transformers.cache_utils:Name") names; SerializationError otherwise."""
+    """The class ``spec`` ("transformers.cache_utils:Name") names; SerializationError otherwise.
+    Only that module's own classes, through the store's one lookup rule (never a
+    ``transformers`` folder in the working directory or a run directory)."""
     module, _, name = str(spec).partition(":")
     if module != MODULE or not name.isidentifier():
         raise SerializationError(f"transformers cache node names {spec!r}, not a class of "
                                  f"{MODULE}; refusing to load it")
-    try:
-        import transformers.cache_utils as cache_utils
-    except ImportError as e:
-        raise SerializationError(f"loading a {name} needs transformers "
-                                 f"({type(e).__name__}: {e})") from None
-    cls = vars(cache_utils).get(name)  # the module's own names only: no lazy imports
-    if not isinstance(cls, type) or cls.__module__ != MODULE:
-        version = getattr(sys.modules.get("transformers"), "__version__", "?")
-        raise SerializationError(f"transformers {version} has no class {name} in {MODULE} "
-                                 "(captured with another version?)")
-    return cls
+    return lookup_class(f"{MODULE}:{name}", modules=(MODULE,))
 
 
 class HFCacheSerializer(Serializer):

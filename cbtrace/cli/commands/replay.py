@@ -35,12 +35,9 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
     import cbtrace
     from cbtrace.plugins.reporters.summary import summary_table
 
-    opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold)
+    opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold,
+                model_spec=model_spec, trust=trust)
     if budget_s is not None:
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
-    if model_spec is not None:
-        opts["model_spec"] = model_spec
-    if trust:
-        opts["trust"] = True
     df = cbtrace.replay(run, device=device, **opts)
     click.echo(summary_table(df, top=top))
