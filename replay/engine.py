@@ -88,6 +88,15 @@ def replay(run, model=None, device=None, **options):
                                      for r in records}, manifest=manifest)
 
 
+def replay_notes(manifest) -> list[str]:
+    """What a user should know about what replay measured, one line each."""
+    notes = []
+    if manifest.step is not None and manifest.step.step == "train":
+        notes.append("note: the run was captured with --step train (forward + backward); replay "
+                     "measured each call's forward only")
+    return notes
+
+
 def timing_settings(cfg) -> dict:
     """The options that change what a row measures (kept with each progress row); the time
     budget only changes how many runs are taken, so a resume may use another one. Cold

@@ -248,3 +248,13 @@ def test_inplace_op_on_a_non_leaf_input_replays_as_in_the_step(tmp_path):
     df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
     assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["fqn", "status_reason"]]
     assert state_fingerprint(model) == before
+
+
+def test_a_train_step_capture_says_replay_measured_the_forward(tmp_path):
+    run = tmp_path / "r"
+    subprocess.run([sys.executable, "-m", "cbtrace", "capture", "--model", "dlrm:tiny", "--device",
+                    "cpu", "--step", "train", "--max-depth", "1", "--out", str(run)],
+                   check=True, capture_output=True)
+    out = subprocess.run([sys.executable, "-m", "cbtrace", "replay", str(run), "--budget-s",
+                          "0.002"], check=True, capture_output=True, text=True).stdout
+    assert "captured with --step train" in out and "forward only" in out

@@ -24,6 +24,8 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
     from cbtrace.attribution.join import error_table
     from cbtrace.workflows.profile_model import profile
     from cbtrace.plugins.reporters.summary import summary_table
+    from cbtrace.replay.engine import replay_notes
+    from cbtrace.rundir.read import read_manifest
 
     if tb_logdir:
         out = str(Path(tb_logdir) / Path(out).name)
@@ -34,6 +36,8 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
     click.echo(summary_table(df))
     click.echo("\nisolation error by module class (error_pct = isolated / in-situ - 1, %):")
     click.echo(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
+    for note in replay_notes(read_manifest(out)):
+        click.echo(note)
     if tb_logdir:
         from cbtrace.annotate.write import annotate
 

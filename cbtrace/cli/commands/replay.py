@@ -34,6 +34,8 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
     """
     import cbtrace
     from cbtrace.plugins.reporters.summary import summary_table
+    from cbtrace.replay.engine import replay_notes
+    from cbtrace.rundir.read import read_manifest
 
     opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold,
                 model_spec=model_spec, trust=trust)
@@ -41,3 +43,5 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
     df = cbtrace.replay(run, device=device, **opts)
     click.echo(summary_table(df, top=top))
+    for note in replay_notes(read_manifest(run)):
+        click.echo(note)
