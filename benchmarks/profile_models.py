@@ -13,9 +13,16 @@ from pathlib import Path
 
 MIN_MS, WITHIN_PCT = 0.010, 5.0
 GPU = dict(device="cuda", dtype="bf16")
+ZOO = str(Path(__file__).resolve().parent / "zoo.py")
+REAL = {"size": "real"}
 MODELS = {
     "nanogpt": dict(spec="nanogpt", options={"batch_size": 8}, **GPU),
     "dlrm": dict(spec="dlrm", options={"batch_size": 8192}, **GPU),
+    "llama-0.5b": dict(spec=f"{ZOO}:hf_llama", options=REAL, **GPU),       # batch 4 x 1024
+    "bert-base": dict(spec=f"{ZOO}:hf_bert", options=REAL, **GPU),         # batch 16 x 512
+    "vit-b16": dict(spec=f"{ZOO}:timm_vit_b16", options=REAL, **GPU),      # timm, batch 64
+    "resnet50": dict(spec=f"{ZOO}:tv_resnet50", options=REAL, **GPU),      # torchvision, batch 64
+    "gpt2-compiled": dict(spec=f"{ZOO}:compiled_nanogpt", options=REAL, **GPU),
     "nanogpt-tiny-cpu": dict(spec="nanogpt:tiny", device="cpu", dtype=None, options={}),
     "dlrm-tiny-cpu": dict(spec="dlrm:tiny", device="cpu", dtype=None, options={}),
 }
@@ -48,19 +55,31 @@ def main(out_dir, names):
     for name in names:
         m = MODELS[name]
         run = out / name
-        cap = capture_model(m["spec"], run, device=m["device"], dtype=m["dtype"],
-                            options=m["options"])
-        t0 = time.perf_counter()
-        replay(cap.out)
-        wall = time.perf_counter() - t0
-        df = join_insitu(cap.out)
+        try:
+            cap = capture_model(m["spec"], run, device=m["device"], dtype=m["dtype"],
+                                options=m["options"])
+            t0 = time.perf_counter()
+            replay(cap.out, model_spec=m["spec"])
+            wall = time.perf_counter() - t0
+            df = join_insitu(cap.out)
+        except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
+            print(f"\n== {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
         df.to_csv(out / f"{name}_modules.csv", index=False)
         rows.append(summary(name, df, wall))
+        root = df[df["parent_call_id"] == -1].iloc[0]
+        print(f"\n== {name}: root {root['module_type']}: isolated {root['isolated_ms']:.4g} ms, "
+              f"in situ {root['insitu_ms']:.4g} ms ({root['error_pct']:+.1f} %), device "
+              f"{root['device_ms']:.4g} ms, host issue {root['host_ms']:.4g} ms, kernels "
+              f"{root['kernel_count']}, timer {root['timer']} ({root['timer_notes']}); "
+              f"fallback: {str(root['timer_fallback'])[:200]}")
         errors = df[df["status"] != "ok"][["fqn", "status", "status_reason"]]
         print(f"\n== {name}: error table (calls with in-situ >= {MIN_MS * 1e3:.0f} us)")
         print(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
         if len(errors):
             print(errors.head(10).to_string(index=False))
+        print(pd.DataFrame(rows[-1:]).to_string(index=False, float_format=lambda x: f"{x:.3g}"),
+              flush=True)
     print("\n== models")
     print(pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3g}"))
 

@@ -236,6 +236,15 @@ def compiled_block(size: str = "tiny"):
     return model, (torch.randn(4, 32),)
 
 
+def compiled_nanogpt(size: str = "tiny"):
+    """NanoGPT (GPT-2 small at size real) under torch.compile."""
+    from cbtrace.plugins.providers.nanogpt import NanoGPTProvider
+
+    provider = NanoGPTProvider(options={"preset": _pick(size, "tiny", "gpt2")})
+    model, batch = provider.model_and_batch("cpu")
+    return torch.compile(model.eval()), batch
+
+
 # --- GPU-only (torchvision and timm do not load beside the CPU torch wheel) ----------------
 
 def tv_resnet50(size: str = "real"):
