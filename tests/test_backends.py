@@ -465,3 +465,29 @@ def test_gpu_benchmark_script_builds_its_cases_on_cpu():
     assert len(labels) == len(set(labels)) and {"graph", "events", "cpu_sync"} <= set(labels)
     assert len(mod.CASES) >= 4
     assert mod.case_ln_gelu(torch.device("cpu"))(1).shape == (4, 256, 768)
+
+
+def test_a_call_that_asks_whether_it_is_captured_is_noted(monkeypatch):
+    from cbtrace.plugins.backends import graph
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    asked = []
+    with graph._watch_capture_checks(asked):
+        assert torch.cuda.is_current_stream_capturing() is True  # the call's own check
+    assert asked == [True]
+    assert torch.cuda.is_current_stream_capturing() is True and not [a for a in asked[1:]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_a_call_that_branches_on_capture_is_timed_without_a_graph(registered):
+    x = torch.randn(4096, device="cuda")
+
+    def call(i):  # transformers' mask creation does this: another path under capture
+        return x * 2 if torch.cuda.is_current_stream_capturing() else x + 1
+
+    with pytest.raises(TimerUnavailable, match="is_current_stream_capturing"):
+        GraphTimer().measure(call, 1, "cuda", FAST)
+    dev = torch.device("cuda")
+    t, why = timers.measure(call, 1, dev, timers.chain("auto", dev, registered), registered, FAST)
+    assert t.timer == "events" and "is_current_stream_capturing" in why
