@@ -30,6 +30,9 @@ class ReplayConfig:
     """Cold mode: also warm up until 25 ms windows agree to this (relative; 0: off; <= 1 s)."""
     cold_budget_s: float = 0.1
     """Cold mode: time budget of the timed runs of one call (do_bench's ``rep=100`` ms)."""
+    warm_inputs: bool = True
+    """Time each call on inputs just rewritten in place, as its producer left them in the real
+    step (in cache where they fit); off with ``cold`` (do_bench's convention: everything cold)."""
     max_copies: int = 8
     """Most input copies rotated between timed calls (against L2 warmth)."""
     memory_budget_bytes: int | None = None

@@ -21,7 +21,8 @@ def timing_config(cfg) -> TimingConfig:
     mode = (dict(budget_s=cfg.cold_budget_s, graph_k=1, warmup_s=cfg.cold_warmup_s,
                  settle_tol=cfg.cold_settle_tol) if cfg.cold
             else dict(budget_s=cfg.budget_s, graph_k=cfg.graph_k))
-    return TimingConfig(min_runs=cfg.min_runs, warmup_runs=cfg.warmup_runs, **mode)
+    return TimingConfig(min_runs=cfg.min_runs, warmup_runs=cfg.warmup_runs,
+                        warm_inputs=cfg.warm_inputs and not cfg.cold, **mode)
 
 
 class Timed:

@@ -52,6 +52,8 @@ class TimingConfig:
     """Calls captured back-to-back in one CUDA graph; per-call time = replay time / K."""
     graph_max_ms: float = 1.0
     """K shrinks (to >= 1) to keep one replay under this (ms): long GEMM runs drop the SM clock."""
+    warm_inputs: bool = False
+    """Run ``call.touch(i)`` (a producer's rewrite of the inputs) before each call, untimed."""
     flush_l2: bool = True
     """Memset a big buffer before each timed run/replay (GPU): cold L2 and a do_bench-style gap."""
     flush_bytes: int = 256 * 2**20

@@ -491,3 +491,41 @@ def test_gpu_a_call_that_branches_on_capture_is_timed_without_a_graph(registered
     dev = torch.device("cuda")
     t, why = timers.measure(call, 1, dev, timers.chain("auto", dev, registered), registered, FAST)
     assert t.timer == "events" and "is_current_stream_capturing" in why
+
+
+def test_warm_inputs_touch_each_copy_before_its_call_untimed():
+    """The input toucher runs before every timed call on the copy the call gets, and the CPU
+    timer says so; a call without one is timed as before."""
+    log = []
+
+    def call(i):
+        log.append(("call", i))
+
+    call.touch = lambda i: log.append(("touch", i))
+    warm = TimingConfig(budget_s=0.0, min_runs=4, warmup_runs=1, warmup_min_s=0,
+                        warm_inputs=True)
+    t = CpuTimer().measure(call, 3, "cpu", warm)
+    timed = log[log.index(("call", 0)) + 1:]  # after the warm-up call
+    assert timed[::2] == [("touch", c) for _, c in timed[1::2]] and "warm inputs" in t.notes
+    log.clear()
+    t = CpuTimer().measure(call, 3, "cpu", TimingConfig(budget_s=0.0, min_runs=4,
+                                                        warmup_runs=1, warmup_min_s=0))
+    assert all(kind == "call" for kind, _ in log) and "warm" not in (t.notes or "")
+
+
+def test_the_toucher_rewrites_big_inputs_with_their_own_values():
+    from cbtrace.replay.call import input_toucher
+
+    big = torch.randn(256, 256)
+    small, flags = torch.randn(4), torch.ones(256, 256, dtype=torch.bool)
+    grad = torch.randn(256, 256, requires_grad=True)
+    param = torch.nn.Parameter(torch.randn(256, 256))
+    expanded = torch.randn(1, 256).expand(512, 256)
+    copies = [((big, small, flags, grad, param, expanded), {})]
+    before = [t.clone() for t in (big, grad)]
+    versions = [t._version for t in (big, small, flags, grad, param, expanded)]
+    input_toucher(copies)(0)
+    after = [t._version for t in (big, small, flags, grad, param, expanded)]
+    assert [a > b for a, b in zip(after, versions)] == [True, False, False, True, False, False]
+    assert torch.equal(big, before[0]) and torch.equal(grad.detach(), before[1])
+    assert input_toucher([((small,), {})]) is None

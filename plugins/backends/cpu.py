@@ -12,7 +12,7 @@ import torch
 from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
 
 from .l2 import L2Flusher
-from .sampling import collect, timing_from_samples
+from .sampling import collect, timing_from_samples, warm_toucher
 
 
 class CpuTimer:
@@ -40,20 +40,25 @@ class CpuTimer:
             warm += 1
         sync()
         flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
+        touch = warm_toucher(call, cfg)
 
         def sample(first: int, n: int) -> list[float]:
             out = []
             for i in range(first, first + n):
+                j = (warm + i) % n_copies  # continue the warm-up's rotation
                 flusher.flush()
+                if touch is not None:
+                    touch(j)
                 sync()
                 if cfg.gap_s > 0:
                     time.sleep(cfg.gap_s)
                 t0 = time.perf_counter_ns()
-                call((warm + i) % n_copies)  # continue the warm-up's rotation
+                call(j)
                 sync()
                 out.append((time.perf_counter_ns() - t0) / 1e6)
             return out
 
         samples = collect(sample, cfg)
         return timing_from_samples(samples, self.name,
-                                   join_notes("synchronized" if cuda else None, flusher.note))
+                                   join_notes("synchronized" if cuda else None, flusher.note,
+                                              "warm inputs" if touch else None))

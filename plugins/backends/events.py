@@ -13,7 +13,7 @@ import torch
 from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
 
 from .l2 import L2Flusher, spin
-from .sampling import collect, timing_from_samples, warm_until_settled
+from .sampling import collect, timing_from_samples, warm_toucher, warm_until_settled
 from .stats import percentile, spin_for
 
 
@@ -71,19 +71,24 @@ class EventsTimer(CudaTimer):
             host_ms = host_enqueue_ms(call, n_copies, warm)
             spin_ms = spin_for(host_ms=host_ms, lo_ms=cfg.spin_min_ms, hi_ms=cfg.spin_max_ms)
             flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
+            touch = warm_toucher(call, cfg)
 
             def sample(first: int, n: int) -> list[float]:
                 pairs = event_pairs(n)
                 for k, (start, end) in enumerate(pairs):
+                    j = (warm + first + k) % n_copies
                     flusher.flush()
                     spin(device, cfg.gap_s * 1e3 + spin_ms)
+                    if touch is not None:  # queued behind the spin, before the start event
+                        touch(j)
                     start.record()
-                    call((warm + first + k) % n_copies)
+                    call(j)
                     end.record()
                 torch.cuda.synchronize()
                 return [start.elapsed_time(end) for start, end in pairs]
 
             settle = warm_until_settled(sample, cfg)
             samples = collect(sample, cfg)
-        notes = join_notes(f"spin={spin_ms:.3f}ms host={host_ms:.3f}ms", flusher.note, settle)
+        notes = join_notes(f"spin={spin_ms:.3f}ms host={host_ms:.3f}ms", flusher.note, settle,
+                           "warm inputs" if touch else None)
         return timing_from_samples(samples, self.name, notes)

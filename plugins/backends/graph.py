@@ -16,7 +16,7 @@ from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_n
 
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher, spin
-from .sampling import collect, timing_from_samples, warm_until_settled
+from .sampling import collect, timing_from_samples, warm_toucher, warm_until_settled
 from .stats import graph_calls
 
 
@@ -83,9 +83,9 @@ def _watch_capture_checks(asked: list):
         torch.cuda.is_current_stream_capturing = original
 
 
-def capture(call, n_copies: int, k: int) -> torch.cuda.CUDAGraph:
-    """Capture k calls (cycling input copies) into one graph; TimerUnavailable if capture fails
-    or the call looks at whether it is being captured."""
+def capture(call, n_copies: int, k: int, touch=None) -> torch.cuda.CUDAGraph:
+    """Capture k calls (cycling input copies; each after ``touch(j)`` when given) into one
+    graph; TimerUnavailable if capture fails or the call looks at whether it is being captured."""
     g = torch.cuda.CUDAGraph()
     asked: list = []
     try:
@@ -95,6 +95,8 @@ def capture(call, n_copies: int, k: int) -> torch.cuda.CUDAGraph:
             # that stream's allocations to the dead graph's pool; keep it off the shared default.
             with torch.cuda.graph(g, stream=torch.cuda.Stream()), _watch_capture_checks(asked):
                 for j in range(k):
+                    if touch is not None:
+                        touch(j % n_copies)
                     call(j % n_copies)
     except Exception as e:  # capture errors come as RuntimeError, AcceleratorError, OOM, ...
         _end_pool_routing(g)
@@ -128,40 +130,61 @@ class GraphTimer(CudaTimer):
 
     def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
         device = self._device(device)
+        touch = warm_toucher(call, cfg)
+        graphs = []
         with torch.cuda.device(device):
             side_stream_warmup(call, n_copies, cfg.warmup_runs)
-            # One call first, to size K: capturing K = 20 straight away ran a 1 ms GEMM 40 times
-            # back to back before sampling, and the lowered SM clock read lm_head 17 % slow.
-            k, g = 1, capture(call, n_copies, 1)
             try:
-                g.replay()  # warm replay: first launch uploads the graph
-                k2 = graph_calls(per_call_ms=replay_ms(g), k_max=cfg.graph_k,
-                                 max_replay_ms=cfg.graph_max_ms)
-                if k2 > 1:
-                    g.reset()
-                    k, g = k2, capture(call, n_copies, k2)
-                    g.replay()
+                # One call first, to size K: capturing K = 20 straight away ran a 1 ms GEMM 40
+                # times back to back before sampling, and the lowered SM clock read lm_head 17 %
+                # slow.
+                graphs.append(capture(call, n_copies, 1, touch))
+                graphs[0].replay()  # warm replay: first launch uploads the graph
+                k = graph_calls(per_call_ms=replay_ms(graphs[0]), k_max=cfg.graph_k,
+                                max_replay_ms=cfg.graph_max_ms)
+                if k > 1:
+                    graphs.append(capture(call, n_copies, k, touch))
+                g = graphs[-1]
+                # warm inputs: the same touches alone, timed beside the calls and subtracted
+                t = capture(lambda i: None, n_copies, k, touch) if touch else None
+                graphs.append(t)
+                for x in (g, t):
+                    if x is not None:
+                        x.replay()
                 torch.cuda.synchronize()
                 flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
-                sampler = self._sampler(g, k, device, cfg, flusher)
+                sampler = self._sampler(g, t, k, device, cfg, flusher)
                 settle = warm_until_settled(sampler, cfg)
                 samples = collect(sampler, cfg)
             finally:
-                g.reset()
-        notes = join_notes(f"K={k}", flusher.note, settle)
+                for x in graphs:
+                    if x is not None:
+                        x.reset()
+        notes = join_notes(f"K={k}", flusher.note, settle, "warm inputs" if touch else None)
         return timing_from_samples(samples, self.name, notes)
 
     @staticmethod
-    def _sampler(g, k: int, device, cfg: TimingConfig, flusher: L2Flusher):
+    def _sampler(g, touches, k: int, device, cfg: TimingConfig, flusher: L2Flusher):
+        """Per-call times of replays of ``g`` (K calls), less the replay of ``touches`` (the
+        same K input touches alone) taken just before each, when there is one."""
+        def replay(graph, start, end):
+            flusher.flush()
+            spin(device, cfg.gap_s * 1e3 + cfg.spin_min_ms)  # covers the host's graph launch
+            start.record()
+            graph.replay()
+            end.record()
+
         def sample(first: int, n: int) -> list[float]:
-            pairs = event_pairs(n)
-            for start, end in pairs:
-                flusher.flush()
-                spin(device, cfg.gap_s * 1e3 + cfg.spin_min_ms)  # covers the host's graph launch
-                start.record()
-                g.replay()
-                end.record()
+            calls = event_pairs(n)
+            alone = event_pairs(n) if touches is not None else None
+            for i, (start, end) in enumerate(calls):
+                if alone is not None:
+                    replay(touches, *alone[i])
+                replay(g, start, end)
             torch.cuda.synchronize()
-            return [start.elapsed_time(end) / k for start, end in pairs]
+            ms = [start.elapsed_time(end) for start, end in calls]
+            if alone is not None:
+                ms = [m - s.elapsed_time(e) for m, (s, e) in zip(ms, alone)]
+            return [m / k for m in ms]
 
         return sample

@@ -78,3 +78,8 @@ def timing_from_samples(samples_ms: list[float], timer: str, notes: str | None =
     median, p10, p90 = summarize(samples_ms)
     return Timing(median_ms=median, p10_ms=p10, p90_ms=p90, runs=len(samples_ms), timer=timer,
                   samples_ms=list(samples_ms), notes=notes)
+
+
+def warm_toucher(call, cfg: TimingConfig):
+    """The call's input toucher when the config asks for warm inputs and the call has one."""
+    return getattr(call, "touch", None) if cfg.warm_inputs else None
