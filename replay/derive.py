@@ -16,6 +16,10 @@ def finalize(records, *, device_name: str) -> None:
             aggregate_from_children(rec, children)
         elif rec.status == "ok" and children:
             rec.residual_ms = metrics.residual(rec.isolated_ms, [c.isolated_ms for c in children])
+            for c in children:  # a child cannot take longer than the call that runs it
+                if c.isolated_ms is not None and rec.isolated_ms is not None and (
+                        c.isolated_ms > rec.isolated_ms):
+                    c.noisy = True
     for rec in records:
         add_utilisation(rec, device_name)
 

@@ -13,6 +13,7 @@ from cbtrace.errors import ReplayError
 from cbtrace.replay.config import ReplayConfig
 from cbtrace.replay.plan import default_plan, measure_call
 from cbtrace.replay.progress import ProgressLog, read_done
+from cbtrace.replay.timing import join_notes
 from cbtrace.rundir.files import sha256_file
 from cbtrace.rundir.read import load_run
 from cbtrace.rundir.writer import write_stage
@@ -69,6 +70,16 @@ def replay(run, model=None, device=None, **options):
             log.append(row)
             done[cid] = row
             bar(rec.fqn or "<root>")
+        if device.type == "cpu":  # a busy machine slows calls at random: time those again
+            for cid in recheck(done, by_id):
+                row = replay_one(model, by_id[cid], run, device, cfg, plan, guard, budget,
+                                 manifest.training_flags)
+                if row.get("isolated_ms") is not None and (
+                        row["isolated_ms"] < done[cid]["isolated_ms"]):
+                    row.update(call_id=cid, settings=settings,
+                               timer_notes=join_notes(row.get("timer_notes"), "timed twice"))
+                    log.append(row)
+                    done[cid] = row
     finally:
         log.close()
         bar(None)
@@ -86,6 +97,18 @@ def replay(run, model=None, device=None, **options):
     columns = stage_columns(REPLAY)
     return write_stage(run, REPLAY, {r.call_id: {c: getattr(r, c) for c in columns}
                                      for r in records}, manifest=manifest)
+
+
+def recheck(done: dict, by_id: dict) -> list[int]:
+    """Calls (CPU) to time again: flagged noisy, or slower than their parent, which runs them."""
+    out = []
+    for cid, row in done.items():
+        iso, parent = row.get("isolated_ms"), done.get(by_id[cid].parent_call_id, {})
+        above = iso is not None and parent.get("isolated_ms") is not None and (
+            iso > parent["isolated_ms"])
+        if row.get("status") == "ok" and (row.get("noisy") or above):
+            out.append(cid)
+    return out
 
 
 def replay_notes(manifest) -> list[str]:

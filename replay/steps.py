@@ -40,7 +40,7 @@ class Timed:
         return dict(timer=t.timer, timer_fallback=fallback,
                     timer_notes=join_notes(t.notes, "cold" if self.cold else None),
                     isolated_ms=t.median_ms, isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms,
-                    runs=t.runs)
+                    runs=t.runs, noisy=t.noisy)
 
 
 class ProfilerPass:

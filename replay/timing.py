@@ -94,6 +94,7 @@ class Timing:
     timer: str           # backend name: "graph" | "events" | "cpu" | a plugin's
     samples_ms: list[float] = field(default_factory=list)
     notes: str | None = None  # e.g. "K=20", "spin=0.050ms", fallback reasons
+    noisy: bool = False  # the samples say the machine was busy (waits off-CPU, a wide spread)
 
 
 def join_notes(*notes: str | None) -> str | None:

@@ -158,8 +158,10 @@ def test_resume_after_killing_a_replay(tmp_path):
     out = subprocess.run(cmd[:-2] + ["--budget-s", "0.01", "--resume"], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stderr
-    ids = [json.loads(x)["call_id"] for x in log.read_text().splitlines() if x.strip()]
-    assert sorted(ids) == list(range(n))  # every call exactly once: nothing redone
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    ids = [r["call_id"] for r in rows if "timed twice" not in (r.get("timer_notes") or "")]
+    assert sorted(ids) == list(range(n))  # every call exactly once: nothing redone (a busy
+    # machine's slow calls may be timed again at the end, marked "timed twice")
     df = read_modules(cap.out)
     assert (df["status"] == "ok").all() and df["isolated_ms"].notna().all()
 

@@ -75,6 +75,9 @@ class ModuleRecord:
     isolated_ms_p10: float | None = column(REPLAY, "ms", "10th percentile", default=None)
     isolated_ms_p90: float | None = column(REPLAY, "ms", "90th percentile", default=None)
     runs: int | None = column(REPLAY, doc="number of timed samples", default=None)
+    noisy: bool = column(REPLAY, doc="the samples say the machine was busy (waits off the CPU, "
+                                     "a wide spread, or a child slower than its parent)",
+                         default=False)
     kernel_count: int | None = column(REPLAY, doc="device kernels (incl. memcpy/memset) per call",
                                       default=None)
     device_ms: float | None = column(REPLAY, "ms", "device activity per call, from the profiler",

@@ -53,3 +53,25 @@ def settled(previous_ms: float | None, current_ms: float, tol: float) -> bool:
     if previous_ms is None or previous_ms <= 0:
         return False
     return abs(current_ms / previous_ms - 1) <= tol
+
+
+# A sample waited off-CPU when its thread was off the CPU for over half its wall time and for at
+# least this long (ms): descheduled by a busy machine, or waiting for a thread-pool worker that was.
+OFF_CPU_MS = 0.5
+NOISY_SHARE = 0.25    # this share of waited samples makes a measurement noisy
+NOISY_SPREAD = 2.0    # as does p90 above twice p10 (and by more than OFF_CPU_MS)
+
+
+def waited_off_cpu(wall_ms: float, cpu_ms: float) -> bool:
+    """Whether a sample's thread spent most of its wall time off the CPU (pure)."""
+    off = wall_ms - cpu_ms
+    return off > OFF_CPU_MS and off > 0.5 * wall_ms
+
+
+def noisy(samples_ms: list[float], waited: int) -> bool:
+    """Whether a call's samples say the machine was busy: many waited off-CPU, or a wide spread."""
+    if not samples_ms:
+        return False
+    _, p10, p90 = summarize(samples_ms)
+    wide = p90 > NOISY_SPREAD * p10 and p90 - p10 > OFF_CPU_MS
+    return waited > NOISY_SHARE * len(samples_ms) or wide
