@@ -16,8 +16,11 @@ NEIGHBOUR = "while True: pass"  # one busy core of the two
 
 
 def measure(spec: str, run: Path) -> dict:
-    from cbtrace.attribution.join import error_table
-    from cbtrace.workflows.profile_model import profile
+    try:
+        from cbtrace.attribution.join import error_table
+        from cbtrace.workflows.profile_model import profile
+    except ImportError:  # cbtrace before the restructure (86704d3), for the "before" figures
+        from cbtrace.profile import error_table, profile
 
     t0 = time.perf_counter()
     df = profile(spec, run, device="cpu", replay_options=dict(timer="cpu", budget_s=0.1))

@@ -44,7 +44,9 @@ class ReplayConfig:
     count_flops: bool = True
     """Count FLOPs and bytes with cbtrace's formulas (one extra untimed call)."""
     progress: bool | None = None
-    """Show a progress bar (default: when stderr is a terminal)."""
+    """Show progress on stderr: a bar on a terminal, else a line every few seconds (None: on)."""
+    timeout_s: float | None = 300.0
+    """A call still running after this long ends ``status = timeout`` (None or 0: no limit)."""
     verify_state: bool = True
     """Check that a model rebuilt from the spec matches the captured state digest."""
     trust: bool = False

@@ -1,17 +1,18 @@
 """Breadth-first isolated replay of a run: every captured call re-run standalone and measured."""
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from cbtrace import module_tree, registry
+from cbtrace.console import Progress, announce
 from cbtrace.calltree import bfs_order
 from cbtrace.errors import ReplayError
 from cbtrace.replay.config import ReplayConfig
 from cbtrace.replay.plan import default_plan, measure_call
+from cbtrace.replay.limits import CallTimeout, time_limit
 from cbtrace.replay.progress import ProgressLog, read_done
 from cbtrace.replay.timing import join_notes
 from cbtrace.rundir.files import sha256_file
@@ -45,6 +46,7 @@ def replay(run, model=None, device=None, **options):
         model = rebuild_model(manifest, device, verify=cfg.verify_state, trust=cfg.trust,
                               spec=cfg.model_spec, run=run)
     verify_inputs(run, manifest)
+    ensure_calibrated(device)
     records = [fresh_replay_fields(r) for r in frame_to_records(df)]
     by_id = {r.call_id: r for r in records}
     settings = timing_settings(cfg)
@@ -56,7 +58,7 @@ def replay(run, model=None, device=None, **options):
     budget = cfg.memory_budget_bytes
     log = ProgressLog(run, resume=cfg.resume)
     order = bfs_order({r.call_id: r.parent_call_id for r in records})
-    bar = _progress(cfg, len(order), len(done))
+    bar = Progress("replay", len(order), len(done), show=cfg.progress)
     t0 = time.perf_counter()
     try:
         for cid in order:
@@ -69,7 +71,7 @@ def replay(run, model=None, device=None, **options):
             row["settings"] = settings
             log.append(row)
             done[cid] = row
-            bar(rec.fqn or "<root>")
+            bar.advance(rec.fqn or "(root)")
         if device.type == "cpu":  # a busy machine slows calls at random: time those again
             for cid in recheck(done, by_id):
                 row = replay_one(model, by_id[cid], run, device, cfg, plan, guard, budget,
@@ -82,7 +84,7 @@ def replay(run, model=None, device=None, **options):
                     done[cid] = row
     finally:
         log.close()
-        bar(None)
+        bar.close()
     for rec in records:
         for k, v in done.get(rec.call_id, {}).items():
             if k in COLUMNS and COLUMNS[k].stage == REPLAY:
@@ -97,6 +99,19 @@ def replay(run, model=None, device=None, **options):
     columns = stage_columns(REPLAY)
     return write_stage(run, REPLAY, {r.call_id: {c: getattr(r, c) for c in columns}
                                      for r in records}, manifest=manifest)
+
+
+def ensure_calibrated(device) -> None:
+    """A CPU has no datasheet peaks: without a stored calibration MFU, MBU and bound would be
+    empty, so the first replay on a CPU measures its peaks (a few seconds, stored for later)."""
+    from cbtrace.cost.calibrate import calibrate
+    from cbtrace.cost.peaks import calibration_path, device_name, load_calibration
+
+    if device.type != "cpu" or device_name(device) in load_calibration():
+        return
+    announce(f"measuring this CPU's peak FLOP/s and bandwidth once (MFU/MBU denominators; "
+             f"stored in {calibration_path()})")
+    calibrate("cpu")
 
 
 def recheck(done: dict, by_id: dict) -> list[int]:
@@ -178,10 +193,13 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None) ->
         return dict(status="skipped", status_reason=f"footprint {need / 2**20:.0f} MiB > "
                     f"budget {limit / 2**20:.0f} MiB")
     try:
-        with guard.call():
+        with guard.call(), time_limit(cfg.timeout_s):
             args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device)
             set_training_flags(module, rec, flags or {})
             return measure_call(module, rec, args, kwargs, device, cfg, plan)
+    except CallTimeout as e:
+        _free(device)
+        return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")
     except torch.OutOfMemoryError as e:
         _free(device)
         return dict(status="skipped", status_reason=f"OOM: {str(e).splitlines()[0][:200]}")
@@ -238,23 +256,3 @@ def _free(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-
-
-def _progress(cfg, total: int, already: int):
-    show = sys.stderr.isatty() if cfg.progress is None else cfg.progress
-    state = {"n": already}
-
-    def tick(name):
-        if not show:
-            return
-        if name is None:
-            sys.stderr.write("\n")
-            return
-        state["n"] += 1
-        width = 30
-        filled = width * state["n"] // max(total, 1)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {state['n']}/{total} "
-                         f"{name[:40]:<40}")
-        sys.stderr.flush()
-
-    return tick

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from cbtrace.replay import timers
 from cbtrace.replay.call import CallUnderTest, prepare
-from cbtrace.replay.steps import HostIssue, OpCount, ProfilerPass, Timed
+from cbtrace.replay.steps import HostIssue, OpCount, OutputCheck, ProfilerPass, Timed
 
 
 class Step(Protocol):
@@ -23,11 +23,13 @@ class Step(Protocol):
 
 
 def default_plan(cfg, device, backends: dict) -> list[Step]:
-    """Time (the timer chain of ``cfg.timer``), profile, host issue time, then FLOPs/bytes."""
+    """Time (the timer chain of ``cfg.timer``), profile, host issue time, FLOPs/bytes, then a
+    look at the outputs (NaN/Inf)."""
     steps: list[Step] = [Timed(timers.chain(cfg.timer, device, backends), backends, cfg),
                          ProfilerPass(cfg.profile_runs), HostIssue()]
     if cfg.count_flops:
         steps.append(OpCount())
+    steps.append(OutputCheck())
     return steps
 
 

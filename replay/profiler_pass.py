@@ -14,6 +14,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from cbtrace.console import quiet_kineto
+
 
 DEVICE_ACTIVITIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})  # Kineto activity names
 
@@ -113,7 +115,7 @@ def _profile_rows(call, device, runs: int) -> list[Row]:
 
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts, profile_memory=not cuda) as prof:
+    with quiet_kineto(), profile(activities=acts, profile_memory=not cuda) as prof:
         for _ in range(runs):
             call()
             _sync(device)

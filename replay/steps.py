@@ -97,3 +97,17 @@ class OpCount:
         cost = oc.cost()
         return dict(flops=cost.flops, flops_executed=cost.flops_executed, bytes=cost.bytes,
                     unknown_ops=cost.unknown_ops, compute_dtype=cost.compute_dtype)
+
+
+class OutputCheck:
+    """nonfinite_outputs: whether the call's outputs hold NaN or Inf (timed as usual, flagged)."""
+
+    name = "outputs"
+
+    def run(self, c: CallUnderTest) -> dict:
+        from cbtrace.nested import flat_tensors
+
+        out = c.run(0)
+        floats = [t for t in flat_tensors(out) if t.is_floating_point() or t.is_complex()]
+        bad = any(not bool(torch.isfinite(t).all()) for t in floats if t.numel())
+        return dict(nonfinite_outputs=bad)

@@ -260,3 +260,66 @@ def test_a_train_step_capture_says_replay_measured_the_forward(tmp_path):
     out = subprocess.run([sys.executable, "-m", "cbtrace", "replay", str(run), "--budget-s",
                           "0.002"], check=True, capture_output=True, text=True).stdout
     assert "captured with --step train" in out and "forward only" in out
+
+
+class Sleeper(nn.Module):
+    """A module that hangs (in Python) and one that gives NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.ok = nn.Linear(4, 4)
+        self.hang = False  # set after capture: replay's calls then hang
+
+    def forward(self, x):
+        y = self.ok(x)
+        if self.hang:
+            time.sleep(60)
+        return y
+
+
+class NaNs(nn.Module):
+    def forward(self, x):
+        return x / 0 * 0  # NaN everywhere
+
+
+def test_a_hanging_call_times_out_and_replay_goes_on_with_honest_counts(tmp_path):
+    model = nn.Sequential(Sleeper(), NaNs(), nn.Linear(4, 2)).eval()
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(torch.randn(3, 4))
+    model[0].hang = True
+    t0 = time.perf_counter()
+    df = cbtrace.replay(tmp_path / "r", model=model, timeout_s=1.0, progress=False, **FAST)
+    assert time.perf_counter() - t0 < 30  # the 60 s sleep did not stall it
+    by = df.set_index("fqn")
+    assert by.loc["0", "status"] == "timeout" and "longer than 1 s" in by.loc["0", "status_reason"]
+    assert by.loc["", "status"] == "timeout"  # the root runs the sleeper too
+    assert by.loc["1", "status"] == "ok" and by.loc["1", "nonfinite_outputs"]
+    assert by.loc["2", "status"] == "ok" and by.loc["0.ok", "status"] == "ok"
+    from cbtrace.plugins.reporters.summary import status_text
+
+    text = status_text(df)
+    assert text.startswith("calls: ok 3, error 0, skipped 0, timeout 2")
+    assert "flagged: 2 call(s) outputs hold NaN or Inf" in text  # NaNs and the Linear after it
+
+
+def test_strict_exits_nonzero_on_any_non_ok_call_and_progress_shows_without_a_terminal(tmp_path):
+    run = tmp_path / "r"
+    subprocess.run([sys.executable, "-m", "cbtrace", "capture", "--model", "dlrm:tiny", "--device",
+                    "cpu", "--max-depth", "1", "--out", str(run)], check=True, capture_output=True)
+    ok = subprocess.run([sys.executable, "-m", "cbtrace", "replay", str(run), "--budget-s", "0.002",
+                         "--strict"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "calls: ok 5, error 0, skipped 0, timeout 0" in ok.stdout
+    assert "cbtrace: replay: 5 calls" in ok.stderr  # not a terminal: plain progress lines
+    bad = subprocess.run([sys.executable, "-m", "cbtrace", "replay", str(run), "--budget-s",
+                          "0.002", "--memory-budget", "1", "--strict"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 1 and "skipped 5" in bad.stdout and "skipped: (root): footprint" in bad.stdout
+
+
+def test_no_kineto_log_lines_reach_the_terminal(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "cbtrace", "profile", "--model", "dlrm:tiny",
+                          "--device", "cpu", "--max-depth", "1", "--out", str(tmp_path / "r")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    both = out.stdout + out.stderr
+    assert "USDT" not in both and "STAGE:" not in both and "profiler_start" not in both

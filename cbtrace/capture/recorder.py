@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from cbtrace import module_tree
+from cbtrace.console import quiet_kineto
 from cbtrace.cost.dtypes import name_of
 from cbtrace.errors import CaptureError
 from cbtrace.rundir import writer
@@ -177,7 +178,8 @@ class capture:
         if self.cfg.trace:
             self._prof = torch.profiler.profile(activities=profiler_activities(), record_shapes=True,
                                                 with_stack=True)
-            self._prof.__enter__()
+            with quiet_kineto():  # Kineto's USDT/STAGE log lines stay off the terminal
+                self._prof.__enter__()
             # started after the profiler, so the profiler neither traces it nor records its ops
             self._helper = HelperThread()
 
@@ -192,7 +194,8 @@ class capture:
             pass
         if self._prof is not None:
             try:
-                self._prof.__exit__(None, None, None)
+                with quiet_kineto():
+                    self._prof.__exit__(None, None, None)
             except Exception:  # noqa: BLE001 - the original error is the one to report
                 pass
             self._prof = None
@@ -209,7 +212,8 @@ class capture:
                 helper_error = e
             if self._prof is not None:
                 t0 = time.perf_counter()
-                self._prof.__exit__(exc_type, exc, tb)
+                with quiet_kineto():
+                    self._prof.__exit__(exc_type, exc, tb)
                 self.timings_s["profiler_stop"] = time.perf_counter() - t0
         finally:
             self._remove_hooks()

@@ -1,4 +1,6 @@
 """Flags shared by several commands; each maps to exactly one library argument."""
+import sys
+
 import click
 
 
@@ -34,7 +36,8 @@ def model_options(f):
                      help="provider option, e.g. -o batch_size=8 (repeatable)"),
         click.option("--include", multiple=True, metavar="GLOB", help="capture only matching fqns"),
         click.option("--exclude", multiple=True, metavar="GLOB", help="skip matching fqns"),
-        click.option("--max-depth", type=int, default=None, help="deepest module level captured"),
+        click.option("--max-depth", type=click.IntRange(min=0), default=None,
+                     help="deepest module level captured (0: the root only)"),
         click.option("--synthesize-above", "synthesize_above_bytes", type=int, default=None,
                      metavar="BYTES", help="store larger inputs as metadata only"),
         click.option("--seed", type=int, default=0, show_default=True),
@@ -66,3 +69,9 @@ def timer_option(f):
     return click.option("--timer", type=TimerChoice(), default="auto", show_default=True,
                         help="measurement backend: auto or a registered timer (fallbacks are "
                              "recorded per row)")(f)
+
+
+def strict_exit(df, strict: bool) -> None:
+    """--strict: exit 1 when any call ended other than ok (the counts are already printed)."""
+    if strict and (df["status"] != "ok").any():
+        sys.exit(1)

@@ -106,6 +106,8 @@ class ModuleRecord:
     mbu_calibrated: float | None = column(REPLAY, "fraction", "against the calibrated bandwidth",
                                           default=None)
     bound: str | None = column(REPLAY, doc="compute | memory | launch", default=None)
+    nonfinite_outputs: bool = column(REPLAY, doc="the replayed call's outputs hold NaN or Inf",
+                                     default=False)
     figures_suspect: bool = column(REPLAY, doc="mfu, hfu or mbu above 1: a bug in what they "
                                                "divide, flagged and never capped", default=False)
     peak_mem_bytes: int | None = column(REPLAY, "bytes", "allocated-memory delta at peak (GPU) "

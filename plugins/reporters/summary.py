@@ -83,6 +83,29 @@ def summary_table(df, *, top: int = 15) -> str:
     return title + "\n" + _table(body) + suspect_line(rows)
 
 
+STATUSES = ("ok", "error", "skipped", "timeout")
+
+
+def status_text(df, *, first: int = 3) -> str:
+    """How the calls ended ("calls: ok 31, error 2, skipped 0, timeout 0"), the first reasons of
+    the others, and the flagged calls (noisy timing, NaN/Inf outputs)."""
+    counts = df["status"].value_counts().to_dict()
+    lines = ["calls: " + ", ".join(f"{s} {counts.get(s, 0)}" for s in STATUSES)]
+    bad = df[df["status"] != "ok"]
+    for r in bad.head(first).itertuples():
+        lines.append(f"  {r.status}: {r.fqn or '(root)'}: {r.status_reason}")
+    if len(bad) > first:
+        lines.append(f"  ... {len(bad) - first} more (modules.parquet: status, status_reason)")
+    for col, what in (("nonfinite_outputs", "outputs hold NaN or Inf"),
+                      ("noisy", "timed on a busy machine (noisy)")):
+        flagged = df[df[col].fillna(False).astype(bool)] if col in df else df.iloc[:0]
+        if len(flagged):
+            names = ", ".join((f or "(root)") for f in flagged["fqn"].head(first))
+            lines.append(f"flagged: {len(flagged)} call(s) {what}: {names}"
+                         f"{' ...' if len(flagged) > first else ''}")
+    return "\n".join(lines)
+
+
 def suspect_line(rows: list[dict]) -> str:
     """A line naming the calls whose MFU, HFU or MBU read above 100 % ("" when none): such a
     figure is a bug in what it divides, printed rather than capped."""

@@ -14,21 +14,16 @@ def command(out, models):
     """
     from pathlib import Path
 
-    from cbtrace.cost.peaks import device_name, load_calibration
     from cbtrace.attribution.join import error_table
-    from cbtrace.plugins.reporters.summary import summary_table
+    from cbtrace.plugins.reporters.summary import status_text, summary_table
     from cbtrace.workflows.profile_model import profile
 
-    if device_name("cpu") not in load_calibration():
-        from cbtrace.cost.calibrate import calibrate, format_calibration
-
-        click.echo("== calibrating this CPU once (its peaks are the denominators of MFU/MBU)")
-        click.echo(format_calibration(calibrate("cpu")))
     for spec in models:
         run = Path(out) / spec.replace(":", "-").replace("/", "_")
         click.echo(f"== {spec} -> {run}")
         df = profile(spec, run, device="cpu", replay_options=dict(timer="cpu", budget_s=0.1))
         click.echo(summary_table(df, top=10))
+        click.echo(status_text(df))
         click.echo(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
         for name, target in (("annotate", "cbtrace.annotate.write:annotate"),
                              ("report", "cbtrace.workflows.report:write_report")):

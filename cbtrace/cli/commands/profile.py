@@ -1,6 +1,7 @@
 import click
 
-from cbtrace.cli.options import model_options, parse_kv, timer_option
+from cbtrace.cli.options import model_options, parse_kv, strict_exit, timer_option
+from cbtrace.replay.config import ReplayConfig
 
 
 @click.command("profile")
@@ -12,8 +13,12 @@ from cbtrace.cli.options import model_options, parse_kv, timer_option
                    "durations (do_bench's convention, launch-free)")
 @click.option("--tb-logdir", type=click.Path(file_okay=False), default=None,
               help="also place the run and its annotated trace where TensorBoard finds them")
+@click.option("--timeout-s", type=click.FloatRange(min=0), default=ReplayConfig.timeout_s,
+              show_default=True,
+              help="a call replaying longer ends status=timeout and replay goes on (0: no limit)")
+@click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthesize_above_bytes,
-            seed, out, timer, cold, tb_logdir):
+            seed, out, timer, cold, tb_logdir, timeout_s, strict):
     """Capture, replay and attribute: isolated vs in-situ time per module.
 
     Adds insitu_ms and error_pct (isolated / in-situ - 1) to RUN/modules.parquet and prints the
@@ -23,13 +28,13 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
 
     from cbtrace.attribution.join import error_table
     from cbtrace.workflows.profile_model import profile
-    from cbtrace.plugins.reporters.summary import summary_table
+    from cbtrace.plugins.reporters.summary import status_text, summary_table
     from cbtrace.replay.engine import replay_notes
     from cbtrace.rundir.read import read_manifest
 
     if tb_logdir:
         out = str(Path(tb_logdir) / Path(out).name)
-    df = profile(spec, out, replay_options=dict(timer=timer, cold=cold), device=device,
+    df = profile(spec, out, replay_options=dict(timer=timer, cold=cold, timeout_s=timeout_s), device=device,
                  dtype=dtype, step=step, seed=seed, options=parse_kv(opts), include=include,
                  exclude=exclude, max_depth=max_depth,
                  synthesize_above_bytes=synthesize_above_bytes)
@@ -44,3 +49,5 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
         annotate(run=out)
         click.echo(f"TensorBoard: tensorboard --logdir {tb_logdir}")
     click.echo(f"run: {out}")
+    click.echo(status_text(df))
+    strict_exit(df, strict)

@@ -1,6 +1,7 @@
 import click
 
-from cbtrace.cli.options import timer_option
+from cbtrace.cli.options import strict_exit, timer_option
+from cbtrace.replay.config import ReplayConfig
 
 
 @click.command("replay")
@@ -22,9 +23,13 @@ from cbtrace.cli.options import timer_option
 @click.option("--trust", is_flag=True,
               help="rebuild the model from the run's own spec even if it names code "
                    "(file.py:fn, pkg.module:fn), which then runs: only for runs you trust")
+@click.option("--timeout-s", type=click.FloatRange(min=0), default=ReplayConfig.timeout_s,
+              show_default=True,
+              help="a call running longer ends status=timeout and replay goes on (0: no limit)")
+@click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, model_spec, trust,
-            top):
+            timeout_s, strict, top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
     Writes the results into RUN/modules.parquet and prints the slowest modules. The model is
@@ -33,15 +38,17 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
     Example: cbtrace replay runs/gpt --timer auto
     """
     import cbtrace
-    from cbtrace.plugins.reporters.summary import summary_table
+    from cbtrace.plugins.reporters.summary import status_text, summary_table
     from cbtrace.replay.engine import replay_notes
     from cbtrace.rundir.read import read_manifest
 
     opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold,
-                model_spec=model_spec, trust=trust)
+                model_spec=model_spec, trust=trust, timeout_s=timeout_s)
     if budget_s is not None:
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
     df = cbtrace.replay(run, device=device, **opts)
     click.echo(summary_table(df, top=top))
     for note in replay_notes(read_manifest(run)):
         click.echo(note)
+    click.echo(status_text(df))
+    strict_exit(df, strict)
