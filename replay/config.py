@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+MODES = ("compile", "cudagraph")  # besides eager, which every replay times
+
+
 @dataclass(kw_only=True)
 class ReplayConfig:
     timer: str = "auto"
@@ -33,6 +36,12 @@ class ReplayConfig:
     warm_inputs: bool = True
     """Time each call on inputs just rewritten in place, as its producer left them in the real
     step (in cache where they fit); off with ``cold`` (do_bench's convention: everything cold)."""
+    modes: tuple = ()
+    """Also time each call compiled and/or from a CUDA graph: "compile", "cudagraph"."""
+    compile_mode: str = "default"
+    """torch.compile's mode for the "compile" mode (e.g. "max-autotune-no-cudagraphs")."""
+    backward: bool = False
+    """Also replay each call's backward on its captured (else random) output gradients."""
     max_copies: int = 8
     """Most input copies rotated between timed calls (against L2 warmth)."""
     memory_budget_bytes: int | None = None
@@ -55,6 +64,12 @@ class ReplayConfig:
     """Rebuild the model from this spec (as ``cbtrace capture --model``) instead of the run's."""
 
     def __post_init__(self):
+        modes = tuple(m for m in (self.modes or ()) if m != "eager")
+        unknown = sorted(set(modes) - set(MODES))
+        if unknown:
+            raise ValueError(f"modes: unknown {', '.join(unknown)} (modes: eager, "
+                             f"{', '.join(MODES)})")
+        self.modes = modes
         bad = {k: getattr(self, k) for k in ("budget_s", "cold_budget_s", "cold_warmup_s",
                                              "cold_settle_tol") if getattr(self, k) < 0}
         if bad:

@@ -140,7 +140,8 @@ def timing_settings(cfg) -> dict:
     budget only changes how many runs are taken, so a resume may use another one. Cold
     replay's warm-up sets the clock it measures at, so its settings count too."""
     settings = {"timer": cfg.timer, "cold": cfg.cold, "graph_k": cfg.graph_k,
-                "warm_inputs": cfg.warm_inputs and not cfg.cold}
+                "warm_inputs": cfg.warm_inputs and not cfg.cold, "modes": list(cfg.modes),
+                "compile_mode": cfg.compile_mode, "backward": cfg.backward}
     if cfg.cold:
         settings.update(cold_warmup_s=cfg.cold_warmup_s, cold_settle_tol=cfg.cold_settle_tol)
     return settings

@@ -23,13 +23,21 @@ class Step(Protocol):
 
 
 def default_plan(cfg, device, backends: dict) -> list[Step]:
-    """Time (the timer chain of ``cfg.timer``), profile, host issue time, FLOPs/bytes, then a
-    look at the outputs (NaN/Inf)."""
-    steps: list[Step] = [Timed(timers.chain(cfg.timer, device, backends), backends, cfg),
-                         ProfilerPass(cfg.profile_runs), HostIssue()]
+    """Time (the timer chain of ``cfg.timer``), profile, host issue time, FLOPs/bytes, a look at
+    the outputs (NaN/Inf); then the other modes and the backward when asked for."""
+    chain = timers.chain(cfg.timer, device, backends)
+    steps: list[Step] = [Timed(chain, backends, cfg), ProfilerPass(cfg.profile_runs), HostIssue()]
     if cfg.count_flops:
         steps.append(OpCount())
     steps.append(OutputCheck())
+    if cfg.modes:  # the same call compiled / from a CUDA graph (replay/modes.py)
+        from cbtrace.replay.modes import mode_steps
+
+        steps += mode_steps(cfg, device, chain, backends)
+    if cfg.backward:  # its backward on the output gradients (replay/backward.py)
+        from cbtrace.replay.backward import BackwardStep
+
+        steps.append(BackwardStep(cfg, chain, backends))
     return steps
 
 

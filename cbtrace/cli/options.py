@@ -75,3 +75,15 @@ def strict_exit(df, strict: bool) -> None:
     """--strict: exit 1 when any call ended other than ok (the counts are already printed)."""
     if strict and (df["status"] != "ok").any():
         sys.exit(1)
+
+
+def parse_modes(text: str) -> tuple:
+    """"eager,compile" -> ("eager", "compile"), checked against the replay modes."""
+    from cbtrace.replay.config import MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m != "eager" and m not in MODES]
+    if bad:
+        raise click.BadParameter(f"unknown mode {bad[0]!r} (modes: eager, {', '.join(MODES)})",
+                                 param_hint="--modes")
+    return modes

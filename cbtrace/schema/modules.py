@@ -58,6 +58,9 @@ class ModuleRecord:
     synthesized: bool = column(CAPTURE, doc="some inputs stored as statistics only", default=False)
     capture_error: str | None = column(CAPTURE, doc="message if the module raised during capture",
                                        default=None)
+    grads_ref: str | None = column(CAPTURE, "JSON", "--step train: the gradients that reached the "
+                                                    "call's outputs in the backward, stored like "
+                                                    "its inputs", default=None)
 
     insitu_host_ms: float | None = column(
         HOST_INSITU, "ms", "CPU runs: host time of the call in an unprofiled repeat of the step",
@@ -118,12 +121,62 @@ class ModuleRecord:
                                        default=None)
     aggregated: bool = column(REPLAY, doc="row filled from its children (the parent was skipped)",
                               default=False)
+    # --modes: the same call compiled, and from a CUDA graph; the best against eager
+    compile_ms: float | None = column(REPLAY, "ms", "the call's module under torch.compile, timed "
+                                                    "as isolated_ms", default=None)
+    compile_status: str | None = column(REPLAY, doc="ok, or why the compiled call was not timed",
+                                        default=None)
+    compile_s: float | None = column(REPLAY, "s", "compiling it (never inside the timed runs)",
+                                     default=None)
+    compile_graphs: int | None = column(REPLAY, doc="graphs compiled for it (more than 1: graph "
+                                                    "breaks or recompiles)", default=None)
+    cudagraph_ms: float | None = column(REPLAY, "ms", "the eager call replayed from a one-call "
+                                                      "CUDA graph, launch included", default=None)
+    cudagraph_status: str | None = column(REPLAY, doc="ok, or why it was not timed", default=None)
+    eager_step_ms: float | None = column(REPLAY, "ms", "what the eager call costs a step: the "
+                                                       "larger of isolated_ms and host_ms",
+                                         default=None)
+    best_mode: str | None = column(REPLAY, doc="eager | compile | cudagraph: the fastest",
+                                   default=None)
+    speedup: float | None = column(REPLAY, "x", "eager_step_ms / the best mode's ms", default=None)
+    opportunity_ms: float | None = column(REPLAY, "ms", "time the step saves with the best mode "
+                                                        "(each captured call once per step)",
+                                          default=None)
+    # --backward: the call's backward on its output gradients
+    bwd_status: str | None = column(REPLAY, doc="ok | error | skipped: the backward", default=None)
+    bwd_status_reason: str | None = column(REPLAY, doc="why it was not ok", default=None)
+    grad_source: str | None = column(REPLAY, doc="captured | random: the output gradients used",
+                                     default=None)
+    bwd_timer: str | None = column(REPLAY, doc="the timer behind bwd_ms", default=None)
+    bwd_timer_notes: str | None = column(REPLAY, doc="how it timed, and fallbacks", default=None)
+    bwd_ms: float | None = column(REPLAY, "ms", "median of the timed backward runs", default=None)
+    bwd_ms_p10: float | None = column(REPLAY, "ms", "10th percentile", default=None)
+    bwd_ms_p90: float | None = column(REPLAY, "ms", "90th percentile", default=None)
+    bwd_flops: float | None = column(REPLAY, "FLOP", "counted as they run: grad-input and "
+                                                     "grad-weight", default=None)
+    bwd_bytes: float | None = column(REPLAY, "bytes", "moved by the backward", default=None)
+    bwd_compute_dtype: str | None = column(REPLAY, doc="dtype whose peak bwd_mfu/mbu use",
+                                           default=None)
+    bwd_mfu: float | None = column(REPLAY, "fraction", "bwd_flops / bwd time / peak", default=None)
+    bwd_mbu: float | None = column(REPLAY, "fraction", "bwd_bytes / bwd time / bandwidth",
+                                   default=None)
+    # memory per call (the split torch's MemTracker reports), on the real inputs
+    bwd_peak_mem_bytes: int | None = column(REPLAY, "bytes", "allocated-memory delta at the "
+                                                             "backward's peak", default=None)
+    saved_bytes: int | None = column(REPLAY, "bytes", "tensors the forward saved for backward "
+                                                      "(saved_tensors_hooks)", default=None)
+    grad_bytes: int | None = column(REPLAY, "bytes", "parameter gradients the backward writes",
+                                    default=None)
     replay_wall_s: float | None = column(REPLAY, "s", "host wall time spent replaying this call",
                                          default=None)
 
     insitu_ms: float | None = column(INSITU, "ms", "the call's own time in the captured step",
                                      default=None)
     error_pct: float | None = column(INSITU, "%", "100 * (isolated / in-situ - 1)", default=None)
+    bwd_insitu_ms: float | None = column(INSITU, "ms", "the call's backward in the captured step",
+                                         default=None)
+    bwd_error_pct: float | None = column(INSITU, "%", "100 * (bwd_ms / bwd_insitu_ms - 1)",
+                                         default=None)
 
     @property
     def key(self) -> tuple[str, int]:

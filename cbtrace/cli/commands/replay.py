@@ -1,6 +1,6 @@
 import click
 
-from cbtrace.cli.options import strict_exit, timer_option
+from cbtrace.cli.options import parse_modes, strict_exit, timer_option
 from cbtrace.replay.config import ReplayConfig
 
 
@@ -26,10 +26,16 @@ from cbtrace.replay.config import ReplayConfig
 @click.option("--timeout-s", type=click.FloatRange(min=0), default=ReplayConfig.timeout_s,
               show_default=True,
               help="a call running longer ends status=timeout and replay goes on (0: no limit)")
+@click.option("--modes", default="eager", show_default=True, metavar="LIST",
+              help="also time each call compiled and/or from a CUDA graph: eager,compile,cudagraph")
+@click.option("--compile-mode", default=ReplayConfig.compile_mode, show_default=True,
+              help="torch.compile mode for --modes compile (e.g. max-autotune-no-cudagraphs)")
+@click.option("--backward", is_flag=True,
+              help="also replay each call's backward on its captured (else random) output grads")
 @click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, model_spec, trust,
-            timeout_s, strict, top):
+            timeout_s, modes, compile_mode, backward, strict, top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
     Writes the results into RUN/modules.parquet and prints the slowest modules. The model is
@@ -43,7 +49,8 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
     from cbtrace.rundir.read import read_manifest
 
     opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold,
-                model_spec=model_spec, trust=trust, timeout_s=timeout_s)
+                model_spec=model_spec, trust=trust, timeout_s=timeout_s,
+                modes=parse_modes(modes), compile_mode=compile_mode, backward=backward)
     if budget_s is not None:
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
     df = cbtrace.replay(run, device=device, **opts)
