@@ -34,9 +34,10 @@ class CallUnderTest:
     n_copies: int                  # copies to rotate among (against a warm L2)
     device: torch.device
     cfg: object                    # ReplayConfig
+    grads: tuple | None = None     # the gradients its outputs got in the step (grads_ref)
 
 
-def prepare(module, rec, args, kwargs, device, cfg) -> CallUnderTest:
+def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest:
     """The call on ``args``/``kwargs`` and enough copies of them (ids shifted for embeddings);
     objects in the inputs (a transformers Cache) are put back as they were before every run."""
     copies = embedding_copies(module, args, kwargs, device)
@@ -57,7 +58,7 @@ def prepare(module, rec, args, kwargs, device, cfg) -> CallUnderTest:
             return module(*a, **k)
 
     run.touch = input_toucher(copies)  # timers that keep inputs warm call it before run(i)
-    return CallUnderTest(module, rec, run, n, device, cfg)
+    return CallUnderTest(module, rec, run, n, device, cfg, grads)
 
 
 WARM_MIN_BYTES = 64 << 10  # smaller inputs stay cached whatever happens; not worth a kernel

@@ -196,8 +196,10 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None) ->
     try:
         with guard.call(), time_limit(cfg.timeout_s):
             args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device)
+            grads = (load_call_inputs(run, rec.grads_ref, device=device)[0]
+                     if cfg.backward and rec.grads_ref else None)
             set_training_flags(module, rec, flags or {})
-            return measure_call(module, rec, args, kwargs, device, cfg, plan)
+            return measure_call(module, rec, args, kwargs, device, cfg, plan, grads)
     except CallTimeout as e:
         _free(device)
         return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")

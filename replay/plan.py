@@ -41,10 +41,10 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
     return steps
 
 
-def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step]) -> dict:
+def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads=None) -> dict:
     """All figures of one call as a dict of ModuleRecord fields."""
     t0 = time.perf_counter()
-    call = prepare(module, rec, args, kwargs, device, cfg)
+    call = prepare(module, rec, args, kwargs, device, cfg, grads)
     row = {"status": "ok"}
     for step in plan:
         row.update(step.run(call))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import json
 import os
 import socket
@@ -129,6 +130,9 @@ class capture:
         self._lock = threading.RLock()
         self._cuda = False
         self._eager = None
+        self._grads: dict[int, list] = {}  # call_id -> inputs_ref of each output's gradient
+        self._grad_handles: list = []
+        self._closed = False
         self.trace_path: Path | None = None
         self.timings_s: dict[str, float] = {}  # where capture time went (also in the manifest)
 
@@ -237,9 +241,11 @@ class capture:
 
     # --- hooks -----------------------------------------------------------------------
     def _remove_hooks(self) -> None:
-        for h in self._handles:
+        self._closed = True  # gradient hooks still on live tensors do nothing from now on
+        for h in self._handles + self._grad_handles:
             h.remove()
         self._handles.clear()
+        self._grad_handles.clear()
 
     def _stop_helper(self) -> None:
         """Let the helper thread finish; hooks called later (none should be) run inline."""
@@ -326,6 +332,31 @@ class capture:
                 self._helper.submit(_set_tensor_meta, rec, meta)
             else:  # containers may change once the caller has them: read them now, off-trace
                 self._helper.call(_set_output_meta, rec, output)
+            if rec.grad_enabled:
+                self._watch_grads(rec, output)
+
+    def _watch_grads(self, rec, output) -> None:
+        """Hooks on the call's outputs that require grad: the gradients that reach them in the
+        step's backward are stored like inputs (grads_ref), for ``replay --backward``."""
+        outs = [output] if output.__class__ is _TENSOR else flat_tensors(output)
+        outs = [t for t in outs if t.requires_grad and t.grad_fn is not None]
+        if not outs:
+            return
+        self._grads[rec.call_id] = [None] * len(outs)
+        for k, t in enumerate(outs):
+            self._grad_handles.append(t.register_hook(functools.partial(self._grad_hook, rec, k)))
+
+    def _grad_hook(self, rec, k: int, grad) -> None:
+        if self._closed or grad is None:  # a backward after the capture: not ours
+            return
+        with self._lock:
+            copy_range = RANGE_ENTER(f"cbtrace.copy::{rec.fqn}", None)
+            try:
+                ref, copies = self._helper.call(self._snap.plan, (grad,), {})
+                run_copies(copies)
+                self._grads[rec.call_id][k] = ref
+            finally:
+                RANGE_EXIT(copy_range)
 
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
@@ -348,6 +379,8 @@ class capture:
                 t1 = time.perf_counter()
                 for rec in self.records:
                     rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
+                    if any(r is not None for r in self._grads.get(rec.call_id, ())):
+                        rec.grads_ref = merged_ref(self._grads[rec.call_id])
                 writer.write_records(self.out, self.records)
                 t["modules_table"] = time.perf_counter() - t1
             except BaseException as e:
@@ -422,6 +455,23 @@ def _set_tensor_meta(rec: ModuleRecord, meta: tuple) -> None:
     from cbtrace.store.tensor_store import meta_dict
 
     rec.output_meta = json.dumps([meta_dict(*meta)])
+
+
+def merged_ref(refs: list) -> str:
+    """One inputs_ref of the gradients stored one by one (a missing one: None): the outputs'
+    gradients as its args, in output order; chunk ids are the snapshot's own, so they merge."""
+    docs = [json.loads(r) if r is not None else None for r in refs]
+    chunks: dict = {}
+    args = []
+    for d in docs:
+        if d is None:
+            args.append({"t": "none"})
+            continue
+        args.append(d["args"][0])
+        chunks.update(d["chunks"])
+    version = next(d["v"] for d in docs if d is not None)
+    return json.dumps({"v": version, "args": args, "kwargs": {}, "chunks": chunks},
+                      separators=(",", ":"))
 
 
 def _static_facts(module) -> tuple[str, str, int, int]:

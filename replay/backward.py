@@ -1,0 +1,154 @@
+"""``--backward``: each call's backward, on the gradients its outputs got in the step.
+
+The backward is timed on its own: before every timed backward the call's forward runs untimed
+(the timers' ``touch`` hook: queued before the start event, or, in a CUDA graph, timed in a
+graph of its own and subtracted), then ``torch.autograd.backward(outputs, grads)`` is the
+timed work: grad-input where an input required grad, grad-weight for parameters. Gradients
+come from the capture (``grads_ref``: ``cbtrace capture --step train``), else random ones of
+the outputs' shape and dtype (``grad_source``). Parameters' ``.grad`` come back as they were
+(the engine's StateGuard). The forward's saved tensors, the backward's peak memory and the
+parameter gradients it writes make the call's memory split.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cbtrace.nested import flat_tensors
+from cbtrace.replay import timers
+from cbtrace.replay.call import CallUnderTest
+from cbtrace.replay.steps import timing_config
+from cbtrace.replay.timing import join_notes
+
+
+class BackwardStep:
+    """bwd_* columns, grad_source, saved_bytes, grad_bytes, bwd_peak_mem_bytes."""
+
+    name = "backward"
+
+    def __init__(self, cfg, chain: list[str], backends: dict):
+        self.chain, self.backends = chain, backends
+        # the untimed forward is the timers' touch: always on, whatever warm_inputs says
+        self.tcfg = dataclasses.replace(timing_config(cfg), warm_inputs=True)
+
+    def run(self, c: CallUnderTest) -> dict:
+        outs = _grad_outputs(c.run(0))
+        if not outs:
+            return dict(bwd_status="skipped", bwd_status_reason="no output requires grad (the "
+                        "call ran without grad, or its outputs are not differentiable)")
+        grads, source = _gradients(c, outs)
+        bwd = _backward_runner(c, grads)
+        try:
+            t, fallback = timers.measure(bwd, c.n_copies, c.device, self.chain, self.backends,
+                                         self.tcfg)
+        except Exception as e:  # noqa: BLE001 - the backward failed: record it, go on
+            return dict(bwd_status="error", grad_source=source,
+                        bwd_status_reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        row = dict(bwd_status="ok", grad_source=source, bwd_timer=t.timer, bwd_ms=t.median_ms,
+                   bwd_ms_p10=t.p10_ms, bwd_ms_p90=t.p90_ms,
+                   bwd_timer_notes=join_notes(t.notes, fallback and f"fallback: {fallback}"))
+        row.update(_cost(c, grads))
+        row.update(_memory(c, grads))
+        return row
+
+
+def _grad_outputs(out) -> list[torch.Tensor]:
+    return [t for t in flat_tensors(out) if t.requires_grad and t.grad_fn is not None]
+
+
+def _gradients(c: CallUnderTest, outs) -> tuple[list, str]:
+    """The captured gradients of the outputs, else random ones like them."""
+    grads = c.grads
+    if grads is not None:
+        if len(grads) == len(outs) and all(
+                g is None or (g.shape == o.shape and g.dtype == o.dtype) for g, o in zip(grads, outs)):
+            full = [g if g is not None else torch.zeros_like(o) for g, o in zip(grads, outs)]
+            return full, "captured" if all(g is not None for g in grads) else "captured, partly"
+    gen = torch.Generator(device=c.device).manual_seed(0)
+    return [torch.randn(o.shape, dtype=o.dtype, device=c.device, generator=gen)
+            for o in outs], "random"
+
+
+def _backward_runner(c: CallUnderTest, grads):
+    """bwd(i): the backward of copy i's forward, which ``bwd.touch(i)`` ran just before (the
+    timers' untimed hook); without it (a warm-up call), bwd runs the forward itself. A forward
+    is used only by the next backward of the same copy, inside the same CUDA graph capture or
+    outside one: never one left over from a graph of forwards alone."""
+    last: dict = {}
+
+    def capturing() -> bool:
+        return c.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def forward(i: int) -> None:
+        last.clear()
+        last.update(i=i % c.n_copies, capturing=capturing(), outs=_grad_outputs(c.run(i)))
+
+    def bwd(i: int) -> None:
+        if last.get("i") != i % c.n_copies or last.get("capturing") != capturing():
+            forward(i)
+        outs = last.pop("outs")
+        last.clear()
+        torch.autograd.backward(outs, grads)
+
+    bwd.touch = forward
+    return bwd
+
+
+def _cost(c: CallUnderTest, grads) -> dict:
+    """FLOPs and bytes of one backward as it runs (grad-input and grad-weight, counted)."""
+    from cbtrace.cost.opcount import OpCounter
+
+    outs = _grad_outputs(c.run(0))
+    params = {id(p): n for n, p in c.module.named_parameters()}
+    _fresh_grads(c.module)  # as in a step after zero_grad(): no accumulation into old .grad
+    with OpCounter(params=params) as oc:
+        torch.autograd.backward(outs, grads)
+    cost = oc.cost()
+    return dict(bwd_flops=cost.flops, bwd_bytes=cost.bytes, bwd_compute_dtype=cost.compute_dtype)
+
+
+def _memory(c: CallUnderTest, grads) -> dict:
+    """Bytes the forward saved for backward, the backward's peak and the parameter gradients."""
+    saved: dict[tuple, int] = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            saved[(st.data_ptr(), t.device)] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = _grad_outputs(c.run(0))
+    params = [p for p in c.module.parameters() if p.requires_grad]
+    _fresh_grads(c.module)
+    if c.device.type == "cuda":
+        torch.cuda.synchronize(c.device)
+        torch.cuda.reset_peak_memory_stats(c.device)
+        base = torch.cuda.memory_allocated(c.device)
+        torch.autograd.backward(outs, grads)
+        torch.cuda.synchronize(c.device)
+        peak = max(torch.cuda.max_memory_allocated(c.device) - base, 0)
+    else:
+        peak = _cpu_peak(lambda: torch.autograd.backward(outs, grads))
+    return dict(saved_bytes=sum(saved.values()), bwd_peak_mem_bytes=int(peak),
+                grad_bytes=sum(p.numel() * p.element_size() for p in params))
+
+
+def _fresh_grads(module) -> None:
+    """Parameters' .grad set to None, as ``zero_grad()`` leaves them before a step's backward
+    (the engine's StateGuard puts the caller's back after the call)."""
+    for p in module.parameters():
+        p.grad = None
+
+
+def _cpu_peak(fn) -> int:
+    """Peak of live host bytes while ``fn`` runs, from the profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cbtrace.console import quiet_kineto
+    from cbtrace.replay.profiler_pass import peak_live_bytes, rows_from_kineto
+
+    with quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return peak_live_bytes(rows_from_kineto(prof.profiler.kineto_results.events()), on_cpu=True)

@@ -1,0 +1,68 @@
+"""--backward: each call's backward timed on its own, on the gradients captured in the step."""
+import pytest
+import torch
+from torch import nn
+
+import cbtrace
+from cbtrace.state import state_fingerprint
+
+FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, profile_runs=1, progress=False)
+
+
+def _capture_train(model, x, run):
+    with cbtrace.capture(model, run, trace=False):
+        model(x).float().pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_linear_backward_flops_count_grad_input_only_when_needed(tmp_path, input_grad):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32)).train()
+    x = torch.randn(16, 64, requires_grad=input_grad)
+    _capture_train(model, x, tmp_path / "r")
+    for p in model.parameters():
+        p.grad = None
+    before = state_fingerprint(model)
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST).set_index("fqn")
+    lin = df.loc["0"]
+    assert lin["bwd_status"] == "ok" and lin["grad_source"] == "captured"
+    assert lin["bwd_ms"] > 0 and lin["bwd_flops"] > 0
+    mm = 2 * 16 * 64 * 32  # the forward matmul; the backward does grad-weight, and grad-input
+    ratio = (lin["bwd_flops"] - 16 * 32) / mm  # less the bias gradient's reduction
+    assert ratio == pytest.approx(2.0 if input_grad else 1.0, rel=0.02)
+    assert lin["grad_bytes"] == (64 * 32 + 32) * 4  # weight and bias gradients
+    assert lin["saved_bytes"] >= 16 * 64 * 4  # the input, saved for grad-weight
+    assert all(p.grad is None for p in model.parameters())  # .grad restored
+    assert state_fingerprint(model) == before
+
+
+def test_random_gradients_when_none_were_captured_and_a_forward_capture(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)).train()
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(torch.randn(4, 8))  # forward only: no gradients reached the outputs
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST)
+    assert (df["bwd_status"] == "ok").all() and (df["grad_source"] == "random").all()
+    with torch.no_grad(), cbtrace.capture(model, tmp_path / "nograd", trace=False):
+        model(torch.randn(4, 8))
+    df = cbtrace.replay(tmp_path / "nograd", model=model, backward=True, **FAST)
+    assert (df["bwd_status"] == "skipped").all()
+    assert df["bwd_status_reason"].str.contains("no output requires grad").all()
+
+
+def test_backward_of_a_demo_model_step(tmp_path):
+    from cbtrace.model.spec import resolve
+
+    provider = resolve("nanogpt:tiny")
+    model, batch = provider.model_and_batch("cpu")
+    model.train()
+    from cbtrace.capture.from_spec import run_step
+
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        run_step(provider, model, batch, "train")
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST)
+    ok = df[df["bwd_status"] == "ok"]
+    assert len(ok) >= len(df) - 3, df[df["bwd_status"] != "ok"][["fqn", "bwd_status_reason"]]
+    assert (ok["grad_source"] == "captured").mean() > 0.8
+    lin = ok[ok["module_type"] == "Linear"]
+    assert (lin["bwd_flops"] > lin["flops"]).all()  # grad-weight and grad-input: about 2x
