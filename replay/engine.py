@@ -126,12 +126,12 @@ def recheck(done: dict, by_id: dict) -> list[int]:
     return out
 
 
-def replay_notes(manifest) -> list[str]:
+def replay_notes(manifest, backward: bool = False) -> list[str]:
     """What a user should know about what replay measured, one line each."""
     notes = []
-    if manifest.step is not None and manifest.step.step == "train":
+    if manifest.step is not None and manifest.step.step == "train" and not backward:
         notes.append("note: the run was captured with --step train (forward + backward); replay "
-                     "measured each call's forward only")
+                     "measured each call's forward only (--backward measures the backward too)")
     return notes
 
 

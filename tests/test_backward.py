@@ -66,3 +66,14 @@ def test_backward_of_a_demo_model_step(tmp_path):
     assert (ok["grad_source"] == "captured").mean() > 0.8
     lin = ok[ok["module_type"] == "Linear"]
     assert (lin["bwd_flops"] > lin["flops"]).all()  # grad-weight and grad-input: about 2x
+
+
+def test_profile_of_a_train_step_joins_the_backward_in_situ(tmp_path):
+    from cbtrace.workflows.profile_model import profile
+
+    df = profile("dlrm:tiny", tmp_path / "r", device="cpu", step="train", max_depth=2,
+                 replay_options=dict(FAST))
+    ok = df[df["bwd_status"] == "ok"]
+    assert len(ok) and ok["bwd_insitu_ms"].notna().mean() > 0.5
+    both = ok[ok["bwd_insitu_ms"] > 0]
+    assert both["bwd_error_pct"].notna().all()

@@ -1,5 +1,6 @@
 """The in-situ stage of a run: each captured call's time in the real step, and the isolation
-error ``error_pct`` = 100 * (isolated / in-situ - 1).
+error ``error_pct`` = 100 * (isolated / in-situ - 1); for a train step replayed with
+``--backward``, the same for its backward (``bwd_insitu_ms``, ``bwd_error_pct``).
 
 GPU runs: the call's own device time in the capture trace. CPU runs: its host time in an
 unprofiled repeat of the step (``insitu_host_ms``), when capture recorded one.
@@ -11,29 +12,43 @@ from pathlib import Path
 
 
 def insitu_columns(run, manifest, df) -> dict[int, dict]:
-    """call_id -> {insitu_ms, error_pct} for every row of the modules table ``df``."""
+    """call_id -> {insitu_ms, error_pct, bwd_insitu_ms, bwd_error_pct} for every row of the
+    modules table ``df`` (the backward's only where replay measured it)."""
     on_gpu = manifest.device.startswith("cuda")
     if not on_gpu and df["insitu_host_ms"].notna().all():
         insitu = dict(zip(df["call_id"], df["insitu_host_ms"]))  # CPU: unprofiled repeats
     else:
-        ins = insitu_for_run(run, manifest)
-        by_key = dict(zip(zip(ins["fqn"], ins["call_index"]), ins["insitu_ms"]))
-        insitu = {cid: by_key.get((f, int(i))) for cid, f, i in
-                  zip(df["call_id"], df["fqn"], df["call_index"])}
+        insitu = _by_call(df, insitu_for_run(run, manifest))
+    bwd = (_by_call(df, insitu_for_run(run, manifest, phase="bwd"))
+           if df["bwd_ms"].notna().any() else {})
     out = {}
-    for cid, iso in zip(df["call_id"], df["isolated_ms"]):
-        ins = _number(insitu.get(cid))
-        iso = _number(iso)
-        err = 100.0 * (iso / ins - 1.0) if ins is not None and ins > 0 and iso is not None else None
-        out[int(cid)] = {"insitu_ms": ins, "error_pct": err}
+    for cid, iso, bwd_ms in zip(df["call_id"], df["isolated_ms"], df["bwd_ms"]):
+        ins, bwd_ins = _number(insitu.get(cid)), _number(bwd.get(cid))
+        out[int(cid)] = {"insitu_ms": ins, "error_pct": _error_pct(_number(iso), ins),
+                         "bwd_insitu_ms": bwd_ins,
+                         "bwd_error_pct": _error_pct(_number(bwd_ms), bwd_ins)}
     return out
 
 
-def insitu_for_run(run_dir, manifest):
+def _by_call(df, ins) -> dict:
+    """call_id -> in-situ ms, matching the attribution's rows by (fqn, call_index)."""
+    by_key = dict(zip(zip(ins["fqn"], ins["call_index"]), ins["insitu_ms"]))
+    return {cid: by_key.get((f, int(i))) for cid, f, i in
+            zip(df["call_id"], df["fqn"], df["call_index"])}
+
+
+def _error_pct(isolated, insitu):
+    if isolated is None or insitu is None or insitu <= 0:
+        return None
+    return 100.0 * (isolated / insitu - 1.0)
+
+
+def insitu_for_run(run_dir, manifest, phase: str = "fwd"):
     """In-situ time per captured call from the run's own capture trace.
 
-    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, insitu_ms] of forward
-    module rows; ``insitu_ms`` is gpu_ms (device time of the call's own kernels, cbtrace's
+    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, insitu_ms] of the module
+    rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps to each call by sequence
+    number); ``insitu_ms`` is gpu_ms (device time of the call's own kernels, cbtrace's
     input copies excluded) when the trace has device events, else cpu_ms. Not the span: during
     capture the host is slowed by hooks and copies, so the device idles inside a parent's span
     for reasons that are cbtrace's, not the model's (on the H200 a GPT-2 Block read 7.5 ms of
@@ -47,7 +62,7 @@ def insitu_for_run(run_dir, manifest):
     if trace is None:
         raise RunDirError(f"{run_dir}: no capture trace (*.pt.trace.json*) in the run")
     df = attribute_file(trace)
-    df = df[(df["phase"] == "fwd") & (df["depth"] >= 0)]
+    df = df[(df["phase"] == phase) & (df["depth"] >= 0)]
     if (df["step"] >= 0).any():
         df = df[df["step"] == df.loc[df["step"] >= 0, "step"].min()]
     has_device = df["kernel_count"].sum() > 0

@@ -5,11 +5,14 @@ from pathlib import Path
 
 
 def profile(spec: str, out, *, replay_options: dict | None = None, **capture_options):
-    """Capture ``spec`` into ``out``, replay it, join in-situ times; returns the modules frame."""
+    """Capture ``spec`` into ``out``, replay it, join in-situ times; returns the modules frame.
+    A training step (``step="train"``) replays each call's backward too."""
     from cbtrace.attribution.join import join_insitu
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.replay.engine import replay
 
     cap = capture_model(spec, Path(out), **capture_options)
-    replay(cap.out, **{"model_spec": spec, **(replay_options or {})})  # the spec the user named
+    options = {"model_spec": spec,  # the spec the user named
+               "backward": capture_options.get("step") == "train", **(replay_options or {})}
+    replay(cap.out, **options)
     return join_insitu(cap.out)

@@ -41,7 +41,7 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
     click.echo(summary_table(df))
     click.echo("\nisolation error by module class (error_pct = isolated / in-situ - 1, %):")
     click.echo(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
-    for note in replay_notes(read_manifest(out)):
+    for note in replay_notes(read_manifest(out), step == "train"):
         click.echo(note)
     if tb_logdir:
         from cbtrace.annotate.write import annotate

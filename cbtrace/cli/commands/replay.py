@@ -55,7 +55,7 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
     df = cbtrace.replay(run, device=device, **opts)
     click.echo(summary_table(df, top=top))
-    for note in replay_notes(read_manifest(run)):
+    for note in replay_notes(read_manifest(run), backward):
         click.echo(note)
     click.echo(status_text(df))
     strict_exit(df, strict)
