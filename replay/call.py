@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import types
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class CallUnderTest:
     device: torch.device
     cfg: object                    # ReplayConfig
     grads: tuple | None = None     # the gradients its outputs got in the step (grads_ref)
+    row: dict = dataclasses.field(default_factory=dict)  # what the plan's steps measured so far
 
 
 def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest:

@@ -59,6 +59,7 @@ def replay(run, model=None, device=None, **options):
     log = ProgressLog(run, resume=cfg.resume)
     order = bfs_order({r.call_id: r.parent_call_id for r in records})
     bar = Progress("replay", len(order), len(done), show=cfg.progress)
+    timings: dict[str, float] = {}  # seconds per phase of a call's replay, summed
     t0 = time.perf_counter()
     try:
         for cid in order:
@@ -66,7 +67,7 @@ def replay(run, model=None, device=None, **options):
                 continue
             rec = by_id[cid]
             row = replay_one(model, rec, run, device, cfg, plan, guard, budget,
-                             manifest.training_flags)
+                             manifest.training_flags, timings)
             row["call_id"] = cid
             row["settings"] = settings
             log.append(row)
@@ -75,7 +76,7 @@ def replay(run, model=None, device=None, **options):
         if device.type == "cpu":  # a busy machine slows calls at random: time those again
             for cid in recheck(done, by_id):
                 row = replay_one(model, by_id[cid], run, device, cfg, plan, guard, budget,
-                                 manifest.training_flags)
+                                 manifest.training_flags, timings)
                 if row.get("isolated_ms") is not None and (
                         row["isolated_ms"] < done[cid]["isolated_ms"]):
                     row.update(call_id=cid, settings=settings,
@@ -95,7 +96,8 @@ def replay(run, model=None, device=None, **options):
                                  cold=cfg.cold,
                                  timers_used=sorted({r.timer for r in records if r.timer}),
                                  wall_s=time.perf_counter() - t0,
-                                 torch_version=str(torch.__version__))
+                                 torch_version=str(torch.__version__),
+                                 timings_s={k: round(v, 4) for k, v in timings.items()})
     columns = stage_columns(REPLAY)
     return write_stage(run, REPLAY, {r.call_id: {c: getattr(r, c) for c in columns}
                                      for r in records}, manifest=manifest)
@@ -178,7 +180,8 @@ def set_training_flags(module, rec, flags: dict) -> None:
             sub.training = bool(flags[f"{prefix}{name}"])
 
 
-def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None) -> dict:
+def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
+               timings: dict | None = None) -> dict:
     """Replay one call; never raises for the module's own failures (status = error)."""
     from cbtrace.store.load import load_call_inputs
 
@@ -195,11 +198,14 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None) ->
                     f"budget {limit / 2**20:.0f} MiB")
     try:
         with guard.call(), time_limit(cfg.timeout_s):
+            t0 = time.perf_counter()
             args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device)
             grads = (load_call_inputs(run, rec.grads_ref, device=device)[0]
                      if cfg.backward and rec.grads_ref else None)
+            if timings is not None:
+                timings["load"] = timings.get("load", 0.0) + time.perf_counter() - t0
             set_training_flags(module, rec, flags or {})
-            return measure_call(module, rec, args, kwargs, device, cfg, plan, grads)
+            return measure_call(module, rec, args, kwargs, device, cfg, plan, grads, timings)
     except CallTimeout as e:
         _free(device)
         return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")

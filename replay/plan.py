@@ -1,6 +1,6 @@
 """A call's measurement as a plan: a list of steps run in order on one prepared call.
 
-    plan = default_plan(cfg, device, backends)      # [Timed, ProfilerPass, HostIssue, OpCount]
+    plan = default_plan(cfg, device, backends)  # [Timed, OpCount, ProfilerPass, HostIssue, ...]
     row = measure_call(module, rec, args, kwargs, device, cfg, plan)
 
 Each step returns the ModuleRecord fields it measures; the row is their union plus
@@ -13,6 +13,7 @@ from typing import Protocol
 
 from cbtrace.replay import timers
 from cbtrace.replay.call import CallUnderTest, prepare
+from cbtrace.replay.reuse import ProfileCache
 from cbtrace.replay.steps import HostIssue, OpCount, OutputCheck, ProfilerPass, Timed
 
 
@@ -23,13 +24,15 @@ class Step(Protocol):
 
 
 def default_plan(cfg, device, backends: dict) -> list[Step]:
-    """Time (the timer chain of ``cfg.timer``), profile, host issue time, FLOPs/bytes, a look at
-    the outputs (NaN/Inf); then the other modes and the backward when asked for."""
+    """Time (the timer chain of ``cfg.timer``), FLOPs/bytes, profile (once per kind of work),
+    host issue time, a look at the outputs (NaN/Inf); then the other modes and the backward
+    when asked for."""
     chain = timers.chain(cfg.timer, device, backends)
-    steps: list[Step] = [Timed(chain, backends, cfg), ProfilerPass(cfg.profile_runs), HostIssue()]
-    if cfg.count_flops:
+    steps: list[Step] = [Timed(chain, backends, cfg)]
+    if cfg.count_flops:  # before the profiled pass: a call of the same work reuses its pass
         steps.append(OpCount())
-    steps.append(OutputCheck())
+    steps += [ProfilerPass(cfg.profile_runs, ProfileCache() if cfg.count_flops else None),
+              HostIssue(), OutputCheck()]
     if cfg.modes:  # the same call compiled / from a CUDA graph (replay/modes.py)
         from cbtrace.replay.modes import mode_steps
 
@@ -41,12 +44,19 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
     return steps
 
 
-def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads=None) -> dict:
-    """All figures of one call as a dict of ModuleRecord fields."""
+def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads=None,
+                 timings: dict | None = None) -> dict:
+    """All figures of one call as a dict of ModuleRecord fields; ``timings`` (step name ->
+    seconds) accumulates where the time went."""
     t0 = time.perf_counter()
     call = prepare(module, rec, args, kwargs, device, cfg, grads)
-    row = {"status": "ok"}
+    row = call.row
+    row["status"] = "ok"
+    timings = {} if timings is None else timings
+    timings["prepare"] = timings.get("prepare", 0.0) + time.perf_counter() - t0
     for step in plan:
+        t1 = time.perf_counter()
         row.update(step.run(call))
+        timings[step.name] = timings.get(step.name, 0.0) + time.perf_counter() - t1
     row["replay_wall_s"] = time.perf_counter() - t0
     return row

@@ -44,20 +44,31 @@ class Timed:
 
 
 class ProfilerPass:
-    """Kernel count, device and wall time, launch overhead and peak memory, from torch.profiler."""
+    """Kernel count, device and wall time, launch overhead and peak memory, from torch.profiler;
+    reused for a call that is the same work as one profiled before (``replay.reuse``)."""
 
     name = "profile"
 
-    def __init__(self, runs: int):
-        self.runs = runs
+    def __init__(self, runs: int, cache=None):
+        self.runs, self.cache = runs, cache
 
     def run(self, c: CallUnderTest) -> dict:
         from cbtrace.replay.profiler_pass import profile_call
+        from cbtrace.replay.reuse import signature
 
+        key = self.cache.key(signature(c.module, c.rec), c.row) if self.cache else None
+        hit = self.cache.get(key) if self.cache else None
+        if hit is not None:
+            fqn, figures = hit
+            notes = join_notes(c.row.get("timer_notes"), f"profiled as {fqn or '(root)'}")
+            return {**figures, "timer_notes": notes}
         p = profile_call(lambda: c.run(0), c.device, runs=self.runs)
-        return dict(kernel_count=p.kernel_count, device_ms=p.device_ms, wall_ms=p.wall_ms,
-                    launch_overhead_ms=p.launch_overhead_ms, peak_mem_bytes=p.peak_mem_bytes,
-                    peak_mem_source=p.peak_mem_source)
+        figures = dict(kernel_count=p.kernel_count, device_ms=p.device_ms, wall_ms=p.wall_ms,
+                       launch_overhead_ms=p.launch_overhead_ms, peak_mem_bytes=p.peak_mem_bytes,
+                       peak_mem_source=p.peak_mem_source)
+        if self.cache:
+            self.cache.put(key, c.rec.fqn, figures)
+        return figures
 
 
 class HostIssue:

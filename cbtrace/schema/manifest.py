@@ -72,6 +72,7 @@ class ReplayInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     timers_used: list[str] = []
     wall_s: float
     torch_version: str
+    timings_s: dict[str, float] = {}     # where replay time went: load, prepare, each step
 
 
 class Manifest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
