@@ -323,3 +323,42 @@ def test_no_kineto_log_lines_reach_the_terminal(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     both = out.stdout + out.stderr
     assert "USDT" not in both and "STAGE:" not in both and "profiler_start" not in both
+
+
+class Routed(nn.Module):
+    """Value-dependent work: only the rows whose first feature is positive go through the
+    Linear (as an MoE's router sends tokens to an expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.expert = nn.Linear(16, 16)
+
+    def forward(self, x):
+        picked = x[x[:, 0] > 0]
+        return self.expert(picked).sum() + x.sum()
+
+
+def test_calls_of_the_same_work_reuse_one_profiled_pass_value_dependent_ones_do_not(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), Routed(), Routed()).eval()
+    x = torch.randn(64, 16)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            self.m[0](x), self.m[1](x)
+            a = self.m[2](x)
+            b = self.m[3](x * torch.linspace(-1, 1, 64)[:, None])  # other rows picked
+            return a + b
+
+    root = Twice()
+    with cbtrace.capture(root, tmp_path / "r", trace=False):
+        root(x)
+    df = cbtrace.replay(tmp_path / "r", model=root, **FAST).set_index("fqn")
+    assert "profiled as m.0" in df.loc["m.1", "timer_notes"]  # same work: the pass reused
+    assert df.loc["m.1", "kernel_count"] == df.loc["m.0", "kernel_count"]
+    assert df.loc["m.2", "flops"] != df.loc["m.3", "flops"]  # routing: other work...
+    assert "profiled as" not in str(df.loc["m.3", "timer_notes"])  # ...profiled on its own
