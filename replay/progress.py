@@ -1,7 +1,9 @@
 """Rows are appended as they finish (JSON lines), so --resume completes a killed replay.
 
 Each row is flushed to the OS at once (a killed process loses nothing); fsync, which only a
-machine crash needs, runs at most once per ``SYNC_EVERY_S`` and at close.
+machine crash needs, runs at most once per ``SYNC_EVERY_S`` and at close. A resumed log whose
+last line was torn (the process died mid-write) is continued on a new line, so the torn row is
+the only one lost.
 """
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+from cbtrace.errors import ReplayError
 
 PROGRESS = "replay.progress.jsonl"
 SYNC_EVERY_S = 1.0
@@ -32,9 +36,16 @@ def read_done(run: Path) -> dict[int, dict]:
 class ProgressLog:
     def __init__(self, run: Path, *, resume: bool):
         self.path = Path(run) / PROGRESS
-        if not resume and self.path.exists():
-            self.path.unlink()
-        self.f = open(self.path, "a")
+        try:
+            if not resume and self.path.exists():
+                self.path.unlink()
+            torn = resume and not _ends_a_line(self.path)
+            self.f = open(self.path, "a")
+        except OSError as e:
+            raise ReplayError(f"{self.path}: cannot write ({e.strerror or e}): replay writes its "
+                              "results into the run directory; replay a writable copy") from None
+        if torn:
+            self.f.write("\n")
         self._synced = time.monotonic()
 
     def append(self, row: dict) -> None:
@@ -52,6 +63,19 @@ class ProgressLog:
             os.fsync(self.f.fileno())
         finally:
             self.f.close()
+
+
+def _ends_a_line(path: Path) -> bool:
+    """True if ``path`` is missing, empty or ends with a newline."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return True
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+    except FileNotFoundError:
+        return True
 
 
 def _plain(x):

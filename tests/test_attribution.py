@@ -105,16 +105,31 @@ def test_insitu_for_run(tmp_path):
 def test_capture_run_names_nn_module_events(tmp_path, shared_traces):
     from runs import record, write_run
 
-    mods = pd.DataFrame({"fqn": ["", "emb", "encoder", "encoder.layers.0", "encoder.layers.1", "head"],
-                         "call_id": [0, 1, 2, 3, 4, 5],
-                         "module_type": ["Net", "Embedding", "TransformerEncoder",
-                                         "TransformerEncoderLayer", "TransformerEncoderLayer", "Linear"]})
+    from cbtrace.errors import RunDirError
+
+    layer = [("", "TransformerEncoderLayer"), (".self_attn", "MultiheadAttention"),
+             (".dropout1", "Dropout"), (".norm1", "LayerNorm"), (".linear1", "Linear"),
+             (".dropout", "Dropout"), (".linear2", "Linear"), (".dropout2", "Dropout"),
+             (".norm2", "LayerNorm")]
+    calls = ([("", "Net"), ("emb", "Embedding"), ("encoder", "TransformerEncoder")]
+             + [(f"encoder.layers.{i}{f}", m) for i in (0, 1) for f, m in layer]
+             + [("head", "Linear")])  # the whole model, in call order
+    mods = pd.DataFrame({"fqn": [f for f, _ in calls], "call_id": range(len(calls)),
+                         "module_type": [m for _, m in calls]})
     assert class_index_map(mods)["TransformerEncoderLayer_1"] == "encoder.layers.1"
-    write_run(tmp_path, [record(f, c, module_type=m)
-                         for f, c, m in zip(mods.fqn, mods.call_id, mods.module_type)])
+    assert class_index_map(mods)["Linear_4"] == "head"
+    write_run(tmp_path / "whole", [record(f, c, module_type=m)
+                                   for f, c, m in zip(mods.fqn, mods.call_id, mods.module_type)])
     trace = next((shared_traces / "generated/torch2.13cpu_transformer2").glob("*.json.gz"))
-    df = attribute(trace, capture_run=tmp_path, aggregate=False)
-    assert {"emb", "encoder.layers.1", ""} <= set(df[df.source == "nn.Module"].fqn)
+    df = attribute(trace, capture_run=tmp_path / "whole", aggregate=False)
+    assert {"emb", "encoder.layers.1", "", "encoder.layers.1.linear2", "head"} <= \
+        set(df[df.source == "nn.Module"].fqn)
+    # a run holding only some Linear modules would call the trace's Linear_0 "head": refused
+    part = mods[mods.fqn.str.count(r"\.") < 3]  # the layers, nothing inside them
+    write_run(tmp_path / "part", [record(f, c, module_type=m)
+                                  for f, c, m in zip(part.fqn, part.call_id, part.module_type)])
+    with pytest.raises(RunDirError, match="do not match the nn.Module events"):
+        attribute(trace, capture_run=tmp_path / "part", aggregate=False)
 
 
 def test_hierarchy_path():

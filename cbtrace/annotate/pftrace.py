@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import zlib
-from pathlib import Path
-
-from cbtrace.errors import TraceError
 
 SEQ_ID = 0xCB7  # trusted_packet_sequence_id of every packet (one writer)
 
@@ -96,6 +93,18 @@ def _nested(slices: list[dict]):
     return out
 
 
+def unavailable_reason() -> str | None:
+    """Why no .pftrace can be written here (the optional ``perfetto`` package), or None."""
+    try:
+        from perfetto.protos.perfetto.trace import perfetto_trace_pb2  # noqa: F401
+        from perfetto.trace_builder import proto_builder  # noqa: F401
+    except ImportError:
+        return "the perfetto package is not installed: pip install 'cbtrace[perfetto]'"
+    except Exception as e:  # installed but broken, e.g. a protobuf it cannot load
+        return f"the perfetto package does not load ({type(e).__name__}: {e})"
+    return None
+
+
 def build(slices: list[dict], extra: list[dict]) -> bytes:
     """Serialized Trace proto from module slices and the appended Chrome-format events."""
     from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
@@ -137,14 +146,3 @@ def build(slices: list[dict], extra: list[dict]) -> bytes:
         else:
             te.type = TrackEvent.Type.TYPE_SLICE_END
     return b.serialize()
-
-
-def write_pftrace(path: Path, slices: list[dict], extra: list[dict], force: bool = False) -> Path:
-    """Write ``path`` atomically; refuses to overwrite unless ``force``."""
-    from cbtrace.rundir.files import atomic_write_bytes
-
-    path = Path(path)
-    if path.exists() and not force:
-        raise TraceError(f"{path}: already exists (pass --force to overwrite)")
-    atomic_write_bytes(path, build(slices, extra))
-    return path

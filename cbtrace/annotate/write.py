@@ -48,16 +48,19 @@ def _resolve(run, trace) -> tuple[Path, bool]:
 
 
 def _attribution(trace: Path, run=None):
-    """Per-slice in-situ table from cbtrace.attribution, or None if unavailable for this trace."""
+    """Per-slice in-situ table from cbtrace.attribution, or None if unavailable for this trace.
+
+    A trace attribution cannot read is annotated with slice durations (a warning says so); a
+    run that does not match the trace (RunDirError) is refused.
+    """
     try:
         from cbtrace.attribution.attribute import attribute
     except ImportError:
         return None
-    from cbtrace.errors import CbtraceError
 
     try:
         df = attribute(trace, capture_run=run, aggregate=False)
-    except CbtraceError as e:
+    except TraceError as e:
         warnings.warn(f"{trace}: no in-situ attribution ({e}); annotating with slice durations")
         return None
     if isinstance(df, tuple):
@@ -69,29 +72,50 @@ def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool 
              insitu=None) -> Path:
     """Write an annotated copy of a trace; returns its path.
 
+    Both outputs are written to temp files beside them (created first, so a folder that cannot
+    be written fails before any work) and renamed into place at the end: a failure leaves no
+    half-made output behind. Without the ``perfetto`` package the .pftrace is skipped with a
+    warning (``cbtrace.annotate.pftrace.unavailable_reason``).
+
     Args:
         run: run directory; its modules.parquet gives the isolated figures (and its capture
             trace is annotated when ``trace`` is None).
         trace: a Kineto trace (.json / .json.gz) to annotate instead of the run's own.
         out: output path (default ``annotated_<name>`` beside the trace).
-        force: overwrite an existing output.
+        force: overwrite existing outputs.
         pftrace: also write the Perfetto protobuf ``annotated_<stem>.pftrace``.
         insitu: per-slice attribution table to use (default: computed with cbtrace.attribute;
             False: none).
     """
-    import cbtrace
-    from cbtrace.annotate.figures import Figures, SliceAnnotator
-    from cbtrace.annotate.layout import appended_events, metadata
-    from cbtrace.annotate.stream import rewrite
-    from cbtrace.rundir.files import atomic_path
-    from cbtrace.rundir.read import load_run
+    from cbtrace.annotate.pftrace import unavailable_reason
+    from cbtrace.rundir.files import atomic_paths
 
     trace, own = _resolve(run, trace)
     dst = output_path(trace, out)
     if dst.resolve() == trace.resolve():
         raise TraceError(f"{dst}: the output would overwrite the original trace")
-    if dst.exists() and not force:
-        raise TraceError(f"{dst}: already exists (pass --force to overwrite)")
+    if pftrace and (why := unavailable_reason()) is not None:
+        warnings.warn(f"{pftrace_path(dst)}: skipped ({why})")
+        pftrace = False
+    outputs = [dst, pftrace_path(dst)] if pftrace else [dst]
+    for path in outputs:
+        if path.exists() and not force:
+            raise TraceError(f"{path}: already exists (pass --force to overwrite)")
+    with atomic_paths(*outputs) as tmps:
+        _write(run, trace, own, insitu, dst, tmps)
+    for path in outputs:
+        _readable(path)
+    return dst
+
+
+def _write(run, trace: Path, own: bool, insitu, dst: Path, tmps: list[Path]) -> None:
+    """The annotated trace into ``tmps[0]`` and, if asked, the .pftrace into ``tmps[1]``."""
+    import cbtrace
+    from cbtrace.annotate.figures import Figures, SliceAnnotator
+    from cbtrace.annotate.layout import appended_events, metadata
+    from cbtrace.annotate.stream import rewrite
+    from cbtrace.rundir.read import load_run
+
     manifest, modules = load_run(run) if run is not None else (None, None)
     if insitu is None:
         insitu = _attribution(trace, run)
@@ -109,16 +133,12 @@ def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool 
         return extra
 
     head = b'"cbtrace": ' + json.dumps(meta, sort_keys=True).encode() + b",\n"
-    with atomic_path(dst) as tmp, open(tmp, "wb") as f:
+    with open(tmps[0], "wb") as f:
         rewrite(trace, f, on_event=ann, head=head, tail=tail, gz=dst.name.endswith(".gz"))
-    _readable(dst)
-    if pftrace:
-        from cbtrace.annotate.pftrace import write_pftrace
+    if len(tmps) > 1:
+        from cbtrace.annotate.pftrace import build
 
-        pf = write_pftrace(pftrace_path(dst), ann.slices["cbtrace"] + ann.slices["nn.Module"],
-                           extra, force=True)
-        _readable(pf)
-    return dst
+        tmps[1].write_bytes(build(ann.slices["cbtrace"] + ann.slices["nn.Module"], extra))
 
 
 def _run_id(run, manifest) -> str | None:

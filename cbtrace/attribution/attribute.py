@@ -162,8 +162,9 @@ def attribute(paths, *, capture_run=None, hta: bool = False, aggregate: bool = T
 
     Args:
         paths: a trace file, a directory of per-rank traces, or a list of them.
-        capture_run: a cbtrace run directory of the same model: names ``nn.Module: Class_N``
-            events by their real attribute paths.
+        capture_run: a cbtrace run directory of the same model, captured whole: names
+            ``nn.Module: Class_N`` events by their real attribute paths; a run whose modules do
+            not match the trace's events is refused (identity.check_capture_run).
         hta: also return HTA's ``TraceAnalysis`` over the same files: ``(df, analysis)``.
         aggregate: add ``*_median`` / ``*_min`` / ``*_max`` columns over steps.
         steps_per_window: for traces larger than memory: read each file once per window of
@@ -174,16 +175,20 @@ def attribute(paths, *, capture_run=None, hta: bool = False, aggregate: bool = T
     """
     import pandas as pd
 
+    from cbtrace.attribution.identity import check_capture_run, class_index_map
+
     files = trace_files(paths)
-    class_map = None
+    class_map = modules = None
     if capture_run is not None:
-        from cbtrace.attribution.identity import class_index_map
         from cbtrace.rundir.read import read_modules
 
-        class_map = class_index_map(read_modules(capture_run))
+        modules = read_modules(capture_run)
+        class_map = class_index_map(modules)
     frames, seen = [], set()
     for i, f in enumerate(files):
         df = attribute_file(f, class_map=class_map, steps_per_window=steps_per_window)
+        if modules is not None:
+            check_capture_run(modules, df, run=capture_run, trace=f)
         r = int(df["rank"].iloc[0]) if len(df) else i
         if r in seen:  # two files claim one rank (e.g. no rank info): number them by order
             df["rank"] = r = max(seen) + 1

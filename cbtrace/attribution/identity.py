@@ -13,6 +13,7 @@ import re
 import numpy as np
 
 from cbtrace.attribution.forest import Forest, string_mask
+from cbtrace.errors import RunDirError
 
 CBTRACE = "cbtrace::"
 COPY = "cbtrace.copy::"
@@ -94,20 +95,60 @@ def _code(strings: list, text: str) -> int:
         return -2
 
 
-def class_index_map(modules_df) -> dict[str, str]:
-    """"Class_N" -> fqn from a capture's modules table.
+def run_labels(modules_df) -> list[tuple[str, str]]:
+    """("Class_N", fqn) of every call of a capture's modules table, in call order.
 
     The profiler numbers instances of a class in the order it first sees them called; the
     capture records calls in order (call_id), so the N-th distinct fqn of a class is Class_N.
     """
-    out, seen = {}, {}
+    out, seen = [], {}
     for row in modules_df.sort_values("call_id").itertuples():
-        cls = row.module_type
-        names = seen.setdefault(cls, [])
+        names = seen.setdefault(row.module_type, [])
         if row.fqn not in names:
             names.append(row.fqn)
-            out[f"{cls}_{len(names) - 1}"] = row.fqn
+        out.append((f"{row.module_type}_{names.index(row.fqn)}", row.fqn))
     return out
+
+
+def class_index_map(modules_df) -> dict[str, str]:
+    """"Class_N" -> fqn from a capture's modules table (see ``run_labels``)."""
+    return dict(run_labels(modules_df))
+
+
+def check_capture_run(modules_df, rows, *, run, trace) -> None:
+    """Refuse (RunDirError, one line) a capture run that cannot name a trace's nn.Module events.
+
+    ``rows``: the trace's attribution rows (``module_label``, ``source``, ``phase``, ``ts_us``,
+    ``depth``). The run's Class_N are right only if the trace first calls the instances of the
+    run's classes in the run's order: as many of each class, interleaved the same way. Another
+    model fails that, and so does a run captured in part (--max-depth, --include, --exclude)
+    that skips an instance of a class it holds, as it numbers only the instances it has.
+    Modules of classes the run does not hold (a loss module outside the model) are ignored.
+    """
+    fwd = rows[(rows["source"] == "nn.Module") & (rows["phase"] == "fwd")]
+    if not len(fwd):
+        return  # no nn.Module events: the run names nothing here
+    calls = run_labels(modules_df)
+    fqn_of = dict(calls)
+    want = list(dict.fromkeys(label for label, _ in calls))
+    classes = {label.rpartition("_")[0] for label in want}
+    order = fwd.sort_values(["ts_us", "depth"], kind="stable")["module_label"]
+    got = [label for label in dict.fromkeys(order) if label.rpartition("_")[0] in classes]
+    if got == want:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if i == len(got):
+        detail = f"the trace has no nn.Module event {want[i]} ({fqn_of[want[i]] or '<root>'})"
+    elif i == len(want):
+        cls = got[i].rpartition("_")[0]
+        n_run, n_trace = (sum(x.rpartition("_")[0] == cls for x in xs) for xs in (want, got))
+        detail = f"the trace has {n_trace} {cls} modules, the run {n_run}"
+    else:
+        detail = (f"the run calls {want[i]} ({fqn_of[want[i]] or '<root>'}) where the trace "
+                  f"calls {got[i]}")
+    raise RunDirError(f"{run}: its modules do not match the nn.Module events of {trace} "
+                      f"({detail}); name them with a run of the same model captured whole "
+                      "(no --max-depth, --include or --exclude)")
 
 
 def hierarchy_path(text: str) -> str | None:

@@ -66,6 +66,9 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     device = resolve_device(device)
     if dtype is not None and dtype not in CLI_DTYPES:
         raise CaptureError(f"--dtype {dtype}: expected one of {', '.join(CLI_DTYPES)}")
+    depth = capture_options.get("max_depth")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+        raise CaptureError(f"--max-depth {depth}: expected 0 (the root only) or more")
     if Path(out).exists() and any(Path(out).iterdir()):  # before minutes of model building
         prepare_new_run(out)
     spec = stored_spec(spec)

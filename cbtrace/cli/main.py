@@ -54,6 +54,10 @@ def main(argv=None):
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(1)
+    except click.UsageError as e:  # one line, like every other error: no usage block
+        where = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+        click.echo(f"Error: {e.format_message()}{where}", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -10,9 +10,11 @@ class Provider:
     """A model and one batch for it.
 
     Subclasses override ``build_model`` and ``build_batch``; ``run`` calls the model on the batch
-    (positional args for a tuple batch, keyword args for a dict batch).
+    (positional args for a tuple batch, keyword args for a dict batch). ``OPTIONS`` names the
+    options a subclass reads; ``cbtrace.model.spec.resolve`` refuses any other (None: any).
     """
 
+    OPTIONS: ClassVar[tuple[str, ...] | None] = None
     spec: str = ""                 # the spec that built it, e.g. "nanogpt:tiny"
     seed: int = 0                  # seeds torch before building the model and the batch
     options: dict = field(default_factory=dict)  # provider-specific options, stored in the manifest

@@ -8,11 +8,15 @@ keyword args.
 A registered name runs only installed code (its options are passed as values); the other two
 forms run the code they name, so a spec read from a run directory is resolved only if
 ``is_registered`` says so or the user asked for it (``cbtrace.replay.rebuild``).
+
+Options are checked against what the provider takes: a registered provider's ``OPTIONS``, a
+callable's keyword parameters (one with ``**kwargs`` takes any); any other is a one-line error.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,8 +107,34 @@ def resolve(spec: str, *, seed: int = 0, options: dict | None = None) -> Provide
     if name in models:
         if preset:
             options.setdefault("preset", preset)
-        return models[name](spec=spec, seed=seed, options=options)
+        provider = models[name](spec=spec, seed=seed, options=options)
+        check_options(name, options, getattr(provider, "OPTIONS", None))
+        return provider
     if ":" not in spec:
         raise ProviderError(f"unknown model '{spec}' (registered: {', '.join(sorted(models))}; "
                             "or use pkg.module:callable / file.py:callable)")
-    return CallableProvider(spec=spec, seed=seed, options=options, factory=_load_callable(spec))
+    factory = _load_callable(spec)
+    check_options(spec, options, callable_options(factory))
+    return CallableProvider(spec=spec, seed=seed, options=options, factory=factory)
+
+
+def callable_options(fn) -> tuple[str, ...] | None:
+    """The keyword parameters of ``fn``; None if it takes ``**kwargs`` (or has no signature)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def check_options(who: str, options: dict, known) -> None:
+    """A ProviderError naming the options ``who`` does not take, and those it does."""
+    if known is None:
+        return
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        names = ", ".join(f"'{k}'" for k in unknown)
+        raise ProviderError(f"{who}: unknown option{'s' if len(unknown) > 1 else ''} {names} "
+                            f"(options: {', '.join(sorted(known)) or 'none'})")

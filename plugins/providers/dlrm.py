@@ -135,6 +135,7 @@ class SimpleDeepFMNN(nn.Module):
 class DLRMProvider(RecSysProvider):
     """DeepFM-DLRM; options: preset (default|tiny), batch_size, num_embeddings."""
 
+    OPTIONS = ("preset", "batch_size", "num_embeddings")
     options: dict = field(default_factory=dict)
 
     def config(self) -> DLRMConfig:

@@ -125,6 +125,7 @@ class GPT(nn.Module):
 class NanoGPTProvider(Provider):
     """GPT-2 small by default; options: preset, batch_size, seq_len, targets (bool)."""
 
+    OPTIONS = ("preset", "batch_size", "seq_len", "targets")
     options: dict = field(default_factory=dict)
 
     def _preset(self):

@@ -21,6 +21,8 @@ PRESETS = {
 
 @dataclass
 class TorchRecDeepFMProvider(RecSysProvider):
+    OPTIONS = ("preset", "batch_size", "arch")
+
     options: dict = field(default_factory=dict)
 
     def _p(self):

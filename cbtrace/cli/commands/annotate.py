@@ -16,6 +16,7 @@ def command(run_dir, trace, run_opt, out, force, no_pftrace):
 
     Examples: cbtrace annotate runs/gpt;  cbtrace annotate --trace t.pt.trace.json.gz --run runs/gpt
     """
+    from cbtrace.annotate.pftrace import unavailable_reason
     from cbtrace.annotate.write import annotate, pftrace_path
 
     if run_dir and run_opt and run_dir != run_opt:
@@ -23,7 +24,11 @@ def command(run_dir, trace, run_opt, out, force, no_pftrace):
     run = run_dir or run_opt
     if run is None and trace is None:
         raise click.UsageError("give a run directory, --trace FILE, or both")
-    path = annotate(run=run, trace=trace, out=out, force=force, pftrace=not no_pftrace)
+    skipped = None if no_pftrace else unavailable_reason()
+    path = annotate(run=run, trace=trace, out=out, force=force,
+                    pftrace=not no_pftrace and skipped is None)
     click.echo(f"annotated trace: {path}")
-    if not no_pftrace:
+    if skipped:
+        click.echo(f"perfetto trace:  skipped ({skipped})")
+    elif not no_pftrace:
         click.echo(f"perfetto trace:  {pftrace_path(path)}")

@@ -17,6 +17,7 @@ def command(traces, out, capture_run, top, force, steps_per_window):
     Prints the modules with the most in-situ time (medians over steps).
     Example: cbtrace attribute logs/rank0.pt.trace.json.gz --out table.parquet
     """
+    import contextlib
     from pathlib import Path
 
     from cbtrace.attribution.attribute import attribute, summary_text
@@ -24,13 +25,13 @@ def command(traces, out, capture_run, top, force, steps_per_window):
 
     if out and Path(out).exists() and not force:
         raise click.ClickException(f"{out}: already exists (use --force to overwrite)")
-    df = attribute(list(traces), capture_run=capture_run, steps_per_window=steps_per_window)
-    if out:
-        with atomic_path(Path(out)) as tmp:
-            if out.endswith(".csv"):
-                df.to_csv(tmp, index=False)
-            else:
-                df.to_parquet(tmp, index=False)
+    with contextlib.ExitStack() as stack:  # the temp file first: an unwritable --out fails at once
+        tmp = stack.enter_context(atomic_path(Path(out))) if out else None
+        df = attribute(list(traces), capture_run=capture_run, steps_per_window=steps_per_window)
+        if out and out.endswith(".csv"):
+            df.to_csv(tmp, index=False)
+        elif out:
+            df.to_parquet(tmp, index=False)
     click.echo(summary_text(df, top=top))
     if out:
         click.echo(f"wrote {len(df)} rows to {out}")
