@@ -15,7 +15,7 @@ from cbtrace.replay.plan import default_plan, measure_call
 from cbtrace.replay.limits import CallTimeout, time_limit
 from cbtrace.replay.progress import ProgressLog, read_done
 from cbtrace.replay.timing import join_notes
-from cbtrace.rundir.files import sha256_file
+from cbtrace.rundir.files import check_writable, sha256_file
 from cbtrace.rundir.read import load_run
 from cbtrace.rundir.writer import write_stage
 from cbtrace.schema.manifest import ReplayInfo
@@ -41,6 +41,7 @@ def replay(run, model=None, device=None, **options):
     manifest, df = load_run(run)
     if not manifest.complete:
         raise ReplayError(f"{run}: the capture did not complete ({manifest.error})")
+    check_writable(run)  # a read-only run fails now, before the model is rebuilt
     device = replay_device(device, manifest, model)
     if model is None:
         model = rebuild_model(manifest, device, verify=cfg.verify_state, trust=cfg.trust,

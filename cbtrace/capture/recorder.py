@@ -57,6 +57,10 @@ class CaptureConfig:
     overwrite: bool = False
     """Allow capturing into a non-empty directory (never the default)."""
 
+    def __post_init__(self):
+        if self.max_depth is not None and self.max_depth < 0:
+            raise ValueError(f"max_depth must be >= 0 (0: the root only), got {self.max_depth}")
+
     def settings(self) -> manifest_schema.CaptureSettings:
         """What the manifest keeps of this config."""
         return manifest_schema.CaptureSettings(
