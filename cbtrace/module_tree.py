@@ -1,4 +1,4 @@
-"""The user's module tree, seen through ``torch.compile`` wrappers.
+"""The user's module tree, seen through ``torch.compile`` (and data-parallel) wrappers.
 
 ``torch.compile(m)`` returns an ``OptimizedModule`` whose only child is ``_orig_mod``; its
 ``named_modules()`` spell every path with ``_orig_mod.`` and its compiled forward erases the
@@ -12,6 +12,10 @@ from __future__ import annotations
 import contextlib
 
 WRAPPER = "_orig_mod"
+# wrapper class name -> the attribute holding the user's module: torch.compile, and the data
+# parallel wrappers a training job puts around its model (DDP, DataParallel, FSDP1)
+WRAPPERS = {"OptimizedModule": WRAPPER, "DistributedDataParallel": "module",
+            "DataParallel": "module", "FullyShardedDataParallel": "_fsdp_wrapped_module"}
 
 
 def is_compiled(module) -> bool:
@@ -19,10 +23,15 @@ def is_compiled(module) -> bool:
     return type(module).__name__ == "OptimizedModule" and WRAPPER in module._modules
 
 
+def _inner(module):
+    attr = WRAPPERS.get(type(module).__name__)
+    return module._modules.get(attr) if attr is not None else None
+
+
 def unwrap(module):
-    """The eager module inside any torch.compile wrappers."""
-    while is_compiled(module):
-        module = module._modules[WRAPPER]
+    """The user's module inside any torch.compile or data-parallel wrappers."""
+    while (inner := _inner(module)) is not None:
+        module = inner
     return module
 
 
@@ -55,7 +64,8 @@ def get_submodule(model, fqn: str):
 
 
 def user_name(name: str) -> str:
-    """A parameter or module path without the wrappers' ``_orig_mod`` components."""
+    """A parameter or module path without torch.compile's ``_orig_mod`` components (a data
+    parallel wrapper's prefix: ``state_digest`` digests the unwrapped model)."""
     return ".".join(p for p in name.split(".") if p != WRAPPER)
 
 

@@ -83,8 +83,9 @@ def state_digest(model) -> str:
     import hashlib
 
     h = hashlib.sha256()
+    model = module_tree.unwrap(model)  # the same digest compiled, wrapped in DDP or not
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        name = module_tree.user_name(name)  # the same digest compiled or not
+        name = module_tree.user_name(name)
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         if t.numel():
             h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())

@@ -13,7 +13,8 @@ from cbtrace.errors import ReplayError
 from cbtrace.replay.config import ReplayConfig
 from cbtrace.replay.plan import default_plan, measure_call
 from cbtrace.replay.limits import CallTimeout, time_limit
-from cbtrace.replay.progress import ProgressLog, read_done
+from cbtrace.replay import shard
+from cbtrace.replay.progress import ProgressLog, clear_progress, read_done
 from cbtrace.replay.timing import join_notes
 from cbtrace.rundir.files import check_writable, sha256_file
 from cbtrace.rundir.read import load_run
@@ -42,7 +43,14 @@ def replay(run, model=None, device=None, **options):
     if not manifest.complete:
         raise ReplayError(f"{run}: the capture did not complete ({manifest.error})")
     check_writable(run)  # a read-only run fails now, before the model is rebuilt
+    w = shard.world()  # under torchrun: this rank replays its share (replay/shard.py)
+    if w is not None and device is None and model is None:
+        device = _rank_device(manifest, w)
     device = replay_device(device, manifest, model)
+    if w is not None:
+        shard.init(w, device.type == "cuda")
+        if device.type == "cpu":
+            torch.set_num_threads(shard.cpu_threads(w))
     if model is None:
         model = rebuild_model(manifest, device, verify=cfg.verify_state, trust=cfg.trust,
                               spec=cfg.model_spec, run=run)
@@ -54,11 +62,18 @@ def replay(run, model=None, device=None, **options):
     # rows timed with other settings (e.g. --cold vs default) are done again, never mixed
     done = ({cid: r for cid, r in read_done(run).items() if r.get("settings") == settings}
             if cfg.resume else {})
+    if not cfg.resume and (w is None or w.rank == 0):
+        clear_progress(run)
+    if w is not None:
+        shard.barrier()  # rank 0 cleared old rows before any rank writes new ones
     guard = StateGuard(model)
     plan = default_plan(cfg, device, registry.backends())
     budget = cfg.memory_budget_bytes
-    log = ProgressLog(run, resume=cfg.resume)
+    log = ProgressLog(run, resume=cfg.resume, rank=None if w is None else w.rank)
     order = bfs_order({r.call_id: r.parent_call_id for r in records})
+    if w is not None:
+        mine = shard.assign(shard.costs(df), w.size)
+        order = [cid for cid in order if mine[cid] == w.rank]
     bar = Progress("replay", len(order), len(done), show=cfg.progress)
     timings: dict[str, float] = {}  # seconds per phase of a call's replay, summed
     t0 = time.perf_counter()
@@ -71,22 +86,28 @@ def replay(run, model=None, device=None, **options):
                              manifest.training_flags, timings)
             row["call_id"] = cid
             row["settings"] = settings
+            row["rank"] = 0 if w is None else w.rank
             log.append(row)
             done[cid] = row
             bar.advance(rec.fqn or "(root)")
         if device.type == "cpu":  # a busy machine slows calls at random: time those again
-            for cid in recheck(done, by_id):
+            for cid in recheck({c: done[c] for c in order if c in done}, by_id):
                 row = replay_one(model, by_id[cid], run, device, cfg, plan, guard, budget,
                                  manifest.training_flags, timings)
                 if row.get("isolated_ms") is not None and (
                         row["isolated_ms"] < done[cid]["isolated_ms"]):
-                    row.update(call_id=cid, settings=settings,
+                    row.update(call_id=cid, settings=settings, rank=done[cid].get("rank", 0),
                                timer_notes=join_notes(row.get("timer_notes"), "timed twice"))
                     log.append(row)
                     done[cid] = row
     finally:
         log.close()
         bar.close()
+    if w is not None:  # rank 0 derives the figures over the whole tree and writes the table
+        done = shard.gather(done, w)
+        if w.rank != 0:
+            shard.barrier()
+            return load_run(run)[1]
     for rec in records:
         for k, v in done.get(rec.call_id, {}).items():
             if k in COLUMNS and COLUMNS[k].stage == REPLAY:
@@ -99,9 +120,21 @@ def replay(run, model=None, device=None, **options):
                                  wall_s=time.perf_counter() - t0,
                                  torch_version=str(torch.__version__),
                                  timings_s={k: round(v, 4) for k, v in timings.items()})
+    manifest.replay.ranks = 1 if w is None else w.size
     columns = stage_columns(REPLAY)
-    return write_stage(run, REPLAY, {r.call_id: {c: getattr(r, c) for c in columns}
-                                     for r in records}, manifest=manifest)
+    out = write_stage(run, REPLAY, {r.call_id: {c: getattr(r, c) for c in columns}
+                                    for r in records}, manifest=manifest)
+    if w is not None:
+        shard.barrier()  # the table is written: the other ranks may read it
+    return out
+
+
+def _rank_device(manifest, w) -> str | None:
+    """A rank's own GPU (cuda:LOCAL_RANK) when the run was captured on CUDA and this host has
+    one for it; None (the capture device, else CPU) otherwise."""
+    if manifest.device.startswith("cuda") and torch.cuda.is_available():
+        return f"cuda:{w.local_rank % torch.cuda.device_count()}"
+    return None
 
 
 def ensure_calibrated(device) -> None:

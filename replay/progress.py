@@ -18,27 +18,35 @@ PROGRESS = "replay.progress.jsonl"
 SYNC_EVERY_S = 1.0
 
 
+def progress_name(rank: int | None = None) -> str:
+    """The progress file of a replay, or of one rank of a sharded replay."""
+    return PROGRESS if rank is None else f"replay.progress.rank-{rank}.jsonl"
+
+
 def read_done(run: Path) -> dict[int, dict]:
-    """call_id -> result row of every call already finished (a torn last line is ignored)."""
-    path = Path(run) / PROGRESS
+    """call_id -> result row of every call already finished, by any rank (a torn last line is
+    ignored; a call timed again later keeps its last row)."""
     done = {}
-    if not path.is_file():
-        return done
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-            done[int(row["call_id"])] = row
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue  # a torn last line (the process died mid-write), or not ours: redo it
+    for path in sorted(Path(run).glob("replay.progress*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                done[int(row["call_id"])] = row
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue  # a torn last line (the process died mid-write), or not ours: redo it
     return done
 
 
+def clear_progress(run: Path) -> None:
+    """A new (not resumed) replay: the rows of earlier ones go, every rank's."""
+    for old in Path(run).glob("replay.progress*.jsonl"):
+        old.unlink(missing_ok=True)
+
+
 class ProgressLog:
-    def __init__(self, run: Path, *, resume: bool):
-        self.path = Path(run) / PROGRESS
+    def __init__(self, run: Path, *, resume: bool, rank: int | None = None):
+        self.path = Path(run) / progress_name(rank)
         try:
-            if not resume and self.path.exists():
-                self.path.unlink()
             torn = resume and not _ends_a_line(self.path)
             self.f = open(self.path, "a")
         except OSError as e:

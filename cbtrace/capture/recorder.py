@@ -148,6 +148,9 @@ class capture:
         if self.cfg.trace and torch.autograd.profiler._is_profiler_enabled:
             raise CaptureError(f"{self.out}: a torch.profiler session is already active; "
                                "capture with trace=False inside it (ranges still recorded)")
+        self.rank = distributed_rank()  # a rank of a torch.distributed job writes its shard
+        if self.rank is not None:
+            self.out = self.out / f"rank-{self.rank[0]}"
         self.out = prepare_new_run(self.out, overwrite=self.cfg.overwrite)
         _ACTIVE.append(self)
         try:
@@ -419,7 +422,9 @@ class capture:
             trace=self.trace_path.name if self.trace_path else None,
             input_files=[str(Path(f).relative_to(self.out)) for f in files],
             input_bytes_written=self._snap.bytes_written, complete=exc is None,
-            error=_short(exc))
+            error=_short(exc),
+            distributed=(manifest_schema.Distributed(rank=self.rank[0], world_size=self.rank[1])
+                         if self.rank is not None else None))
 
     def _timed_flush(self):
         t0 = time.perf_counter()
@@ -433,6 +438,8 @@ class capture:
         import tempfile
 
         worker = self.cfg.worker_name or f"{socket.gethostname()}_{os.getpid()}"
+        if self.rank is not None:
+            worker = f"rank-{self.rank[0]}_{worker}"  # torch-tb-profiler and attribute: per rank
         path = self.out / f"{worker}.{time.time_ns() // 1_000_000}.pt.trace.json.gz"
         with tempfile.TemporaryDirectory(dir=self.out) as tmp:
             raw = Path(tmp) / "trace.json"
@@ -459,6 +466,15 @@ def _set_tensor_meta(rec: ModuleRecord, meta: tuple) -> None:
     from cbtrace.store.tensor_store import meta_dict
 
     rec.output_meta = json.dumps([meta_dict(*meta)])
+
+
+def distributed_rank() -> tuple[int, int] | None:
+    """(rank, world size) inside an initialized torch.distributed job of 2+ ranks, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return None
 
 
 def merged_ref(refs: list) -> str:

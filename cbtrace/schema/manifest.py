@@ -62,6 +62,13 @@ class CaptureSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker_name: str | None = None
 
 
+class Distributed(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The capture was one rank of a torch.distributed job: this run is its shard."""
+
+    rank: int
+    world_size: int
+
+
 class ReplayInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The last replay of the run."""
 
@@ -73,6 +80,7 @@ class ReplayInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     wall_s: float
     torch_version: str
     timings_s: dict[str, float] = {}     # where replay time went: load, prepare, each step
+    ranks: int = 1                       # processes it was sharded over (torchrun)
 
 
 class Manifest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -100,6 +108,7 @@ class Manifest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     files: dict[str, str] = {}            # sha256 of every file of the run
     files_stat: dict[str, tuple[int, int]] = {}  # (size, mtime_ns) when hashed
     replay: ReplayInfo | None = None
+    distributed: Distributed | None = None  # rank and world size of the capturing job
     synthetic_figures: bool = False       # test data made by tests/sample_runs.py
 
     @property

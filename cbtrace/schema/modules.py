@@ -169,6 +169,8 @@ class ModuleRecord:
                                     default=None)
     replay_wall_s: float | None = column(REPLAY, "s", "host wall time spent replaying this call",
                                          default=None)
+    rank: int | None = column(REPLAY, doc="the rank that replayed it (sharded replay; else 0)",
+                              default=None)
 
     insitu_ms: float | None = column(INSITU, "ms", "the call's own time in the captured step",
                                      default=None)

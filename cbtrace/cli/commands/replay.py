@@ -1,3 +1,5 @@
+import os
+
 import click
 
 from cbtrace.cli.options import parse_modes, strict_exit, timer_option
@@ -32,10 +34,13 @@ from cbtrace.replay.config import ReplayConfig
               help="torch.compile mode for --modes compile (e.g. max-autotune-no-cudagraphs)")
 @click.option("--backward", is_flag=True,
               help="also replay each call's backward on its captured (else random) output grads")
+@click.option("--nproc", type=click.IntRange(min=1), default=None, metavar="N",
+              help="shard the calls over N processes (one GPU each) by starting torchrun's "
+                   "elastic agent; the same as torchrun --nproc-per-node N -m cbtrace.replay RUN")
 @click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, model_spec, trust,
-            timeout_s, modes, compile_mode, backward, strict, top):
+            timeout_s, modes, compile_mode, backward, nproc, strict, top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
     Writes the results into RUN/modules.parquet and prints the slowest modules. The model is
@@ -43,6 +48,8 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
     otherwise name it with --model SPEC, or pass --trust to run the code the run names.
     Example: cbtrace replay runs/gpt --timer auto
     """
+    if nproc is not None and "LOCAL_RANK" not in os.environ:  # not yet under torchrun
+        return launch_torchrun(click.get_current_context(), nproc)
     import cbtrace
     from cbtrace.plugins.reporters.summary import status_text, summary_table
     from cbtrace.replay.engine import replay_notes
@@ -54,8 +61,33 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
     if budget_s is not None:
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
     df = cbtrace.replay(run, device=device, **opts)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # a rank of a sharded replay: rank 0 reports for all
     click.echo(summary_table(df, top=top))
     for note in replay_notes(read_manifest(run), backward):
         click.echo(note)
     click.echo(status_text(df))
     strict_exit(df, strict)
+
+
+def launch_torchrun(ctx, nproc: int) -> None:
+    """``torchrun --standalone --nproc-per-node N -m cbtrace.replay RUN <the other flags>``,
+    through torchrun's own elastic agent; its exit status is this command's."""
+    from torch.distributed.run import get_args_parser, run
+
+    args = [ctx.params["run"]]
+    for p in ctx.command.params:
+        value = ctx.params[p.name]
+        if not isinstance(p, click.Option) or p.name == "nproc":
+            continue
+        if p.is_flag:
+            if value:
+                args.append(p.opts[0])
+        elif value is not None and value != p.default:
+            args += [p.opts[0], ",".join(value) if isinstance(value, tuple) else str(value)]
+    launcher = ["--standalone", "--nproc-per-node", str(nproc), "-m", "cbtrace.replay", *args]
+    try:
+        run(get_args_parser().parse_args(launcher))
+    except Exception as e:  # torchrun's ChildFailedError: a rank failed; its error was printed
+        raise click.ClickException(f"sharded replay failed ({type(e).__name__}); rows the ranks "
+                                   "finished are kept: rerun with --resume") from None
