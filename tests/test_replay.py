@@ -362,3 +362,13 @@ def test_calls_of_the_same_work_reuse_one_profiled_pass_value_dependent_ones_do_
     assert df.loc["m.1", "kernel_count"] == df.loc["m.0", "kernel_count"]
     assert df.loc["m.2", "flops"] != df.loc["m.3", "flops"]  # routing: other work...
     assert "profiled as" not in str(df.loc["m.3", "timer_notes"])  # ...profiled on its own
+
+
+def test_the_large_recsys_preset_is_a_thousand_calls():
+    from cbtrace.model.spec import resolve
+    from cbtrace.plugins.providers.dlrm import SimpleDeepFMNN
+
+    provider = resolve("dlrm:large")
+    with torch.device("meta"):  # no weights: 676 M parameters
+        model = SimpleDeepFMNN(provider.config())
+    assert sum(1 for _ in model.modules()) >= 1000 and len(provider.tables()) == 600

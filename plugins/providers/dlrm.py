@@ -1,4 +1,6 @@
-"""DeepFM-DLRM in plain PyTorch, laid out like torchrec's SimpleDeepFMNN.
+"""DeepFM-DLRM in plain PyTorch, laid out like torchrec's SimpleDeepFMNN; presets default
+(26 tables, batch 8192), tiny (CPU) and large (600 tables, a 200-layer over-arch: the scale
+benchmark's 1,000+ calls).
 
     sparse_arch  26 nn.EmbeddingBag tables (pooled sum, 1-3 ids per bag)
     dense_arch   MLP over the 13 dense features -> n_dense_fields x D
@@ -36,6 +38,10 @@ PRESETS = {
     "tiny": dict(config=DLRMConfig(num_embeddings=1000, embedding_dim=8, dense_hidden=32,
                                    n_dense_fields=2, deep_fm_hidden=(64, 16), over_hidden=(16,)),
                  batch_size=16),
+    # the scale benchmark: 600 tables and a 200-layer over-arch, ~1,020 module calls
+    "large": dict(config=DLRMConfig(num_tables=600, num_embeddings=20_000, n_dense_fields=8,
+                                    over_hidden=(1024,) * 200 + (256,)),
+                  batch_size=2048),
 }
 
 
@@ -133,7 +139,7 @@ class SimpleDeepFMNN(nn.Module):
 
 @dataclass
 class DLRMProvider(RecSysProvider):
-    """DeepFM-DLRM; options: preset (default|tiny), batch_size, num_embeddings."""
+    """DeepFM-DLRM; options: preset (default|tiny|large), batch_size, num_embeddings."""
 
     OPTIONS = ("preset", "batch_size", "num_embeddings")
     options: dict = field(default_factory=dict)
