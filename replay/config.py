@@ -15,6 +15,9 @@ class ReplayConfig:
     """Time budget for the timed runs of one call (adaptive count within it, >= min_runs)."""
     min_runs: int = 10
     """At least this many timed calls, whatever the budget."""
+    converge_spread: float = 0.01
+    """Stop timing a call early once p10..p90 of its samples is within this share of their
+    median (its median would not move); 0: always spend the budget. Not in cold mode."""
     warmup_runs: int = 3
     """Untimed calls before timing."""
     graph_k: int = 20

@@ -1,6 +1,6 @@
 """A call's measurement as a plan: a list of steps run in order on one prepared call.
 
-    plan = default_plan(cfg, device, backends)  # [Timed, OpCount, ProfilerPass, HostIssue, ...]
+    plan = default_plan(cfg, device, backends)  # [OpCount, ProfilerPass, Timed, HostIssue, ...]
     row = measure_call(module, rec, args, kwargs, device, cfg, plan)
 
 Each step returns the ModuleRecord fields it measures; the row is their union plus
@@ -24,15 +24,15 @@ class Step(Protocol):
 
 
 def default_plan(cfg, device, backends: dict) -> list[Step]:
-    """Time (the timer chain of ``cfg.timer``), FLOPs/bytes, profile (once per kind of work),
+    """FLOPs/bytes, profile (once per kind of work), time (the timer chain of ``cfg.timer``),
     host issue time, a look at the outputs (NaN/Inf); then the other modes and the backward
     when asked for."""
     chain = timers.chain(cfg.timer, device, backends)
-    steps: list[Step] = [Timed(chain, backends, cfg)]
-    if cfg.count_flops:  # before the profiled pass: a call of the same work reuses its pass
-        steps.append(OpCount())
+    # FLOPs first: a call of the same work as one profiled before reuses its profiled pass;
+    # the pass's device time then sizes the graph timer's K without a trial capture
+    steps: list[Step] = [OpCount()] if cfg.count_flops else []
     steps += [ProfilerPass(cfg.profile_runs, ProfileCache() if cfg.count_flops else None),
-              HostIssue(), OutputCheck()]
+              Timed(chain, backends, cfg), HostIssue(), OutputCheck()]
     if cfg.modes:  # the same call compiled / from a CUDA graph (replay/modes.py)
         from cbtrace.replay.modes import mode_steps
 

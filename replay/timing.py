@@ -32,6 +32,8 @@ class TimingConfig:
     """Wall-clock budget for the timed runs of one call, warm-up and capture excluded (s)."""
     min_runs: int = 10
     """Timed runs taken even when they overrun the budget."""
+    converge_spread: float = 0.0
+    """Stop sampling once p10..p90 is within this share of the median (0: use the budget)."""
     max_runs: int = 10_000
     """Timed runs never exceeded, whatever the budget."""
     warmup_runs: int = 3

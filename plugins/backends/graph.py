@@ -135,14 +135,17 @@ class GraphTimer(CudaTimer):
         with torch.cuda.device(device):
             side_stream_warmup(call, n_copies, cfg.warmup_runs)
             try:
-                # One call first, to size K: capturing K = 20 straight away ran a 1 ms GEMM 40
-                # times back to back before sampling, and the lowered SM clock read lm_head 17 %
-                # slow.
-                graphs.append(capture(call, n_copies, 1, touch))
-                graphs[0].replay()  # warm replay: first launch uploads the graph
-                k = graph_calls(per_call_ms=replay_ms(graphs[0]), k_max=cfg.graph_k,
+                # K from the call's device time where the plan measured it, else from one call
+                # captured first: capturing K = 20 straight away ran a 1 ms GEMM 40 times back
+                # to back before sampling, and the lowered SM clock read lm_head 17 % slow.
+                expected = getattr(call, "expected_ms", None)
+                if not expected:
+                    graphs.append(capture(call, n_copies, 1, touch))
+                    graphs[0].replay()  # warm replay: first launch uploads the graph
+                    expected = replay_ms(graphs[0])
+                k = graph_calls(per_call_ms=expected, k_max=cfg.graph_k,
                                 max_replay_ms=cfg.graph_max_ms)
-                if k > 1:
+                if not graphs or k > 1:
                     graphs.append(capture(call, n_copies, k, touch))
                 g = graphs[-1]
                 # warm inputs: the same touches alone, timed beside the calls and subtracted

@@ -6,14 +6,18 @@ from typing import Callable
 
 from cbtrace.replay.timing import Timing, TimingConfig
 
-from .stats import percentile, plan_runs, settled, summarize
+from .stats import converged, percentile, plan_runs, settled, summarize
 
 
 def collect(sample: Callable[[int, int], list[float]], cfg: TimingConfig) -> list[float]:
-    """Call ``sample(first_index, n)`` (times n runs, returns n per-call ms) until out of budget.
+    """Call ``sample(first_index, n)`` (times n runs, returns n per-call ms) until out of budget,
+    or until the samples have converged.
 
     The first round takes ``cfg.min_runs``; later rounds are sized from the measured wall time per
-    run (flush, spin and sync included), so the loop ends close to ``cfg.budget_s``.
+    run (flush, spin and sync included), so the loop ends close to ``cfg.budget_s``. With
+    ``cfg.converge_spread``, it ends as soon as p10 and p90 are within that share of the median:
+    more runs of a call that repeats itself to 1 % would not move its median (a CUDA graph
+    replay of most modules; the replay wall is then set by the call, not the budget).
     """
     samples: list[float] = []
     t0 = time.perf_counter()
@@ -22,6 +26,8 @@ def collect(sample: Callable[[int, int], list[float]], cfg: TimingConfig) -> lis
         got = sample(len(samples), n)
         assert len(got) == n, f"sample returned {len(got)} values for {n} runs"
         samples.extend(got)
+        if cfg.converge_spread and converged(samples, cfg.converge_spread):
+            break
         elapsed = time.perf_counter() - t0
         n = plan_runs(per_run_s=elapsed / len(samples), left_s=cfg.budget_s - elapsed,
                       done=len(samples), min_runs=cfg.min_runs, max_runs=cfg.max_runs)

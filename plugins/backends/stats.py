@@ -35,6 +35,12 @@ def plan_runs(*, per_run_s: float, left_s: float, done: int, min_runs: int, max_
     return max(min(n, max_runs - done), 0)
 
 
+def converged(samples_ms: list[float], spread: float) -> bool:
+    """Whether p10 and p90 of the samples lie within ``spread`` (relative) of their median."""
+    median, p10, p90 = summarize(samples_ms)
+    return median > 0 and (p90 - p10) <= spread * median
+
+
 def graph_calls(*, per_call_ms: float, k_max: int, max_replay_ms: float) -> int:
     """Calls per CUDA graph: ``k_max``, fewer if K calls would run longer than ``max_replay_ms``."""
     if per_call_ms <= 0:
