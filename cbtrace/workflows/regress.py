@@ -1,0 +1,71 @@
+"""When a call's change between two runs counts: pure functions of numbers.
+
+Time (``time_change``): B's median at least ``min_rel`` and ``min_ms`` above A's, and B's p10
+above A's p90 (the intervals do not overlap), A's p90 counted at most ``min_rel`` above its
+median: a longer tail is the machine's (preempted samples: a 0.36 ms block read p90 69 ms on
+the shared CPU here), not the call's. ``min_rel`` is raised to the run-to-run noise
+(``time_noise``), which one replay's p10-p90 cannot see. A change that an enclosing call does
+not show is dropped (``contradicts``). Peak memory has no spread (``memory_change``).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+MIN_NOISE_CALLS = 8  # fewer calls timed in both runs: no noise estimate (thresholds only)
+
+
+def rel(x: float, y: float) -> float:
+    """y / x - 1 (inf where x is 0 and y is not)."""
+    return y / x - 1 if x else (math.inf if y else 0.0)
+
+
+def time_noise(pairs: list[tuple[float, float]]) -> float:
+    """sigma = 1.4826 * MAD of log(b / a) over (a, b) times: the robust standard deviation of
+    the runs' call-by-call ratios; 0 below MIN_NOISE_CALLS pairs. The MAD is centred, so a
+    shift of the whole run (everything slower) is not counted as noise."""
+    logs = [math.log(b / a) for a, b in pairs if a > 0 and b > 0]
+    if len(logs) < MIN_NOISE_CALLS:
+        return 0.0
+    mid = statistics.median(logs)
+    return 1.4826 * statistics.median(abs(x - mid) for x in logs)
+
+
+def time_change(a: tuple, b: tuple, *, min_rel: float, min_ms: float) -> int:
+    """+1 slower, -1 faster, 0 neither; a, b = (median, p10, p90) ms (p10/p90 may be None)."""
+    if _slower(a, b, min_rel, min_ms):
+        return 1
+    return -1 if _slower(b, a, min_rel, min_ms) else 0
+
+
+def _slower(x: tuple, y: tuple, min_rel: float, min_ms: float) -> bool:
+    """y slower than x: y's p10 beyond x's (capped) p90, by both thresholds."""
+    (xm, _, x90), (ym, y10, _) = x, y
+    edge = min(xm if x90 is None else x90, xm * (1 + min_rel))
+    low = ym if y10 is None else y10
+    return low > edge and ym - xm >= min_ms and rel(xm, ym) >= min_rel
+
+
+def memory_change(a: float, b: float, *, min_rel: float, min_bytes: float) -> int:
+    """+1 more, -1 less, 0 neither: peak bytes of A and B."""
+    if b - a >= min_bytes and rel(a, b) >= min_rel:
+        return 1
+    if a - b >= min_bytes and rel(b, a) >= min_rel:
+        return -1
+    return 0
+
+
+def contradicts(delta_ms: float, ancestor_a_ms: float, ancestor_delta_ms: float,
+                visible_rel: float) -> bool:
+    """Whether an enclosing call's change rules out a call's change of ``delta_ms``.
+
+    A replayed parent runs its children, so a child's real change moves every ancestor by as
+    much. One that moved less than half as much (in the same direction), where half is more
+    than it could hide in its own noise (``visible_rel`` of its time in A), says the child's
+    figure is the measurement's, not the code's: e.g. a replay that read 8 ms for a 20 µs
+    GELU on a busy machine while its MLP read 0.15 ms.
+    """
+    half = delta_ms / 2
+    if abs(half) <= visible_rel * ancestor_a_ms:
+        return False
+    return ancestor_delta_ms < half if half > 0 else ancestor_delta_ms > half

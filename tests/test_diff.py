@@ -1,0 +1,333 @@
+"""`cbtrace diff RUN_A RUN_B`: alignment, the regression rule, the table, the CLI, the icicle.
+
+Real runs on this CPU: nanogpt:tiny (batch 4) captured and replayed twice as it is (A, A2) and
+once with a planted regression (B): transformer.h.0 and transformer.h.1 allocate a temporary
+of 2.8x their peak memory in A, and transformer.h.1.attn.c_proj spins 5 ms on the host.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import cbtrace
+from cbtrace.cli.main import COMMANDS, main
+from cbtrace.model.spec import resolve
+from cbtrace.workflows.align import align
+from cbtrace.workflows.diff import diff_runs
+from cbtrace.workflows.regress import contradicts, memory_change, time_change, time_noise
+
+MiB = 1 << 20
+REPLAY = dict(budget_s=0.02, min_runs=20, warmup_runs=1, profile_runs=1, progress=False)
+FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, profile_runs=1, progress=False)
+# This CPU is a shared 2-core machine: replays of one run put single calls up to 2.8x apart
+# (110 pairs of 11 replays: none flagged at these settings, 3 at 2x, 90+ at the defaults)
+CPU = dict(min_time_rel=1.5, min_time_ms=0.05)
+SLOW_S = 0.005
+MEMORY = ("transformer.h.0", "transformer.h.1")
+SLOW = "transformer.h.1.attn.c_proj"
+
+
+# ---------------------------------------------------------------- the rule, by hand
+
+
+def test_time_change_by_hand():
+    t = dict(min_rel=0.05, min_ms=0.001)
+    assert time_change((1.0, 0.98, 1.02), (1.10, 1.08, 1.12), **t) == 1   # apart, +10 %
+    assert time_change((1.10, 1.08, 1.12), (1.0, 0.98, 1.02), **t) == -1  # the other way
+    assert time_change((1.0, 0.95, 1.04), (1.08, 1.03, 1.12), **t) == 0   # overlapping
+    assert time_change((1.0, 0.99, 1.01), (1.03, 1.02, 1.04), **t) == 0   # +3 % < 5 %
+    assert time_change((0.010, 0.0099, 0.0101), (0.0108, 0.0107, 0.0109), **t) == 0  # 0.8 µs
+    assert time_change((1.0, 0.98, 9.0), (3.0, 2.9, 3.1), **t) == 1  # A's tail capped at +5 %
+    assert time_change((1.0, None, None), (1.2, None, None), **t) == 1
+
+
+def test_memory_change_noise_and_contradiction_by_hand():
+    m = dict(min_rel=0.10, min_bytes=MiB)
+    assert memory_change(1 * MiB, 2.8 * MiB, **m) == 1
+    assert memory_change(10 * MiB, 10.9 * MiB, **m) == 0   # 9 %
+    assert memory_change(100 << 10, 900 << 10, **m) == 0   # 800 KiB
+    assert memory_change(0, 2 * MiB, **m) == 1
+    assert memory_change(3 * MiB, 1 * MiB, **m) == -1
+    # logs -0.2 .. 0.3: median 0, |deviations| median 0.1 -> sigma = 1.4826 * 0.1
+    xs = [-0.2, -0.1, 0, 0, 0, 0.1, 0.2, 0.3]
+    assert time_noise([(2.0, 2.0 * math.exp(x)) for x in xs]) == pytest.approx(0.14826)
+    assert time_noise([(2.0, 2.0 * math.exp(x + 0.5)) for x in xs]) == pytest.approx(0.14826)
+    assert time_noise([(2.0, 2.0 * math.exp(x)) for x in xs[:7]]) == 0.0  # too few calls
+    assert contradicts(8.0, 0.15, -0.01, 0.1)       # an 8 ms GELU inside a 0.15 ms MLP
+    assert not contradicts(3.0, 0.85, 3.1, 0.5)     # the parent slowed by as much
+    assert not contradicts(0.2, 100.0, -0.5, 0.05)  # 0.1 ms hides in a 100 ms parent's noise
+    assert contradicts(-4.0, 1.0, 0.0, 0.05)        # faster child, parent not faster
+
+
+def _row(cid, fqn, parent, kind, k=0):
+    return {"call_id": cid, "fqn": fqn, "call_index": k, "parent_call_id": parent,
+            "module_type": kind}
+
+
+def test_align_by_name_then_position():
+    a = [_row(0, "", -1, "Net"), _row(1, "inp", 0, "Linear"), _row(2, "block", 0, "Seq"),
+         _row(3, "block.0", 2, "Linear"), _row(4, "out", 0, "Linear"),
+         _row(5, "out", 0, "Linear", k=1)]
+    b = [_row(0, "", -1, "Net"), _row(1, "inp", 0, "Linear"), _row(2, "stage", 0, "Seq"),
+         _row(3, "stage.0", 2, "Linear"), _row(4, "out", 0, "Linear"), _row(5, "act", 0, "ReLU")]
+    assert align(a, b) == [(0, 0, "name"), (1, 1, "name"), (2, 2, "position"),
+                           (3, 3, "position"), (4, 4, "name"), (None, 5, "only_b"),
+                           (5, None, "only_a")]
+
+
+# ---------------------------------------------------------------- real runs
+
+
+def _bigger(module, nbytes: int):
+    """module allocates (and drops) ``nbytes`` before its forward: a peak the profiler sees."""
+    forward = module.forward
+
+    def wrapped(*args, **kwargs):
+        tmp = torch.empty(nbytes, dtype=torch.uint8)
+        del tmp
+        return forward(*args, **kwargs)
+    module.forward = wrapped
+
+
+def _slower(module, seconds: float):
+    """module spins ``seconds`` on the host before its forward (no sleep: it stays busy)."""
+    forward = module.forward
+
+    def wrapped(*args, **kwargs):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        return forward(*args, **kwargs)
+    module.forward = wrapped
+
+
+def _capture_replay(provider, model, batch, out: Path, **replay) -> Path:
+    with cbtrace.capture(model, out, trace=False):
+        provider.run(model, batch)
+    cbtrace.replay(out, model=model, **replay)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("diff")
+    provider = resolve("nanogpt:tiny", options={"batch_size": 4})
+    model, batch = provider.model_and_batch("cpu")
+    out = {name: _capture_replay(provider, model, batch, base / name, **REPLAY)
+           for name in ("A", "A2")}
+    peak = _peaks(out["A"])
+    mods = dict(model.named_modules())
+    for name in MEMORY:
+        _bigger(mods[name], int(2.8 * peak[name]))
+    _slower(mods[SLOW], SLOW_S)
+    out["B"] = _capture_replay(provider, model, batch, base / "B", **REPLAY)
+    return out
+
+
+def _peaks(run) -> dict:
+    from cbtrace.rundir.read import read_modules
+
+    df = read_modules(run)
+    return dict(zip(df["fqn"], df["peak_mem_bytes"]))
+
+
+def test_identical_runs_diff_clean(runs):
+    for a, b in (("A", "A2"), ("A2", "A")):
+        df = diff_runs(runs[a], runs[b], **CPU)
+        assert len(df) == 30 and (df["match"] == "name").all()
+        flagged = df[df["regression"]]
+        assert flagged.empty, flagged[["fqn", "isolated_ms_a", "isolated_ms_b", "regressed"]]
+        # peak memory does not depend on the machine's load: equal, clean at the defaults too
+        assert (df["peak_mem_bytes_delta"] == 0).all()
+        assert not diff_runs(runs[a], runs[b])["regressed"].str.contains("memory").any()
+
+
+def test_planted_regression_names_its_modules_and_their_ancestors(runs):
+    df = diff_runs(runs["A"], runs["B"], **CPU).set_index("fqn")
+    flagged = df[df["regression"]]["regressed"].to_dict()
+    assert flagged == {"": "time,memory",                   # the root holds every call
+                       "transformer.h.0": "memory",
+                       "transformer.h.1": "time,memory",
+                       "transformer.h.1.attn": "time",
+                       SLOW: "time"}, df[["isolated_ms_a", "isolated_ms_b", "regressed"]]
+    for name in MEMORY:
+        assert df.loc[name, "peak_mem_bytes_rel"] == pytest.approx(1.8, abs=0.01)  # 2.8x
+    assert df.loc[SLOW, "isolated_ms_delta"] == pytest.approx(SLOW_S * 1e3, rel=0.2)
+    assert set(df["verdict"]) <= {"regressed", "improved", "unchanged"}
+    assert not df[df["verdict"] == "improved"]["regression"].any()
+
+
+def test_renamed_modules_align_by_position(tmp_path):
+    class Net(nn.Module):
+        def __init__(self, block: str, extra: bool = False):
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp = nn.Linear(16, 32)
+            self.add_module(block, nn.Sequential(nn.Linear(32, 32), nn.GELU()))
+            self.out = nn.Linear(32, 8)
+            self.body, self.act = block, nn.ReLU() if extra else None
+
+        def forward(self, x):
+            y = self.out(getattr(self, self.body)(self.inp(x)))
+            return self.act(y) if self.act is not None else y
+
+    class Runner:
+        @staticmethod
+        def run(model, batch):
+            return model(*batch)
+
+    batch = (torch.randn(4, 16),)
+    a = _capture_replay(Runner, Net("block"), batch, tmp_path / "a", **FAST)
+    b = _capture_replay(Runner, Net("stage", extra=True), batch, tmp_path / "b", **FAST)
+    df = diff_runs(a, b)
+    how = dict(zip(df["fqn"], df["match"]))
+    assert how == {"": "name", "inp": "name", "stage": "position", "stage.0": "position",
+                   "stage.1": "position", "out": "name", "act": "only_b"}
+    moved = df[df["match"] == "position"]
+    assert list(moved["fqn_a"]) == ["block", "block.0", "block.1"]
+    assert moved["isolated_ms_a"].notna().all() and moved["isolated_ms_b"].notna().all()
+    assert df.set_index("fqn").loc["act", "verdict"] == "only_b"
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    monkeypatch.setitem(COMMANDS, "diff", ("cbtrace.cli.commands.diff", "Compare two runs."))
+
+    def run(*args) -> tuple[int, str, str]:
+        try:
+            main(["diff", *map(str, args)])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+    return run
+
+
+CPU_FLAGS = ("--min-time-rel", CPU["min_time_rel"], "--min-time-ms", CPU["min_time_ms"])
+
+
+def test_cli_prints_regressions_first_and_fails_on_them(runs, cli, tmp_path):
+    code, out, err = cli(runs["A"], runs["B"], *CPU_FLAGS, "--fail-on-regression",
+                         "--out", tmp_path / "d.parquet")
+    assert code == 1, err
+    lines = out.splitlines()
+    assert lines[0] == "Regressions: 5 of 30 calls compared (B against A)"
+    assert lines[1].split()[:4] == ["module", "call", "match", "regressed"]
+    assert [ln.split()[0] for ln in lines[3:8]] == [
+        "(root)", "transformer.h.0", "transformer.h.1", "transformer.h.1.attn", SLOW]
+    assert lines[8].startswith("improved ") and "only in A 0, only in B 0" in lines[8]
+    assert f"wrote {tmp_path / 'd.parquet'}" in out
+    assert f"wrote {tmp_path / 'diff_icicle.html'}" in out
+    assert cli(runs["A"], runs["B"], *CPU_FLAGS, "--no-icicle")[0] == 0  # without the flag
+    code, out, _ = cli(runs["A"], runs["A2"], *CPU_FLAGS, "--fail-on-regression", "--no-icicle")
+    assert code == 0 and out.startswith("Regressions: none among 30 calls compared.")
+
+
+def test_cli_out_round_trips_and_is_never_overwritten(runs, cli, tmp_path):
+    path = tmp_path / "d.parquet"
+    assert cli(runs["A"], runs["B"], *CPU_FLAGS, "--out", path, "--no-icicle")[0] == 0
+    back = pd.read_parquet(path)
+    expect = diff_runs(runs["A"], runs["B"], **CPU)
+    pd.testing.assert_frame_equal(back, expect, check_dtype=False)
+    before = path.stat().st_mtime_ns
+    code, _, err = cli(runs["A"], runs["B"], "--out", path, "--no-icicle")
+    assert code == 1 and err.strip() == f"Error: {path} exists; pass --force to overwrite it"
+    assert path.stat().st_mtime_ns == before
+    assert cli(runs["A"], runs["B"], "--out", path, "--force", "--no-icicle")[0] == 0
+    assert cli(runs["A"], runs["B"], "--out", tmp_path / "d.csv", "--no-icicle")[0] == 0
+    assert len(pd.read_csv(tmp_path / "d.csv")) == 30
+    code, _, err = cli(runs["A"], runs["B"], "--out", tmp_path / "d.txt")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and ".parquet or .csv" in err
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
+
+
+def test_cli_errors_are_one_line(runs, cli, tmp_path):
+    code, _, err = cli(tmp_path, runs["B"])
+    assert code == 1
+    assert err.strip() == f"Error: {tmp_path}: not a cbtrace run directory (no manifest.json)"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_bytes((runs["A"] / "manifest.json").read_bytes())
+    df = pd.read_parquet(runs["A"] / "modules.parquet").drop(columns=["fqn", "depth"])
+    df.to_parquet(broken / "modules.parquet")
+    code, _, err = cli(broken, runs["B"])
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "not a cbtrace modules table (missing fqn, depth)" in err
+
+
+# ---------------------------------------------------------------- the diff icicle
+
+
+def _diff_icicle(runs, out_dir) -> tuple[Path, dict]:
+    from cbtrace.plugins.reporters.diff_icicle import diff_model, write_diff_icicle
+    from cbtrace.rundir.read import load_run
+
+    df = diff_runs(runs["A"], runs["B"], **CPU)
+    manifest, df_b = load_run(runs["B"])
+    return write_diff_icicle(df, runs["A"], runs["B"], out_dir), diff_model(df, df_b, manifest)
+
+
+def test_diff_icicle_model_colours_by_delta(runs, tmp_path):
+    from cbtrace.plugins.reporters.diff_icicle import FASTER, NEUTRAL, SLOWER, delta_color
+    from cbtrace.plugins.reporters.palette import RESIDUAL, lerp_color
+
+    assert delta_color(1.0, True) == SLOWER and delta_color(-0.5, True) == FASTER  # 2x: full
+    assert delta_color(0.05, True) == lerp_color(NEUTRAL, SLOWER, 0.35)  # counted: visible
+    assert delta_color(0.8, False) == NEUTRAL and delta_color(math.inf, True) == SLOWER
+
+    page, data = _diff_icicle(runs, tmp_path)
+    by_fqn = {n["q"]: n for n in data["nodes"] if n["k"] == "module"}
+    assert by_fqn[SLOW]["bg"] == {"metric": SLOWER, "bound": NEUTRAL}
+    assert by_fqn["transformer.h.0"]["bg"] == {"metric": NEUTRAL, "bound": SLOWER}
+    assert by_fqn["transformer.wte"]["bg"] == {"metric": NEUTRAL, "bound": NEUTRAL}
+    assert {n["bg"]["metric"] for n in data["nodes"] if n["k"] == "residual"} == {RESIDUAL}
+    assert by_fqn[SLOW]["m"].startswith("+") and by_fqn[SLOW]["tip"][0][0] == "B against A"
+    assert data["columns"][:6] == ["module", "type", "call", "match", "regressed", "isolated"]
+    assert by_fqn["transformer.h.0"]["cells"][4] == ["memory", "memory"]
+    html = page.read_text()
+    assert page.name == "diff_icicle.html" and html.startswith("<!DOCTYPE html>")
+    assert html.count("</body>") == 1 and "legend_diff" in html
+
+
+@pytest.mark.browser
+def test_diff_icicle_in_chromium(runs, tmp_path):
+    if not Path("/usr/bin/chromium").exists() and "CBTRACE_CHROMIUM" not in os.environ:
+        pytest.skip("no Chromium at /usr/bin/chromium (set CBTRACE_CHROMIUM)")
+    from playwright.sync_api import sync_playwright
+
+    from screenshot import block_network, launch
+
+    page_path, data = _diff_icicle(runs, tmp_path)
+    ids = {n["q"]: n["id"] for n in data["nodes"] if n["k"] == "module"}
+    red = "rgb(215, 48, 39)"
+    with sync_playwright() as pw:
+        browser = launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        attempted = block_network(page)
+        page.goto(page_path.as_uri())
+        page.wait_for_selector(".cb-node")
+        assert page.locator(".cb-scheme").all_text_contents() == ["time Δ", "memory Δ"]
+        assert page.locator(".cbd-legend").inner_text().count("slower") == 1
+        assert not page.locator(".cb-legend:not(.cbd-legend)").is_visible()
+
+        def colour(fqn):
+            return page.locator(f".cb-node[data-id='{ids[fqn]}']").evaluate(
+                "e => getComputedStyle(e).backgroundColor")
+        assert colour(SLOW) == red and colour("transformer.h.0") != red
+        page.click(".cb-scheme[data-scheme='bound']")
+        assert colour("transformer.h.0") == red and colour(SLOW) != red
+        browser.close()
+    assert errors == [] and attempted == []
