@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_session.sh WORD [WORD ...]
 # tests: the GPU-marked tests; profile: cbtrace profile of NanoGPT and DLRM bf16, error tables
 # (profile_models.py); capture: capture overhead with its breakdown (bench_capture.py);
+# paper: benchmarks/paper_demos.py (the paper's figures beside ours, icicles);
 # replay: calibrate, then bench_replay_gpu.py (default and cold replay vs do_bench and in situ).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
@@ -14,6 +15,9 @@ tests)
 profile)
   timeout ${PROFILE_TIMEOUT:-400} python3 $R/benchmarks/profile_models.py /tmp/prof ${PROFILE_MODELS:-nanogpt dlrm} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/profile_models.log | tail -60
   cp /tmp/prof/*_modules.csv $OUT/ 2>/dev/null ;;
+paper)
+  timeout ${PAPER_TIMEOUT:-200} python3 $R/benchmarks/paper_demos.py /tmp/paper 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/paper_demos.log | tail -40
+  for f in /tmp/paper/*/icicle.html; do cp $f $OUT/icicle_$(basename $(dirname $f)).html; done ;;
 capture)
   CBTRACE_BENCH_DIR=/tmp timeout 200 python3 $R/benchmarks/bench_capture.py 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_capture.log | tail -8 ;;
 replay)

@@ -23,6 +23,8 @@ MODELS = {
     "vit-b16": dict(spec=f"{ZOO}:timm_vit_b16", options=REAL, **GPU),      # timm, batch 64
     "resnet50": dict(spec=f"{ZOO}:tv_resnet50", options=REAL, **GPU),      # torchvision, batch 64
     "gpt2-compiled": dict(spec=f"{ZOO}:compiled_nanogpt", options=REAL, **GPU),
+    "dlrm-large": dict(spec="dlrm:large", options={}, **GPU),               # 1,022 calls
+    "nanogpt-train": dict(spec="nanogpt", options={"batch_size": 8}, step="train", **GPU),
     "nanogpt-tiny-cpu": dict(spec="nanogpt:tiny", device="cpu", dtype=None, options={}),
     "dlrm-tiny-cpu": dict(spec="dlrm:tiny", device="cpu", dtype=None, options={}),
 }
@@ -42,12 +44,26 @@ def summary(name, df, wall_s):
             "replay_wall_s": wall_s, "duty": device_s / wall_s if wall_s else float("nan")}
 
 
+def backward_table(df) -> str:
+    """The backward's isolation error by class (calls with in-situ backward >= 10 us), and the
+    forward and backward MFU per class."""
+    d = df[(df["bwd_status"] == "ok") & (df["bwd_insitu_ms"] >= MIN_MS)]
+    within = (d["bwd_error_pct"].abs() <= WITHIN_PCT).mean() if len(d) else float("nan")
+    g = d.groupby("module_type").agg(count=("bwd_error_pct", "size"),
+                                     bwd_err_median=("bwd_error_pct", "median"),
+                                     fwd_mfu=("mfu", "median"), bwd_mfu=("bwd_mfu", "median"),
+                                     bwd_insitu_ms=("bwd_insitu_ms", "median"))
+    return (f"backward: {len(d)} calls >= 10 us in situ, {100 * within:.1f} % within "
+            f"+-{WITHIN_PCT:.0f} %\n" + g.to_string(float_format=lambda x: f"{x:.3g}"))
+
+
 def main(out_dir, names):
     import pandas as pd
 
     from cbtrace.attribution.join import error_table, join_insitu
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.replay.engine import replay
+    from cbtrace.rundir.read import read_manifest
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,10 +72,11 @@ def main(out_dir, names):
         m = MODELS[name]
         run = out / name
         try:
+            step = m.get("step", "forward")
             cap = capture_model(m["spec"], run, device=m["device"], dtype=m["dtype"],
-                                options=m["options"])
+                                options=m["options"], step=step)
             t0 = time.perf_counter()
-            replay(cap.out, model_spec=m["spec"])
+            replay(cap.out, model_spec=m["spec"], backward=step == "train", progress=False)
             wall = time.perf_counter() - t0
             df = join_insitu(cap.out)
         except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
@@ -67,6 +84,9 @@ def main(out_dir, names):
             continue
         df.to_csv(out / f"{name}_modules.csv", index=False)
         rows.append(summary(name, df, wall))
+        print(f"\n== {name}: replay time by phase (s): {read_manifest(run).replay.timings_s}")
+        if step == "train":
+            print(backward_table(df))
         root = df[df["parent_call_id"] == -1].iloc[0]
         print(f"\n== {name}: root {root['module_type']}: isolated {root['isolated_ms']:.4g} ms, "
               f"in situ {root['insitu_ms']:.4g} ms ({root['error_pct']:+.1f} %), device "
