@@ -17,6 +17,7 @@ COMMANDS = {
     "profile": ("cbtrace.cli.commands.profile", "Capture, replay and attribute: the isolation error table."),
     "attribute": ("cbtrace.cli.commands.attribute", "Attribute time in Kineto traces to modules."),
     "annotate": ("cbtrace.cli.commands.annotate", "Write annotated_<trace> with per-module figures."),
+    "diff": ("cbtrace.cli.commands.diff", "Compare two runs module by module; flag regressions."),
     "report": ("cbtrace.cli.commands.report", "Write the interactive icicle (icicle.html) of a run."),
     "calibrate": ("cbtrace.cli.commands.calibrate", "Measure this device's achievable FLOP/s and bandwidth."),
     "models": ("cbtrace.cli.commands.models", "List model providers and other registered plugins."),
