@@ -1,12 +1,15 @@
 """Capture overhead: a captured step vs a plain profiled step, against disk write bandwidth.
 
-Goal (issue 2): capture <= 1.5 x (plain profiled step + captured bytes / disk bandwidth).
+Goal (issues 2 and 15): capture <= 1.5 x (plain profiled step + captured bytes / disk bandwidth).
 All sides export a gzipped Kineto trace; the capture side also copies, serializes and writes
 the inputs, modules.parquet and the manifest. A third side, the *floor*, is the plain step with
 the two hooks per module a capture needs, doing nothing but open and close its ranges: what any
 hook-based capture costs before it copies, records or writes anything (``floor/b``). ``writes``
 re-writes the capture's files atomically with no fsync, hashing or input encoding, a lower bound
-of writing any run; ``(f+w)/b`` = (floor + writes) / bound. Run: python benchmarks/bench_capture.py [SPEC DEVICE DTYPE]...
+of writing any run; ``(f+w)/b`` = (floor + writes) / bound.
+
+Run: python benchmarks/bench_capture.py [CASE ...]   (default: nanogpt-tiny-cpu, and on a GPU
+nanogpt dlrm dlrm-large and the zoo's GPU models; CASES lists the names)
 """
 import gzip
 import os
@@ -17,10 +20,20 @@ from pathlib import Path
 
 import torch
 
-CASES = [("nanogpt:tiny", "cpu", None)]
-if torch.cuda.is_available():
-    CASES.append(("nanogpt", "cuda", "bf16"))
-REPEATS = 5          # take the median of this many of each
+ZOO = str(Path(__file__).resolve().parent / "zoo.py")
+REAL = {"size": "real"}
+CASES = {  # name: (spec, device, dtype, provider options)
+    "nanogpt-tiny-cpu": ("nanogpt:tiny", "cpu", None, {}),
+    "nanogpt": ("nanogpt", "cuda", "bf16", {}),
+    "dlrm": ("dlrm", "cuda", "bf16", {}),
+    "dlrm-large": ("dlrm:large", "cuda", "bf16", {}),
+    "llama-0.5b": (f"{ZOO}:hf_llama", "cuda", "bf16", REAL),
+    "bert-base": (f"{ZOO}:hf_bert", "cuda", "bf16", REAL),
+    "vit-b16": (f"{ZOO}:timm_vit_b16", "cuda", "bf16", REAL),
+    "resnet50": (f"{ZOO}:tv_resnet50", "cuda", "bf16", REAL),
+}
+GPU_DEFAULT = ["nanogpt", "dlrm", "dlrm-large", "llama-0.5b", "bert-base", "vit-b16", "resnet50"]
+REPEATS = int(os.environ.get("CBTRACE_BENCH_REPEATS", 5))  # the median of this many of each
 DISK_PROBE_MB = 512  # bytes written (with fsync) to measure disk bandwidth
 
 
@@ -114,12 +127,12 @@ def minimal_writes(run: Path, out_dir) -> float:
     return time.perf_counter() - t0
 
 
-def bench(spec, device, dtype, work):
+def bench(spec, device, dtype, options, work):
     from cbtrace.capture.from_spec import warm_up
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.model.spec import resolve
 
-    provider = resolve(spec)
+    provider = resolve(spec, options=options)
     model, batch = provider.model_and_batch(device, torch_dtype(dtype) if dtype else None)
     model.eval()
     with torch.no_grad():
@@ -138,19 +151,26 @@ def bench(spec, device, dtype, work):
     return sorted(plain)[mid], sorted(floor)[mid], sorted(writes)[mid], cap[mid], stored
 
 
-def main():
+def main(names):
     work = Path(os.environ.get("CBTRACE_BENCH_DIR", tempfile.gettempdir()))
     bw = disk_bandwidth(work)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"device: {name}; disk write bandwidth {bw / 1e6:.0f} MB/s (fsync, {DISK_PROBE_MB} MB)")
-    print(f"{'model':<14}{'dev':<6}{'plain s':>9}{'floor s':>9}{'writes s':>9}{'capture s':>11}"
+    print(f"{'model':<17}{'dev':<6}{'plain s':>9}{'floor s':>9}{'writes s':>9}{'capture s':>11}"
           f"{'stored MB':>11}{'MB/s':>8}{'bound s':>9}{'floor/b':>8}{'(f+w)/b':>8}{'ratio':>7}"
           "  goal<=1.5")
     breakdown = []
-    for spec, device, dtype in CASES:
-        plain, floor, writes, (cap, timings), stored = bench(spec, device, dtype, work)
+    names = names or ["nanogpt-tiny-cpu"] + (GPU_DEFAULT if torch.cuda.is_available() else [])
+    for name in names:
+        spec, device, dtype, options = CASES[name]
+        try:
+            plain, floor, writes, (cap, timings), stored = bench(spec, device, dtype, options, work)
+        except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
+            print(f"{name:<17}FAILED {type(e).__name__}: {str(e)[:200]}")
+            continue
+        spec = name
         bound = plain + stored / bw
-        print(f"{spec:<14}{device:<6}{plain:>9.3f}{floor:>9.3f}{writes:>9.3f}{cap:>11.3f}"
+        print(f"{spec:<17}{device:<6}{plain:>9.3f}{floor:>9.3f}{writes:>9.3f}{cap:>11.3f}"
               f"{stored / 1e6:>11.1f}{stored / 1e6 / cap:>8.0f}{bound:>9.3f}{floor / bound:>8.2f}"
               f"{(floor + writes) / bound:>8.2f}{cap / bound:>7.2f}")
         breakdown.append((spec, timings))
@@ -159,4 +179,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])
