@@ -19,7 +19,7 @@ paper)
   timeout ${PAPER_TIMEOUT:-200} python3 $R/benchmarks/paper_demos.py /tmp/paper 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/paper_demos.log | tail -40
   for f in /tmp/paper/*/icicle.html; do cp $f $OUT/icicle_$(basename $(dirname $f)).html; done ;;
 capture)
-  CBTRACE_BENCH_DIR=/tmp timeout ${CAPTURE_TIMEOUT:-200} python3 $R/benchmarks/bench_capture.py ${CAPTURE_MODELS:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_capture.log | tail -8 ;;
+  CBTRACE_BENCH_DIR=/tmp timeout ${CAPTURE_TIMEOUT:-200} python3 $R/benchmarks/bench_capture.py ${CAPTURE_MODELS:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_capture.log | tail -20 ;;
 replay)
   timeout 60 python3 -m cbtrace calibrate --device cuda 2>&1 | tail -1
   timeout 540 python3 $R/benchmarks/bench_replay_gpu.py /tmp/runs nanogpt dlrm 2>&1 | grep -v -E "UserWarning|_warn_once|USDT" | tee $OUT/bench_replay.log | tail -80
