@@ -12,6 +12,9 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
 - ``gpu_ms`` / ``gpu_self_ms``: sum of device event durations (kernels, memcpy, memset)
   launched inside; ``gpu_span_ms``: first device event start to last end (inclusive);
   ``kernel_count`` (inclusive).
+- ``comm_ms``: device time of communication (NCCL) kernels launched inside (inclusive; part of
+  gpu_ms); ``comm_exposed_ms``: the part of it that no non-communication kernel on another
+  stream of the same device overlaps (comm.py).
 - ``flops``, ``flops_executed``, ``bytes``, ``ops_without_formula``, ``compute_dtype``, ``mfu``,
   ``mbu``: from op shapes (``record_shapes=True``), cbtrace.cost.flops formulas, cbtrace.cost.peaks peaks;
   inclusive; mfu/mbu use ``gpu_ms`` and the trace's device (NaN on CPU-only traces). Each op's
@@ -28,8 +31,16 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
   ``trace`` (file).
 
 Aggregation over steps (``aggregate=True``): every row also carries ``<col>_median``,
-``<col>_min``, ``<col>_max`` for cpu_ms, cpu_self_ms, gpu_ms, gpu_self_ms, gpu_span_ms over
-the steps >= 0 of its (rank, fqn, call_index, phase); ``summarize(df)`` keeps one row per group.
+``<col>_min``, ``<col>_max`` for cpu_ms, cpu_self_ms, gpu_ms, gpu_self_ms, gpu_span_ms,
+comm_ms, comm_exposed_ms over the steps >= 0 of its (rank, fqn, call_index, phase);
+``summarize(df)`` keeps one row per group.
+
+Many ranks (ranks.py): files are attributed in worker processes (``workers=``, default one per
+core), one file at a time each, and ``across_ranks(df)`` gives per (fqn, call_index, phase)
+the min / median / max over ranks of each rank's median time, the slowest rank and the spread.
+Names without a capture run: ``model=SPEC`` builds the model on the meta device and names
+``nn.Module: Class_N`` events by the order its forward first calls its modules
+(model_names.py).
 
 Speed and memory: the trace is decoded chunk by chunk (trace_io.stream_trace) by a typed
 decoder that skips what attribution does not read (loader.py), straight into numpy columns
@@ -46,13 +57,14 @@ from pathlib import Path
 
 from cbtrace.errors import TraceError
 
-AGG_COLUMNS = ("cpu_ms", "cpu_self_ms", "gpu_ms", "gpu_self_ms", "gpu_span_ms")
+AGG_COLUMNS = ("cpu_ms", "cpu_self_ms", "gpu_ms", "gpu_self_ms", "gpu_span_ms", "comm_ms",
+               "comm_exposed_ms")
 GROUP = ["rank", "fqn", "call_index", "phase"]
 COLUMNS = ["rank", "step", "fqn", "source", "call_index", "depth", "parent_fqn", "phase",
            "cpu_ms", "cpu_self_ms", "gpu_ms", "gpu_self_ms", "gpu_span_ms", "kernel_count",
-           "flops", "flops_executed", "bytes", "ops_without_formula", "compute_dtype", "mfu",
-           "mbu", "figures_suspect", "module_label", "pid", "tid", "ts_us", "dur_us", "ev_index",
-           "trace"]
+           "comm_ms", "comm_exposed_ms", "flops", "flops_executed", "bytes",
+           "ops_without_formula", "compute_dtype", "mfu", "mbu", "figures_suspect",
+           "module_label", "pid", "tid", "ts_us", "dur_us", "ev_index", "trace"]
 _SUFFIXES = (".json", ".json.gz")
 _RANK_IN_NAME = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
 
@@ -101,6 +113,16 @@ def attribute_file(path, *, rank: int | None = None, class_map: dict | None = No
     """
     import pandas as pd
 
+    return pd.DataFrame(file_columns(path, rank=rank, class_map=class_map,
+                                     steps_per_window=steps_per_window))
+
+
+def file_columns(path, *, rank: int | None = None, class_map: dict | None = None,
+                 steps_per_window: int | None = None) -> dict:
+    """``attribute_file``'s columns (COLUMNS, in order) as arrays and lists, without pandas:
+    what a worker process sends back (ranks.py)."""
+    import numpy as np
+
     from cbtrace.attribution import loader, windows
     from cbtrace.attribution.op_costs import OpCoster
 
@@ -113,14 +135,15 @@ def attribute_file(path, *, rank: int | None = None, class_map: dict | None = No
         cols = loader.load(path, on_op=coster)
         parts, meta = [table(path, cols, coster, class_map=class_map)], cols.meta
     with_shapes = any(p.pop("~with_shapes") for p in parts)
-    df = pd.DataFrame({k: _concat([p[k] for p in parts]) for k in parts[0]})
+    out = {k: _concat([p[k] for p in parts]) for k in parts[0]}
+    n = len(out["step"])
     if not with_shapes:  # no op shapes anywhere: no FLOPs known
-        df[["flops", "flops_executed", "bytes", "mbu"]] = float("nan")
-        df["mfu"] = float("nan")
-        df["figures_suspect"] = False
-    df["rank"] = rank_of(meta, path, 0) if rank is None else rank
-    df["trace"] = str(path)
-    return df[COLUMNS]
+        for k in ("flops", "flops_executed", "bytes", "mbu", "mfu"):
+            out[k] = np.full(n, np.nan)
+        out["figures_suspect"] = np.zeros(n, bool)
+    out["rank"] = np.full(n, rank_of(meta, path, 0) if rank is None else rank, np.int64)
+    out["trace"] = [str(path)] * n
+    return {k: out[k] for k in COLUMNS}
 
 
 def _concat(cols: list):
@@ -156,8 +179,9 @@ def table(path, cols, coster, *, class_map=None, device_filter=None, part=False)
     return data
 
 
-def attribute(paths, *, capture_run=None, hta: bool = False, aggregate: bool = True,
-              steps_per_window: int | None = None):
+def attribute(paths, *, capture_run=None, model: str | None = None,
+              model_options: dict | None = None, hta: bool = False, aggregate: bool = True,
+              steps_per_window: int | None = None, workers: int | None = None):
     """In-situ time per module, per rank and profiler step, from Kineto traces.
 
     Args:
@@ -165,41 +189,70 @@ def attribute(paths, *, capture_run=None, hta: bool = False, aggregate: bool = T
         capture_run: a cbtrace run directory of the same model, captured whole: names
             ``nn.Module: Class_N`` events by their real attribute paths; a run whose modules do
             not match the trace's events is refused (identity.check_capture_run).
+        model: a model spec (``nanogpt:tiny``, ``pkg.module:fn``): names ``nn.Module`` events
+            like ``capture_run`` does, from the model built on the meta device, without weights
+            or a capture (model_names.py); a model that does not match is refused.
+        model_options: the provider's options for ``model`` (as ``cbtrace capture -o``).
         hta: also return HTA's ``TraceAnalysis`` over the same files: ``(df, analysis)``.
         aggregate: add ``*_median`` / ``*_min`` / ``*_max`` columns over steps.
         steps_per_window: for traces larger than memory: read each file once per window of
             this many profiler steps and keep only that window's events (see windows.py).
+        workers: processes attributing files in parallel, one file at a time each (None: one
+            per core; 1: none, all here); the table is the same for any number (ranks.py).
 
     Returns:
         pandas DataFrame (columns: see the module docstring), or ``(df, TraceAnalysis)``.
+        ``ranks.across_ranks(df)`` compares the ranks.
     """
-    import pandas as pd
+    from cbtrace.attribution.ranks import attribute_files
 
-    from cbtrace.attribution.identity import check_capture_run, class_index_map
-
+    if capture_run is not None and model is not None:
+        raise ValueError("capture_run and model: give one of them, not both")
     files = trace_files(paths)
-    class_map = modules = None
-    if capture_run is not None:
-        from cbtrace.rundir.read import read_modules
-
-        modules = read_modules(capture_run)
-        class_map = class_index_map(modules)
-    frames, seen = [], set()
-    for i, f in enumerate(files):
-        df = attribute_file(f, class_map=class_map, steps_per_window=steps_per_window)
-        if modules is not None:
-            check_capture_run(modules, df, run=capture_run, trace=f)
+    check, class_map = _namer(capture_run, model, model_options)
+    frames = attribute_files(files, workers=workers, class_map=class_map,
+                             steps_per_window=steps_per_window)
+    seen = set()
+    for i, (f, df) in enumerate(zip(files, frames)):
+        check(df, f)
         r = int(df["rank"].iloc[0]) if len(df) else i
         if r in seen:  # two files claim one rank (e.g. no rank info): number them by order
             df["rank"] = r = max(seen) + 1
         seen.add(r)
-        frames.append(df)
+    import pandas as pd
+
     df = pd.concat(frames, ignore_index=True)
     if aggregate:
         df = add_aggregates(df)
     if hta:
         return df, _hta_analysis(files)
     return df
+
+
+def _namer(capture_run, model, model_options):
+    """(check(rows, trace), class_map): how ``nn.Module: Class_N`` events get their fqns."""
+    from cbtrace.attribution import identity
+
+    if capture_run is not None:
+        from cbtrace.rundir.read import read_modules
+
+        modules = read_modules(capture_run)
+        return (lambda rows, trace: identity.check_capture_run(modules, rows, run=capture_run,
+                                                               trace=trace),
+                identity.class_index_map(modules))
+    if model is not None:
+        from cbtrace.attribution.model_names import model_calls
+        from cbtrace.errors import ProviderError
+
+        calls, strict, how = model_calls(model, options=model_options)
+
+        def check(rows, trace):
+            identity.check_labels(calls, rows, trace=trace, error=ProviderError, strict=strict,
+                                  what=f"{model}: its modules ({how})", who="the model",
+                                  hint="give the spec and options of the model the trace "
+                                       "profiled, or --capture-run")
+        return check, dict(calls)
+    return (lambda rows, trace: None), None
 
 
 def add_aggregates(df):

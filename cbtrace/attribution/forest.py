@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import numpy as np
 
+from cbtrace.attribution import comm
 from cbtrace.attribution.loader import Columns
 
 # Device activity whose durations make up "device time". GPU-side annotations
@@ -51,13 +52,16 @@ class Forest:
     ``ts``, ``dur``, ``idx``, ``name``, ``cat``, ``seq``, ``hier``, ``cost`` (the loader's
     columns), ``pid`` / ``tid`` (ints), ``parent`` (host index, -1 at the top), ``depth``,
     ``step_of_host`` (N of the enclosing ProfilerStep#N window, -1). Per device event (file
-    order): ``d_ts``, ``d_dur``, ``d_idx``, ``launcher`` (host index of the launching op, -1).
+    order): ``d_ts``, ``d_dur``, ``d_idx``, ``launcher`` (host index of the launching op, -1),
+    ``d_comm`` (a communication kernel), ``d_exposed`` (µs of it no compute kernel overlaps;
+    comm.py).
     """
 
     def __init__(self, cols: Columns, host: np.ndarray, device: np.ndarray, norm: list):
         self.strings = cols.strings
         self.d_ts, self.d_dur, self.d_idx = cols.ts[device], cols.dur[device], cols.idx[device]
         d_corr, d_pid, d_tid = cols.corr[device], cols.pid[device], cols.tid[device]
+        self.d_comm, self.d_exposed = _comm(cols, device, d_pid, d_tid)
         self.host = host
         for k in ("ts", "dur", "idx", "name", "cat", "seq", "hier", "cost", "corr", "pid",
                   "tid"):
@@ -77,6 +81,7 @@ class Forest:
     def keep_device(self, mask: np.ndarray) -> None:
         """Drop the device events where ``mask`` is False (another window counts them)."""
         self.d_ts, self.d_dur, self.d_idx = self.d_ts[mask], self.d_dur[mask], self.d_idx[mask]
+        self.d_comm, self.d_exposed = self.d_comm[mask], self.d_exposed[mask]
         self.launcher = self.launcher[mask]
 
     def step_at(self, ts: np.ndarray) -> np.ndarray:
@@ -118,6 +123,16 @@ class Forest:
         for idx in reversed(self.levels()):
             out[self.parent[idx[out[idx]]]] = True
         return out[:-1]
+
+
+def _comm(cols: Columns, device: np.ndarray, d_pid, d_tid) -> tuple[np.ndarray, np.ndarray]:
+    """Per device event: is it a communication kernel, and its exposed µs (comm.exposed)."""
+    if not len(device):
+        return np.zeros(0, bool), np.zeros(0)
+    is_comm = string_mask(cols.strings, comm.is_comm_kernel)[cols.name[device]]
+    compute = string_mask(cols.strings, comm.COMPUTE_CATS.__contains__)[cols.cat[device]]
+    return is_comm, comm.exposed(cols.ts[device], cols.dur[device], is_comm, compute, d_pid,
+                                 d_tid)
 
 
 def by_level(depth: np.ndarray) -> list[np.ndarray]:

@@ -4,7 +4,8 @@
 "") and ``cbtrace.copy::<fqn>`` ranges, cbtrace's own overhead; (b) eager ``nn.Module: Class_N``
 python_function events (``with_stack=True``), named by their class-and-index chain, or by the real
 attribute path when a capture run of the same model is given; (c) user ``record_function``
-annotations; (d) TorchScript ``Module Hierarchy`` args. One source per trace: the best present.
+annotations (a collective's, such as ``nccl:all_reduce``, only in a trace without others:
+comm.py); (d) TorchScript ``Module Hierarchy`` args. One source per trace: the best present.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 
 import numpy as np
 
+from cbtrace.attribution import comm
 from cbtrace.attribution.forest import Forest, string_mask
 from cbtrace.errors import RunDirError
 
@@ -43,11 +45,18 @@ def _is_user_range(cat: str, name: str) -> bool:
 
 
 def _user_range_mask(forest: Forest) -> np.ndarray:
-    """Per host event: a user ``record_function`` range (judged once per (cat, name) pair)."""
+    """Per host event: a user ``record_function`` range (judged once per (cat, name) pair).
+
+    A collective's annotation (``nccl:all_reduce``) is an op of the range that issued it, not a
+    range of its own, unless the trace has no other range (then it is the best name there is).
+    """
     s = forest.strings
     pairs, inv = np.unique(forest.cat.astype(np.int64) * len(s) + forest.name, return_inverse=True)
     ok = np.fromiter((_is_user_range(s[p // len(s)], s[p % len(s)]) for p in pairs), bool,
                      len(pairs))
+    is_comm = np.fromiter((comm.is_comm_op(s[p % len(s)]) for p in pairs), bool, len(pairs))
+    if (ok & ~is_comm).any():
+        ok &= ~is_comm
     return ok[inv.ravel()] if len(pairs) else np.zeros(len(forest), bool)
 
 
@@ -125,30 +134,57 @@ def check_capture_run(modules_df, rows, *, run, trace) -> None:
     that skips an instance of a class it holds, as it numbers only the instances it has.
     Modules of classes the run does not hold (a loss module outside the model) are ignored.
     """
+    check_labels(run_labels(modules_df), rows, trace=trace, error=RunDirError,
+                 what=f"{run}: its modules", who="the run",
+                 hint="name them with a run of the same model captured whole (no --max-depth, "
+                      "--include or --exclude)")
+
+
+def check_labels(calls, rows, *, trace, error, what, who, hint, strict=True) -> None:
+    """Refuse (``error``, one line) names ``calls`` (("Class_N", fqn) in first-call order) that
+    do not fit the trace's nn.Module events (see check_capture_run).
+
+    ``strict=False``: the order of ``calls`` is not the call order (model_names' declaration
+    order), so only the number of instances of each class is compared.
+    """
     fwd = rows[(rows["source"] == "nn.Module") & (rows["phase"] == "fwd")]
     if not len(fwd):
-        return  # no nn.Module events: the run names nothing here
-    calls = run_labels(modules_df)
+        return  # no nn.Module events: nothing to name here
     fqn_of = dict(calls)
     want = list(dict.fromkeys(label for label, _ in calls))
     classes = {label.rpartition("_")[0] for label in want}
     order = fwd.sort_values(["ts_us", "depth"], kind="stable")["module_label"]
     got = [label for label in dict.fromkeys(order) if label.rpartition("_")[0] in classes]
-    if got == want:
+    if not strict:
+        detail = _count_mismatch(want, got, who)
+    elif got == want:
         return
-    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    if i == len(got):
-        detail = f"the trace has no nn.Module event {want[i]} ({fqn_of[want[i]] or '<root>'})"
-    elif i == len(want):
-        cls = got[i].rpartition("_")[0]
-        n_run, n_trace = (sum(x.rpartition("_")[0] == cls for x in xs) for xs in (want, got))
-        detail = f"the trace has {n_trace} {cls} modules, the run {n_run}"
     else:
-        detail = (f"the run calls {want[i]} ({fqn_of[want[i]] or '<root>'}) where the trace "
-                  f"calls {got[i]}")
-    raise RunDirError(f"{run}: its modules do not match the nn.Module events of {trace} "
-                      f"({detail}); name them with a run of the same model captured whole "
-                      "(no --max-depth, --include or --exclude)")
+        i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b),
+                 min(len(got), len(want)))
+        if i == len(got):
+            detail = f"the trace has no nn.Module event {want[i]} ({fqn_of[want[i]] or '<root>'})"
+        elif i == len(want):
+            cls = got[i].rpartition("_")[0]
+            n_want, n_got = (sum(x.rpartition("_")[0] == cls for x in xs) for xs in (want, got))
+            detail = f"the trace has {n_got} {cls} modules, {who} {n_want}"
+        else:
+            detail = (f"{who} calls {want[i]} ({fqn_of[want[i]] or '<root>'}) where the trace "
+                      f"calls {got[i]}")
+    if detail is None:
+        return
+    raise error(f"{what} do not match the nn.Module events of {trace} ({detail}); {hint}")
+
+
+def _count_mismatch(want, got, who) -> str | None:
+    """The first class with another number of instances in the trace than in ``want``."""
+    from collections import Counter
+
+    n_want, n_got = (Counter(x.rpartition("_")[0] for x in xs) for xs in (want, got))
+    for cls in n_want:
+        if n_want[cls] != n_got[cls]:
+            return f"the trace has {n_got[cls]} {cls} modules, {who} {n_want[cls]}"
+    return None
 
 
 def hierarchy_path(text: str) -> str | None:

@@ -3,7 +3,8 @@
 Every host event gets one owner: cbtrace overhead (inside a ``cbtrace.copy::`` range), the
 backward of a module (inside an autograd evaluate_function op, see backward.py), the innermost
 enclosing module call (forward), or nobody. A device event belongs to the owner of the host event
-that launched it; one with no launcher, or whose launcher has no owner, is unattributed. Each
+that launched it; one with no launcher, or whose launcher has no owner, is unattributed (NCCL
+kernels too: their launch sits inside the collective's ops, inside the issuing module). Each
 device event is counted exactly once, so per step::
 
     sum(gpu_self_ms of module rows) + unattributed + overhead == sum of device event durations
@@ -133,6 +134,8 @@ class _Buckets:
         nb, d_ts, d_dur = len(self.keys), forest.d_ts, forest.d_dur
         acc = {"cpu": np.bincount(i_cpu, forest.dur[cpu_at], nb),
                "gpu": np.bincount(i_dev, d_dur, nb),
+               "comm": np.bincount(i_dev, np.where(forest.d_comm, d_dur, 0.0), nb),
+               "comm_exp": np.bincount(i_dev, forest.d_exposed, nb),
                "kernels": np.bincount(i_dev, minlength=nb).astype(float),
                "nof": np.bincount(i_nof, minlength=nb).astype(float),
                "first": np.full(nb, np.inf), "last": np.full(nb, -np.inf)}
@@ -309,6 +312,7 @@ def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes) -> dict:
                phase=out["phase"], cpu_ms=out["cpu"] / 1e3, cpu_self_ms=out["cpu_self"] / 1e3,
                gpu_ms=gpu_ms, gpu_self_ms=out["gpu_self"] / 1e3,
                gpu_span_ms=np.where(kernels > 0, (f["last"] - f["first"]) / 1e3, 0.0),
+               comm_ms=f["comm"] / 1e3, comm_exposed_ms=f["comm_exp"] / 1e3,
                kernel_count=kernels, flops=flops,
                flops_executed=f["flops_x"] if with_shapes else np.full(len(gpu_ms), nan),
                bytes=f["bytes"] if with_shapes else np.full(len(gpu_ms), nan),

@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/data/record_attribution_traces.py                   # CPU trace, checked in
     python tests/data/record_attribution_traces.py amp-cuda OUT.pt.trace.json.gz   # on a CUDA machine
+    .venv/bin/python tests/data/record_attribution_traces.py ranks OUT_DIR          # 2 CPU ranks
 
 Without arguments it writes ``cbtrace_capture_cpu.pt.trace.json.gz``: a tiny MLP training step
 under torch.profiler (record_shapes, with_stack), 3 ProfilerStep#N steps, with forward pre/post
@@ -17,6 +18,10 @@ Its matmuls are large enough (4096 tokens, d=1024) that figures divided by the f
 1 (issue 12). ``amp_bf16_h200.pt.trace.json.gz`` here was recorded so on an H200 (torch
 2.11.0+cu130). tests/test_amp_attribution.py records the same step on the CPU itself
 (``record_amp(..., device="cpu")``, small sizes).
+
+``ranks OUT_DIR``: ``rank0.pt.trace.json`` and ``rank1.pt.trace.json``, CPU forward steps of
+``Pipeline`` (with_stack), where rank 1's ``stages.1`` does extra matmuls: the straggler of
+tests/test_attribute_ranks.py (which records them itself, ``record_ranks``).
 """
 import gzip
 import shutil
@@ -159,6 +164,60 @@ def record_amp_cuda(out=AMP_CUDA_TRACE) -> Path:
     return record_amp(out, device="cuda", steps=3, **CUDA_SIZES)
 
 
+# ---------------------------------------------------------------- ranks with a straggler
+
+class Stage(nn.Module):
+    """A Linear, then ``extra`` rounds of real work (matmul + tanh): the planted straggler."""
+
+    def __init__(self, d, extra=0):
+        super().__init__()
+        self.fc, self.extra = nn.Linear(d, d), extra
+        self.register_buffer("w", torch.eye(d))
+
+    def forward(self, x):
+        y = self.fc(x)
+        for _ in range(self.extra):
+            y = torch.tanh(y @ self.w)
+        return y
+
+
+class Pipeline(nn.Module):
+    def __init__(self, d=64, slow=0):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.stages = nn.Sequential(Stage(d), Stage(d, extra=slow), Stage(d))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.head(self.stages(self.embed(x)))
+
+
+def straggler_model(d=64, batch=32, slow=0):
+    """The ``Pipeline`` and a batch: ``--model tests/data/record_attribution_traces.py:straggler_model``."""
+    return Pipeline(d, slow), (torch.randn(batch, d),)
+
+
+def record_ranks(out_dir, *, ranks=2, slow_rank=1, slow=50, steps=3) -> list[Path]:
+    """``rank<R>.pt.trace.json`` per rank: ``steps`` forward steps of ``Pipeline`` on the CPU
+    (with_stack: ``nn.Module`` events; the rank in the file name), where ``stages.1`` of
+    ``slow_rank`` does ``slow`` extra matmuls per call: a rank whose one module is slower."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for r in range(ranks):
+        torch.manual_seed(0)
+        model, (x,) = straggler_model(slow=slow if r == slow_rank else 0)
+        sched = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+        with torch.no_grad(), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], schedule=sched,
+                record_shapes=True, with_stack=True) as prof:
+            for _ in range(steps + 1):
+                model(x)
+                prof.step()
+        paths.append(_export(prof, out_dir / f"rank{r}.pt.trace.json"))
+    return paths
+
+
 # ---------------------------------------------------------------- the checked-in CPU trace
 
 def add_range_hooks(model):
@@ -206,6 +265,8 @@ def main():
 if __name__ == "__main__":
     if sys.argv[1:2] == ["amp-cuda"]:
         print("wrote", record_amp_cuda(*sys.argv[2:3]))
+    elif sys.argv[1:2] == ["ranks"] and len(sys.argv) == 3:
+        print("wrote", *record_ranks(sys.argv[2]))
     elif len(sys.argv) > 1:
         sys.exit(__doc__)
     else:
