@@ -1,9 +1,11 @@
-"""After replay: aggregate skipped parents from children, residuals, MFU/MBU/bound."""
+"""After replay: aggregate skipped parents from children, residuals, MFU/MBU/bound, and each
+call's saving in its fastest mode."""
 from __future__ import annotations
 
 from cbtrace.cost import metrics
 from cbtrace.cost.compute_dtype import dominant_dtype
 from cbtrace.calltree import CallTree
+from cbtrace.replay.opportunity import add_opportunities
 
 
 def finalize(records, *, device_name: str) -> None:
@@ -22,6 +24,7 @@ def finalize(records, *, device_name: str) -> None:
                     c.noisy = True
     for rec in records:
         add_utilisation(rec, device_name)
+    add_opportunities(records)  # eager step cost, best mode, speedup, saving (replay/opportunity.py)
 
 
 def aggregate_from_children(rec, children) -> None:

@@ -39,6 +39,42 @@ COLUMNS = [
 
 
 ALWAYS = {"module", "type", "status", "isolated", "in-situ", "MFU", "MBU", "bound"}
+# columns and a colour scheme a run has only when it was replayed with --modes
+SPEEDUP_COLUMNS = [
+    ("speedup", "speedup", lambda v: fmt.MISSING if v is None else f"{v:.2f}x"),
+    ("saving", "opportunity_ms", fmt.ms),
+    ("best", "best_mode", fmt.text),
+]
+SCHEMES = [["metric", "MFU / MBU"], ["bound", "bound"]]
+SPEEDUP_SCHEME = ["speedup", "speedup"]
+
+
+def has_speedups(rows: list[dict]) -> bool:
+    """Whether any call has a speedup figure (a replay with --modes)."""
+    return any(r.get("speedup") is not None for r in rows)
+
+
+def _mode_text(ms, status) -> str:
+    """A mode's time when it ran ok, else its status ("error: ...", "unavailable: ...")."""
+    return fmt.ms(ms) if status == "ok" else fmt.text(status)
+
+
+def _mode_lines(r: dict) -> list[tuple[str, str]]:
+    """Tooltip lines of the other modes (all missing, so left out, without --modes)."""
+    compile_s = r.get("compile_s")
+    graphs = r.get("compile_graphs")
+    took = fmt.MISSING if compile_s is None else (
+        f"{compile_s:.2f} s" + ("" if graphs is None else f", {fmt.count(graphs)} graph(s)"))
+    speedup = r.get("speedup")
+    return [
+        ("eager step", fmt.ms(r.get("eager_step_ms"))),
+        ("compiled", _mode_text(r.get("compile_ms"), r.get("compile_status"))),
+        ("compile time", took),
+        ("CUDA graph", _mode_text(r.get("cudagraph_ms"), r.get("cudagraph_status"))),
+        ("best mode", fmt.text(r.get("best_mode"))),
+        ("speedup", fmt.MISSING if speedup is None else f"{speedup:.2f}x"),
+        ("saving per step", fmt.ms(r.get("opportunity_ms"))),
+    ]
 
 
 def _num(v):
@@ -79,6 +115,7 @@ def _tooltip(r: dict) -> list[list[str]]:
         ("inputs", fmt.text(r.get("input_shapes"))),
         ("timer", fmt.text(r.get("timer"))),
         ("compute dtype", fmt.text(r.get("compute_dtype"))),
+        *_mode_lines(r),
     ]
     return [list(x) for x in lines if x[0] in ALWAYS or x[1] != fmt.MISSING]
 
@@ -89,17 +126,21 @@ def _value_text(v: float, mode: str) -> str:
     return fmt.ms(v)
 
 
-def _colors(node: dict) -> tuple[dict, dict, str]:
-    """({scheme: bg}, {scheme: fg}, metric label) of a node."""
+def _colors(node: dict, speedup: bool = False) -> tuple[dict, dict, str, str]:
+    """({scheme: bg}, {scheme: fg}, metric label, speedup label) of a node; the speedup
+    scheme only when the run has speedups."""
     r = node["row"]
+    schemes = ["metric", "bound"] + (["speedup"] if speedup else [])
     if r is None:
         bg = palette.RESIDUAL if node["kind"] == "residual" else palette.NO_FIGURES
-        return ({"metric": bg, "bound": bg}, {"metric": "#000000", "bound": "#000000"}, "")
+        return {s: bg for s in schemes}, {s: "#000000" for s in schemes}, "", ""
     metric, label = palette.metric_color(r.get("mfu"), r.get("mbu"), bool(r.get("flops")),
                                          r.get("bound"))
-    bound = palette.bound_color(r.get("bound"))
-    return ({"metric": metric, "bound": bound},
-            {"metric": palette.text_color(metric), "bound": palette.text_color(bound)}, label)
+    bg = {"metric": metric, "bound": palette.bound_color(r.get("bound"))}
+    fast = ""
+    if speedup:
+        bg["speedup"], fast = palette.speedup_color(r.get("speedup"), r.get("best_mode"))
+    return bg, {s: palette.text_color(c) for s, c in bg.items()}, label, fast
 
 
 def _shown(node: dict, vals: dict, mode: str) -> str:
@@ -108,8 +149,9 @@ def _shown(node: dict, vals: dict, mode: str) -> str:
     return _value_text(own if own is not None else vals[mode][node["id"]], mode)
 
 
-def _node_json(node: dict, nodes: dict, xs: dict, vals: dict, modes: list[str]) -> dict:
-    bg, fg, label = _colors(node)
+def _node_json(node: dict, nodes: dict, xs: dict, vals: dict, modes: list[str],
+               columns: list, speedup: bool) -> dict:
+    bg, fg, label, fast = _colors(node, speedup)
     r = node["row"]
     if r is not None:
         tip = _tooltip(r)
@@ -127,14 +169,17 @@ def _node_json(node: dict, nodes: dict, xs: dict, vals: dict, modes: list[str]) 
         tip = [[node["name"], what]] + [[MODE_LABELS[m], _value_text(vals[m][node["id"]], m)]
                                         for m in modes]
         fqn, typ = "", ""
-    return {
+    out = {
         "id": node["id"], "p": node["parent"], "d": node["depth"], "k": node["kind"],
         "n": node["name"], "q": fqn, "t": typ,
         "x": {m: [round(a, 7), round(b, 7)] for m in modes for a, b in [xs[m][node["id"]]]},
         "v": {m: _shown(node, vals, m) for m in modes},
         "bg": bg, "fg": fg, "m": label, "tip": tip,
-        "cells": None if r is None else [[_num(r.get(f)), f_(r.get(f))] for _, f, f_ in COLUMNS],
+        "cells": None if r is None else [[_num(r.get(f)), f_(r.get(f))] for _, f, f_ in columns],
     }
+    if speedup:
+        out["s"] = fast  # the box label in the speedup scheme
+    return out
 
 
 def _describe(manifest, fallback: str) -> tuple[str, str]:
@@ -169,14 +214,20 @@ def build(df, manifest=None, *, name: str = "run") -> dict:
     for m, k in missing.items():
         if k and m in modes:
             notes[m] += f" {k} call(s) without a figure are drawn with zero width."
+    speedup = has_speedups(rows)
+    columns = COLUMNS + (SPEEDUP_COLUMNS if speedup else [])
+    legend = {"mfu": list(palette.MFU_SCALE), "mbu": list(palette.MBU_SCALE),
+              "bound": palette.BOUND_COLORS, "none": palette.NO_FIGURES,
+              "residual": palette.RESIDUAL}
+    if speedup:
+        legend.update(speedup=list(palette.SPEEDUP_SCALE), speedup_max=palette.SPEEDUP_MAX)
     return {
         "format": "cbtrace-icicle/1",
         "title": title, "subtitle": subtitle, "root": root,
         "modes": modes, "mode_labels": {m: MODE_LABELS[m] for m in modes},
         "notes": {m: notes[m] for m in modes},
-        "columns": [c[0] for c in COLUMNS],
-        "legend": {"mfu": list(palette.MFU_SCALE), "mbu": list(palette.MBU_SCALE),
-                   "bound": palette.BOUND_COLORS, "none": palette.NO_FIGURES,
-                   "residual": palette.RESIDUAL},
-        "nodes": [_node_json(nodes[n], nodes, xs, vals, modes) for n in order],
+        "schemes": SCHEMES + ([SPEEDUP_SCHEME] if speedup else []),
+        "columns": [c[0] for c in columns],
+        "legend": legend,
+        "nodes": [_node_json(nodes[n], nodes, xs, vals, modes, columns, speedup) for n in order],
     }

@@ -1,12 +1,16 @@
-"""Colours of the icicle: MFU (blue), MBU (orange) or bound; pure functions of numbers.
+"""Colours of the icicle: MFU (blue), MBU (orange), bound, or speedup; pure functions of numbers.
 
 A module is coloured by the utilisation of the resource that binds it
 (``cbtrace.cost.metrics.binding_utilisation``): MFU when it has FLOPs (and is not memory-bound),
 MBU when it has no FLOPs (ReLU, dropout, a copy) or is memory-bound (a LayerNorm), so an
 elementwise op shows how much of the bandwidth it used instead of a flat "bad" colour at 0 % MFU.
 Both scales are linear from 0 to 100 % of the datasheet peak (values above are clamped).
+The speedup scheme (runs replayed with ``--modes``) is green, deeper with the speedup of the
+call's fastest mode over its eager step cost, on a log scale from 1x to ``SPEEDUP_MAX``.
 """
 from __future__ import annotations
+
+import math
 
 from cbtrace.cost.metrics import binding_utilisation
 
@@ -17,6 +21,8 @@ BOUND_COLORS = {                      # Tableau 10: blue, orange, purple
     "memory": "#f58518",
     "launch": "#b279a2",
 }
+SPEEDUP_SCALE = ("#f1f8ee", "#11632b")  # 1x (eager is fastest) -> SPEEDUP_MAX and above
+SPEEDUP_MAX = 4.0
 NO_FIGURES = "#d4d4d4"                # not replayed, skipped or failed
 RESIDUAL = "#ececec"                  # a parent's own kernels ("(self)" node)
 
@@ -42,6 +48,16 @@ def metric_color(mfu: float | None, mbu: float | None, has_flops: bool,
         return NO_FIGURES, ""
     scale = MFU_SCALE if metric == "mfu" else MBU_SCALE
     return lerp_color(*scale, value), f"{metric.upper()} {100 * value:.1f}%"
+
+
+def speedup_color(speedup: float | None, best_mode: str | None = None) -> tuple[str, str]:
+    """(colour, label) for the speedup scheme: log2(speedup) / log2(SPEEDUP_MAX) on its
+    scale; no figures without a speedup."""
+    if speedup is None or not math.isfinite(speedup) or speedup <= 0:
+        return NO_FIGURES, ""
+    t = math.log(max(speedup, 1.0)) / math.log(SPEEDUP_MAX)
+    label = f"{speedup:.2f}x {best_mode}" if best_mode and best_mode != "eager" else "eager best"
+    return lerp_color(*SPEEDUP_SCALE, t), label
 
 
 def bound_color(bound: str | None) -> str:

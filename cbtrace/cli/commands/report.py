@@ -9,11 +9,14 @@ import click
 @click.option("--reporter", "-r", "extra", multiple=True, metavar="NAME",
               help="also run this registered reporter (repeatable; see `cbtrace models`)")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
-def command(run, out_dir, svg, extra, top):
+@click.option("--opportunities", is_flag=True,
+              help="also print the modules ranked by what compile or a CUDA graph saves a step "
+                   "(a replay with --modes compile,cudagraph)")
+def command(run, out_dir, svg, extra, top, opportunities):
     """Write RUN/icicle.html (and icicle.svg, summary.txt) and print the top modules.
 
     icicle.html is one self-contained file: open it in any browser, offline.
-    Example: cbtrace report runs/gpt --svg
+    Example: cbtrace report runs/gpt --svg; cbtrace report runs/gpt --opportunities
     """
     from cbtrace.workflows.report import report_run
     from cbtrace.plugins.reporters.summary import summary_table
@@ -23,4 +26,10 @@ def command(run, out_dir, svg, extra, top):
     names += [n for n in extra if n not in names]
     for path in report_run(run, out_dir=out_dir, names=names):
         click.echo(f"wrote {path}")
-    click.echo(summary_table(read_modules(run), top=top))
+    df = read_modules(run)
+    click.echo(summary_table(df, top=top))
+    if opportunities:
+        from cbtrace.plugins.reporters.opportunities import opportunity_table
+
+        click.echo("")
+        click.echo(opportunity_table(df, top=top))

@@ -1,4 +1,4 @@
-// cbtrace icicle: renders the model built by cbtrace/plugins/reporters/icicle_data.py.
+// cbtrace icicle: renders the model built by cbtrace/plugins/reporters/icicle_model.py.
 // A classic script (inlined in icicle.html, imported by the TensorBoard tab's index.js) that
 // defines globalThis.cbtraceIcicle.mount(container, data). Every module name and figure is
 // put in the page with textContent, never parsed as HTML. Layout, colours and number
@@ -54,7 +54,8 @@
     });
     var schemeGroup = el("span", "cb-group");
     schemeGroup.appendChild(el("span", "cb-group-label", "colour"));
-    [["metric", "MFU / MBU"], ["bound", "bound"]].forEach(function (s) {
+    // "speedup" is offered only when the run has speedup figures (a replay with --modes)
+    (data.schemes || [["metric", "MFU / MBU"], ["bound", "bound"]]).forEach(function (s) {
       var b = el("button", "cb-scheme", s[1]);
       b.type = "button";
       b.dataset.scheme = s[0];
@@ -168,7 +169,8 @@
         if (n.id === state.zoom) d.classList.add("cb-zoomed");
         if (state.query) d.classList.add(matches(n) ? "cb-match" : "cb-dim");
         if (w > 28) {
-          d.textContent = n.n + " · " + n.v[state.mode] + (n.m ? " · " + n.m : "");
+          var label = state.scheme === "speedup" ? n.s : n.m;
+          d.textContent = n.n + " · " + n.v[state.mode] + (label ? " · " + label : "");
         }
         frag.appendChild(d);
         maxDepth = Math.max(maxDepth, n.d);
@@ -188,13 +190,13 @@
       return s;
     }
 
-    function gradient(scale, label) {
+    function gradient(scale, label, lo, hi) {
       var s = el("span", "cb-swatch-item");
-      s.appendChild(el("span", null, label + " 0%"));
+      s.appendChild(el("span", null, label + " " + (lo || "0%")));
       var g = el("span", "cb-gradient");
       g.style.background = "linear-gradient(to right, " + scale[0] + ", " + scale[1] + ")";
       s.appendChild(g);
-      s.appendChild(el("span", null, "100%"));
+      s.appendChild(el("span", null, hi || "100%"));
       return s;
     }
 
@@ -204,6 +206,9 @@
       if (state.scheme === "metric") {
         legend.appendChild(gradient(L.mfu, "MFU"));
         legend.appendChild(gradient(L.mbu, "MBU (no FLOPs, memory-bound, or MBU > MFU)"));
+      } else if (state.scheme === "speedup") {
+        legend.appendChild(gradient(L.speedup, "speedup of the fastest mode (compile, CUDA " +
+          "graph) over the eager step: 1x (eager)", null, ">= " + L.speedup_max + "x"));
       } else {
         Object.keys(L.bound).forEach(function (k) { legend.appendChild(swatch(L.bound[k], k)); });
       }

@@ -1,0 +1,361 @@
+"""Replay in other modes (issue 14, part 1): torch.compile (inductor on CPU), one-call CUDA graphs,
+each call's saving in its fastest mode, the --opportunities ranking and the icicle's speedup
+colours. Compile on CPU takes a fraction of a second to seconds per module: the models are the
+tiny demos cut at a shallow depth, with a small timing budget."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import cbtrace
+from cbtrace.model.spec import resolve
+from cbtrace.plugins.reporters import icicle_model, palette
+from cbtrace.plugins.reporters.icicle_tree import record_rows
+from cbtrace.plugins.reporters.opportunities import (module_opportunities, opportunity_table,
+                                                     overlap)
+from cbtrace.replay import opportunity as opp
+from cbtrace.rundir.read import load_run
+from cbtrace.schema.modules import records_to_frame
+from cbtrace.state import state_fingerprint
+from runs import record, write_run
+
+FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, profile_runs=1)
+
+
+def _replay_spec(tmp_path, spec: str, max_depth: int, **options):
+    provider = resolve(spec)
+    model, batch = provider.model_and_batch("cpu")
+    model.eval()
+    with cbtrace.capture(model, tmp_path / "r", trace=False, max_depth=max_depth):
+        provider.run(model, batch)
+    before = state_fingerprint(model)
+    df = cbtrace.replay(tmp_path / "r", model=model, **{**FAST, **options})
+    assert state_fingerprint(model) == before
+    return df
+
+
+@pytest.fixture(scope="module")
+def gpt_modes(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt")
+    return path / "r", _replay_spec(path, "nanogpt:tiny", 2, modes=("compile", "cudagraph"))
+
+
+# ---------------------------------------------------------------- the opportunity, by hand
+
+
+def test_step_cost_is_the_larger_of_device_and_host_time():
+    assert opp.step_ms(0.05, 0.08) == 0.08       # host-bound: the step pays the issue time
+    assert opp.step_ms(0.05, 0.01) == 0.05
+    assert opp.step_ms(2.0, None) == 2.0         # CPU: no host_ms, wall time is the cost
+    assert opp.step_ms(None, 0.3) is None and opp.step_ms(float("nan")) is None
+
+
+def test_opportunity_of_hand_worked_calls():
+    # GPU, launch-bound: eager max(0.05, 0.08) = 0.08; compile max(0.03, 0.06) = 0.06;
+    # cudagraph 0.055 (launch included) wins: 0.08 / 0.055 = 1.4545x, saving 0.025 ms
+    gpu = record("a", 0, isolated_ms=0.05, host_ms=0.08, status="ok", compile_status="ok",
+                 compile_ms=0.03, cudagraph_status="ok", cudagraph_ms=0.055)
+    gpu.compile_host_ms = 0.06  # recorded where the schema has the column
+    # CPU: eager 2.0, compiled 1.5: 1.333x, 0.5 ms
+    cpu = record("b", 1, isolated_ms=2.0, status="ok", compile_status="ok", compile_ms=1.5,
+                 cudagraph_status="unavailable: needs CUDA")
+    # compile failed and no CUDA: eager is best, nothing to save
+    failed = record("c", 2, isolated_ms=1.0, status="ok", compile_status="error: boom",
+                    cudagraph_status="unavailable: needs CUDA")
+    plain = record("d", 3, isolated_ms=1.0, status="ok")         # replayed without --modes
+    broken = record("e", 4, status="error", compile_status="error: x")
+    opp.add_opportunities([gpu, cpu, failed, plain, broken])
+    assert (gpu.eager_step_ms, gpu.best_mode) == (0.08, "cudagraph")
+    assert gpu.speedup == pytest.approx(0.08 / 0.055) and gpu.opportunity_ms == pytest.approx(0.025)
+    assert (cpu.eager_step_ms, cpu.best_mode) == (2.0, "compile")
+    assert cpu.speedup == pytest.approx(4 / 3) and cpu.opportunity_ms == pytest.approx(0.5)
+    assert (failed.best_mode, failed.speedup, failed.opportunity_ms) == ("eager", 1.0, 0.0)
+    assert plain.eager_step_ms == 1.0 and plain.best_mode is None and plain.speedup is None
+    assert broken.eager_step_ms is None and broken.best_mode is None
+    # without compile_host_ms the compiled call costs its device time
+    assert opp.mode_costs({"compile_status": "ok", "compile_ms": 0.03}) == {"compile": 0.03}
+    assert opp.best_of(1.0, {"compile": 1.0}) == ("eager", 1.0)  # ties stay eager
+
+
+def _hand_run():
+    """root (5 ms saved) > a (2 ms) > a.x (two calls, 0.5 ms each); root > b (1 ms, a leaf)."""
+    def r(fqn, cid, parent, k=0, **kw):
+        return record(fqn, cid, parent, call_index=k, status="ok", module_type=fqn or "Root",
+                      **{"compile_status": "ok", "cudagraph_status": "ok", **kw})
+
+    return [
+        r("", 0, -1, isolated_ms=10.0, compile_ms=5.0, cudagraph_ms=9.0, compile_s=4.0,
+          compile_graphs=1),
+        r("a", 1, 0, isolated_ms=4.0, compile_ms=2.0, cudagraph_ms=3.0, compile_s=1.0,
+          compile_graphs=2),
+        r("a.x", 2, 1, isolated_ms=1.0, compile_ms=1.2, cudagraph_ms=0.5, compile_s=0.5,
+          compile_graphs=1),
+        r("a.x", 3, 1, k=1, isolated_ms=1.0, compile_ms=1.2, cudagraph_ms=0.5, compile_s=0.0,
+          compile_graphs=0),
+        r("b", 4, 0, isolated_ms=2.0, compile_ms=1.0, cudagraph_status="error: graph capture "
+          "failed: x", compile_s=0.2, compile_graphs=1),
+    ]
+
+
+def test_ranking_sums_calls_and_says_levels_overlap(tmp_path):
+    recs = _hand_run()
+    opp.add_opportunities(recs)
+    rows = record_rows(records_to_frame(recs))
+    ranked = module_opportunities(rows)
+    assert [m["fqn"] for m in ranked] == ["", "a", "a.x", "b"]
+    ax = ranked[2]
+    assert ax["calls"] == 2 and ax["eager_ms"] == 2.0 and ax["opportunity_ms"] == 1.0
+    assert ax["cudagraph"] == 1.0 and ax["compile"] == pytest.approx(2.4)
+    assert ax["speedup"] == 2.0 and ax["best"] == "cudagraph"
+    assert (ax["compile_s"], ax["compile_graphs"]) == (0.5, 1)
+    assert ranked[3]["cudagraph"] == "error" and ranked[3]["best"] == "compile"
+    # children of the root: a 2 + b 1; leaves: a.x 1 + b 1; the root's own: 5
+    assert overlap(rows) == dict(children=3.0, leaves=2.0, root=5.0)
+    text = opportunity_table(records_to_frame(recs))
+    assert "Top 4 of 4 modules by saving per step" in text
+    assert "over the root's children 3 ms, over the leaves 2 ms; the root's own 5 ms" in text
+    assert "levels overlap" in text
+    assert "cudagraph failed: b: error: graph capture failed: x" in text
+    line = next(x for x in text.splitlines() if x.split()[:2] == ["3", "a.x"])
+    assert line.split()[2:] == ["a.x", "2", "2", "ms", "2.4", "ms", "1", "ms", "1", "ms",
+                                "2.00x", "cudagraph", "0.5", "1"]
+    plain = [record("a", 0, isolated_ms=1.0, status="ok")]
+    assert "replay it with `cbtrace replay RUN --modes compile,cudagraph`" in opportunity_table(
+        records_to_frame(plain))
+
+
+def test_report_prints_the_ranking(tmp_path, capsys):
+    from cbtrace.cli.main import main
+
+    recs = _hand_run()
+    opp.add_opportunities(recs)
+    run = write_run(tmp_path / "run", recs)
+    try:
+        main(["report", str(run), "--opportunities", "--top", "2"])
+    except SystemExit as e:
+        assert e.code == 0
+    out = capsys.readouterr().out
+    assert "Top 2 of 4 modules by saving per step" in out
+    assert "the root's own 5 ms" in out and (run / "icicle.html").is_file()
+
+
+# ---------------------------------------------------------------- compile on CPU (inductor)
+
+
+def test_compile_mode_on_nanogpt(gpt_modes):
+    run, df = gpt_modes
+    assert (df["status"] == "ok").all()
+    ok = df[df["compile_status"] == "ok"]
+    assert len(ok) == len(df), df[df["compile_status"] != "ok"][["fqn", "compile_status"]]
+    assert (ok["compile_ms"] > 0).all() and (ok["compile_s"] > 0).all()
+    assert (ok["compile_graphs"] >= 1).all()  # one module object per call here: each compiled
+    assert (df["cudagraph_status"] == "unavailable: needs CUDA").all()
+    assert df["cudagraph_ms"].isna().all()
+    assert (df["eager_step_ms"] == df["isolated_ms"]).all()  # CPU: no host_ms
+    assert df["best_mode"].isin(["eager", "compile"]).all()
+    best = df[["isolated_ms", "compile_ms"]].min(axis=1)
+    assert df["opportunity_ms"].to_numpy() == pytest.approx((df["isolated_ms"] - best).to_numpy())
+    assert df["speedup"].to_numpy() == pytest.approx((df["isolated_ms"] / best).to_numpy())
+    stored = load_run(run)[1]
+    assert stored["speedup"].notna().all() and stored["compile_status"].notna().all()
+
+
+def test_report_opportunities_of_a_real_run(gpt_modes, capsys):
+    from cbtrace.cli.main import main
+
+    run, df = gpt_modes
+    try:
+        main(["report", str(run), "--opportunities"])
+    except SystemExit as e:
+        assert e.code == 0
+    out = capsys.readouterr().out
+    assert "modules by saving per step" in out and "(root)" in out
+    assert "over the root's children" in out
+
+
+@pytest.mark.slow
+def test_compile_mode_on_dlrm(tmp_path):
+    df = _replay_spec(tmp_path, "dlrm:tiny", 1, modes=("compile",))
+    assert (df["status"] == "ok").all()
+    ok = df[df["compile_status"] == "ok"]
+    assert len(ok) >= len(df) - 1, df[["fqn", "compile_status"]]
+    assert (ok["compile_ms"] > 0).all() and (ok["compile_graphs"] >= 1).all()
+    assert df["cudagraph_status"].isna().all()  # not asked for
+    assert df["best_mode"].notna().all() and df["opportunity_ms"].ge(0).all()
+
+
+class NoCompile(nn.Module):
+    """Runs eagerly, raises while dynamo traces it: dynamo gives up and runs it eagerly."""
+
+    def forward(self, x):
+        if torch.compiler.is_compiling():
+            raise RuntimeError("not under torch.compile")
+        return x * 2
+
+
+class Broken(nn.Module):
+    """A graph break in the middle: two graphs."""
+
+    def forward(self, x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+def _replay_small(tmp_path, model, **options):
+    x = torch.randn(4, 8)
+    with cbtrace.capture(model, tmp_path / "r", trace=False), torch.no_grad():
+        model(x)  # no grad: a call's input and the next's output differ in nothing dynamo guards
+    return cbtrace.replay(tmp_path / "r", model=model, **{**FAST, **options}).set_index("fqn")
+
+
+def test_a_module_that_cannot_compile_is_recorded_and_replay_goes_on(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), NoCompile(), Broken(), nn.ReLU()).eval()
+    df = _replay_small(tmp_path, model, modes=("compile", "cudagraph"))
+    assert (df["status"] == "ok").all()  # eager works for every call
+    bad = df.loc["1"]
+    assert bad["compile_status"].startswith("error: not compiled, dynamo ran it eagerly")
+    assert "Observed exception" in bad["compile_status"] and math.isnan(bad["compile_ms"])
+    assert bad["best_mode"] == "eager" and bad["opportunity_ms"] == 0
+    for fqn in ("0", "3"):  # before and after the failure: compiled
+        assert df.loc[fqn, "compile_status"] == "ok" and df.loc[fqn, "compile_ms"] > 0
+    assert df.loc["2", "compile_status"] == "ok" and df.loc["2", "compile_graphs"] == 2
+    assert "compile: 2 graphs (Call to `torch._dynamo.graph_break()`)" in df.loc["2", "timer_notes"]
+
+
+def test_a_compile_error_is_one_line_on_every_row(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    df = _replay_small(tmp_path, model, modes=("compile",), compile_mode="no-such-mode")
+    assert (df["status"] == "ok").all()
+    assert df["compile_status"].str.startswith("error: RuntimeError: Unrecognized mode").all()
+    assert (df["best_mode"] == "eager").all() and df["compile_ms"].isna().all()
+
+
+def test_a_module_called_twice_compiles_once(tmp_path):
+    lin = nn.Linear(8, 8)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(self.lin(x))
+
+    df = _replay_small(tmp_path, Twice().eval(), modes=("compile",)).reset_index()
+    calls = df[df["fqn"] == "lin"].sort_values("call_index")
+    assert list(calls["compile_status"]) == ["ok", "ok"]
+    assert list(calls["compile_graphs"]) == [1, 0]  # the second call reuses the first's graph
+
+
+# ---------------------------------------------------------------- the icicle's speedup colours
+
+
+def test_speedup_colours_by_hand():
+    lo, hi = palette.SPEEDUP_SCALE
+    assert palette.speedup_color(1.0, "eager") == (lo, "eager best")
+    assert palette.speedup_color(4.0, "compile") == (hi, "4.00x compile")
+    assert palette.speedup_color(16.0, "cudagraph")[0] == hi  # clamped
+    assert palette.speedup_color(2.0, "compile")[0] == palette.lerp_color(lo, hi, 0.5)  # log2
+    assert palette.speedup_color(None) == (palette.NO_FIGURES, "")
+    assert palette.speedup_color(float("nan")) == (palette.NO_FIGURES, "")
+
+
+def test_icicle_offers_speedup_only_with_figures():
+    recs = _hand_run()
+    opp.add_opportunities(recs)
+    data = icicle_model.build(records_to_frame(recs), name="modes")
+    assert [s[0] for s in data["schemes"]] == ["metric", "bound", "speedup"]
+    assert data["columns"][-3:] == ["speedup", "saving", "best"]
+    by_q = {n["q"]: n for n in data["nodes"] if n["k"] == "module"}
+    assert by_q["a.x"]["bg"]["speedup"] == palette.speedup_color(2.0, "cudagraph")[0]
+    assert by_q["a.x"]["s"] == "2.00x cudagraph" and by_q[""]["s"] == "2.00x compile"
+    tip = dict(map(tuple, by_q["b"]["tip"]))
+    assert tip["CUDA graph"] == "error: graph capture failed: x" and tip["best mode"] == "compile"
+    assert tip["saving per step"] == "1 ms" and tip["compile time"] == "0.20 s, 1 graph(s)"
+    plain = icicle_model.build(records_to_frame([record("a", 0, isolated_ms=1.0, status="ok")]))
+    assert [s[0] for s in plain["schemes"]] == ["metric", "bound"]
+    assert "speedup" not in plain["legend"] and "s" not in plain["nodes"][0]
+    assert "speedup" not in plain["columns"]
+    assert not any(t[0] in ("eager step", "compiled") for t in plain["nodes"][0]["tip"])
+
+
+@pytest.mark.browser
+def test_icicle_page_switches_to_speedup(tmp_path):
+    import os
+    from pathlib import Path
+
+    if not Path("/usr/bin/chromium").exists() and "CBTRACE_CHROMIUM" not in os.environ:
+        pytest.skip("no Chromium at /usr/bin/chromium (set CBTRACE_CHROMIUM)")
+    from playwright.sync_api import sync_playwright
+
+    from cbtrace.plugins.reporters.icicle import render_html
+    from screenshot import launch
+
+    recs = _hand_run()
+    opp.add_opportunities(recs)
+    html = tmp_path / "icicle.html"
+    html.write_text(render_html(icicle_model.build(records_to_frame(recs), name="modes")))
+    with sync_playwright() as pw:
+        b = launch(pw)
+        page = b.new_page(viewport={"width": 1200, "height": 800})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(html.as_uri())
+        page.wait_for_selector(".cb-node")
+        assert page.locator(".cb-scheme").all_text_contents() == ["MFU / MBU", "bound",
+                                                                  "speedup"]
+        page.click(".cb-scheme[data-scheme='speedup']")
+        assert "speedup of the fastest mode" in page.locator(".cb-legend").inner_text()
+        node = page.locator(".cb-node", has_text="a ·").first
+        assert "2.00x compile" in node.inner_text()
+        want = palette.speedup_color(2.0, "compile")[0]
+        rgb = "rgb(" + ", ".join(str(int(want[i:i + 2], 16)) for i in (1, 3, 5)) + ")"
+        assert node.evaluate("e => e.style.background") == rgb
+        b.close()
+    assert errors == []
+
+
+# ---------------------------------------------------------------- on a GPU (the lead runs these)
+
+
+@pytest.mark.gpu
+def test_modes_on_cuda(tmp_path):
+    class Syncs(nn.Module):
+        def forward(self, x):
+            return x * float(x.sum().item())  # a host sync: no CUDA graph capture
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), Syncs()).cuda().eval()
+    x = torch.randn(32, 64, device="cuda")
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(x)
+    df = cbtrace.replay(tmp_path / "r", model=model, modes=("compile", "cudagraph"),
+                        **FAST).set_index("fqn")
+    assert (df["status"] == "ok").all()
+    for fqn in ("0", "1"):
+        assert df.loc[fqn, "cudagraph_status"] == "ok" and df.loc[fqn, "cudagraph_ms"] > 0
+        assert df.loc[fqn, "compile_status"] == "ok" and df.loc[fqn, "compile_ms"] > 0
+        assert df.loc[fqn, "eager_step_ms"] >= df.loc[fqn, "isolated_ms"]
+        assert "compile host=" in df.loc[fqn, "timer_notes"]
+    assert df.loc["2", "cudagraph_status"].startswith("error: graph capture failed")
+    assert df["best_mode"].notna().all() and (df["speedup"] >= 1).all()
+
+
+@pytest.mark.gpu
+def test_modes_on_nanogpt_cuda(tmp_path):
+    from cbtrace.capture.from_spec import capture_model
+
+    capture_model("nanogpt:tiny", tmp_path / "r", device="cuda", dtype="bf16", trace=False,
+                  max_depth=2)
+    df = cbtrace.replay(tmp_path / "r", modes=("compile", "cudagraph"), **FAST)
+    assert (df["status"] == "ok").all()
+    assert (df["compile_status"] == "ok").mean() >= 0.9, df[["fqn", "compile_status"]]
+    assert (df["cudagraph_status"] == "ok").mean() >= 0.9, df[["fqn", "cudagraph_status"]]
+    ok = df[df["cudagraph_status"] == "ok"]
+    # launch included: a one-call graph replay is never faster than the device time of K
+    # calls back to back by more than noise
+    assert (ok["cudagraph_ms"] > 0.8 * ok["isolated_ms"]).all()
+    assert df["best_mode"].notna().all() and (df["opportunity_ms"] >= 0).all()
