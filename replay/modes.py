@@ -309,9 +309,9 @@ def replay_samples(graphs: list, touch, tcfg, device) -> list[float]:
         return start, end
 
     t_warm = time.perf_counter() + tcfg.warmup_s
-    for j in itertools.count():
+    for j in itertools.count():  # every graph at least once: its first launch uploads it
         once(j)
-        if j + 1 >= max(tcfg.warmup_runs, 1) and time.perf_counter() >= t_warm:
+        if j + 1 >= max(tcfg.warmup_runs, len(graphs)) and time.perf_counter() >= t_warm:
             break
     torch.cuda.synchronize()
     pairs, t0 = [], time.perf_counter()
