@@ -52,15 +52,24 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
         states = None
     cuda = device.type == "cuda"
 
-    def run(i: int = 0):
-        a, k = copies[i % n]
-        if states is not None:
-            states[i % n].restore(cuda)
-        with call_context(rec, device.type):
-            return module(*a, **k)
+    touch = input_toucher(copies)
 
-    run.touch = input_toucher(copies)  # timers that keep inputs warm call it before run(i)
-    return CallUnderTest(module, rec, run, n, device, cfg, grads)
+    def runner(fn):
+        """run(i): ``fn`` on input copy i as the module is called (objects in the inputs put
+        back, grad mode and autocast as captured); run.runner(other) wraps another callable
+        (the module compiled) over the same copies."""
+        def run(i: int = 0):
+            a, k = copies[i % n]
+            if states is not None:
+                states[i % n].restore(cuda)
+            with call_context(rec, device.type):
+                return fn(*a, **k)
+
+        run.touch = touch  # timers that keep inputs warm call it before run(i)
+        run.runner = runner
+        return run
+
+    return CallUnderTest(module, rec, runner(module), n, device, cfg, grads)
 
 
 WARM_MIN_BYTES = 64 << 10  # smaller inputs stay cached whatever happens; not worth a kernel

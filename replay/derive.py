@@ -1,5 +1,5 @@
-"""After replay: aggregate skipped parents from children, residuals, MFU/MBU/bound, and each
-call's saving in its fastest mode."""
+"""After replay: aggregate skipped parents from children, residuals, MFU/MBU/bound (forward and
+backward), and each call's saving in its fastest mode."""
 from __future__ import annotations
 
 from cbtrace.cost import metrics
@@ -24,6 +24,7 @@ def finalize(records, *, device_name: str) -> None:
                     c.noisy = True
     for rec in records:
         add_utilisation(rec, device_name)
+        add_backward_utilisation(rec, device_name)
     add_opportunities(records)  # eager step cost, best mode, speedup, saving (replay/opportunity.py)
 
 
@@ -74,3 +75,21 @@ def add_utilisation(rec, device_name: str) -> None:
         idle = None if rec.host_ms is None else max(rec.host_ms - rec.isolated_ms, 0.0) / 1e3
         rec.bound = metrics.bound(rec.flops or 0.0, rec.bytes or 0.0, seconds, peak.flops_per_s,
                                   peak.bytes_per_s, idle, rec.kernel_count or 0)
+
+
+def add_backward_utilisation(rec, device_name: str) -> None:
+    """bwd_mfu/bwd_mbu: the backward's counted FLOPs and bytes over its time, against the peak
+    of the dtype its FLOPs ran in (datasheet, else calibrated)."""
+    from cbtrace.cost.peaks import peak_for
+
+    if not rec.bwd_ms:
+        return
+    dtype = rec.bwd_compute_dtype or rec.compute_dtype or "float32"
+    peak = peak_for(device_name, dtype) or peak_for(device_name, dtype, calibrated=True)
+    if peak is None:
+        return
+    seconds = rec.bwd_ms / 1e3
+    if peak.flops_per_s and rec.bwd_flops is not None:
+        rec.bwd_mfu = metrics.mfu(rec.bwd_flops, seconds, peak.flops_per_s)
+    if peak.bytes_per_s and rec.bwd_bytes is not None:
+        rec.bwd_mbu = metrics.mbu(rec.bwd_bytes, seconds, peak.bytes_per_s)

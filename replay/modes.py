@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from cbtrace.replay.call import CallUnderTest, InputState, call_context
+from cbtrace.replay.call import CallUnderTest
 from cbtrace.replay.steps import HostIssue, Timed, timing_config
 from cbtrace.replay.limits import CallTimeout
 from cbtrace.replay.timing import join_notes
@@ -48,53 +48,6 @@ def mode_steps(cfg, device, chain: list[str], backends: dict) -> list:
 def one_line(e: BaseException, limit: int = 200) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0][:limit] if lines else ''}".rstrip(": ")
-
-
-# ---------------------------------------------------------------- the call on its input copies
-
-
-class _Caught(Exception):
-    """Raised by the pre-hook that catches a copy's arguments before the module runs."""
-
-
-def input_copies(c: CallUnderTest) -> list[tuple[tuple, dict]]:
-    """The (args, kwargs) that ``c.run(i)`` passes the module for each copy i, caught by a
-    forward pre-hook that stops the call before it runs (call.py keeps its copies private)."""
-    got: list = []
-
-    def hook(module, args, kwargs):
-        got.append((args, kwargs))
-        raise _Caught
-
-    handle = c.module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
-    try:
-        for i in range(c.n_copies):
-            with contextlib.suppress(_Caught):
-                c.run(i)
-    finally:
-        handle.remove()
-    if len(got) != c.n_copies:
-        raise RuntimeError(f"caught {len(got)} of {c.n_copies} input copies")
-    return got
-
-
-def runner(c: CallUnderTest, fn):
-    """run(i): ``fn`` on input copy i as ``c.run`` calls the module (objects in the inputs put
-    back, grad mode and autocast as captured); the same copies, so ``c.run.touch`` warms them."""
-    copies = input_copies(c)
-    states = [InputState(x) for x in copies]
-    states = states if any(states) else None
-    n, cuda = len(copies), c.device.type == "cuda"
-
-    def run(i: int = 0):
-        a, k = copies[i % n]
-        if states is not None:
-            states[i % n].restore(cuda)
-        with call_context(c.rec, c.device.type):
-            return fn(*a, **k)
-
-    run.touch = getattr(c.run, "touch", None)
-    return run
 
 
 # ---------------------------------------------------------------- compile
@@ -167,7 +120,7 @@ class Compiled:
     def run(self, c: CallUnderTest) -> dict:
         before = _counters()
         try:
-            run = runner(c, self._compiled(c.module))
+            run = c.run.runner(self._compiled(c.module))
             t0 = time.perf_counter()
             run(0)  # compiles: never inside the timed runs
             if c.device.type == "cuda":

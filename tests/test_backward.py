@@ -66,6 +66,12 @@ def test_backward_of_a_demo_model_step(tmp_path):
     assert (ok["grad_source"] == "captured").mean() > 0.8
     lin = ok[ok["module_type"] == "Linear"]
     assert (lin["bwd_flops"] > lin["flops"]).all()  # grad-weight and grad-input: about 2x
+    # bwd_mfu / bwd_mbu: counted backward FLOPs and bytes over the backward's time, at the
+    # peak the forward's mfu uses (same dtype here): their ratio is the FLOP and time ratios'
+    fwd = lin["flops"] / lin["isolated_ms"] / lin["mfu"]
+    bwd = lin["bwd_flops"] / lin["bwd_ms"] / lin["bwd_mfu"]
+    assert bwd.to_numpy() == pytest.approx(fwd.to_numpy(), rel=1e-6)
+    assert (ok["bwd_mbu"] > 0).all()
 
 
 def test_profile_of_a_train_step_joins_the_backward_in_situ(tmp_path):

@@ -130,6 +130,9 @@ class ModuleRecord:
                                      default=None)
     compile_graphs: int | None = column(REPLAY, doc="graphs compiled for it (more than 1: graph "
                                                     "breaks or recompiles)", default=None)
+    compile_host_ms: float | None = column(REPLAY, "ms", "host time to issue the compiled call "
+                                                         "(guards and launches; None on CPU)",
+                                           default=None)
     cudagraph_ms: float | None = column(REPLAY, "ms", "the eager call replayed from a one-call "
                                                       "CUDA graph, launch included", default=None)
     cudagraph_status: str | None = column(REPLAY, doc="ok, or why it was not timed", default=None)

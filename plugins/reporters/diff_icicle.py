@@ -103,6 +103,7 @@ def _recolour(node: dict, d: dict | None) -> None:
 def diff_model(diff, df_b, manifest_b=None, *, name_a: str = "A", name_b: str = "B") -> dict:
     """The icicle model of run B (``icicle_model.build``) recoloured by the diff frame."""
     data = icicle_model.build(df_b, manifest_b, name=name_b)
+    data["schemes"] = [s for s in data["schemes"] if s[0] in SCHEMES]  # no speedup button here
     rows = diff.astype(object).where(diff.notna(), None).to_dict("records")
     by_b = {int(r["call_id_b"]): r for r in rows if r["call_id_b"] is not None}
     for node in data["nodes"]:
