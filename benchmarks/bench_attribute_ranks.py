@@ -9,8 +9,10 @@ files already in the page cache) and reads the peak RSS (VmHWM) of the process i
 each worker (polled every 10 ms through psutil until it exits; VmHWM only grows, so the last
 reading is the worker's peak). getrusage's ru_maxrss is not used: on Linux a process started
 by fork + exec keeps its parent's high-water mark. With 1 worker the process is its own
-worker. Runs are interleaved (the 2-core VM is shared and its speed drifts) and the best wall
-time of REPEAT kept, with the peak RSS of that run.
+worker. ``cpu s`` is the CPU time of the process and its workers together: the work done,
+which a busy neighbour on the VM does not change (the wall time it does). Runs are interleaved
+(the 2-core VM is shared and its speed drifts) and the best wall time of REPEAT kept, with the
+peak RSS and CPU time of that run.
 
     .venv/bin/python benchmarks/bench_attribute_ranks.py [TRACE]
 """
@@ -62,7 +64,10 @@ wall = time.perf_counter() - t
 stop.set()
 th.join()
 me = hwm_mb()
-print(json.dumps({"wall_s": wall, "parent_mb": me, "worker_mb": max(peaks.values(), default=me),
+import resource
+cpu = sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                    resource.RUSAGE_CHILDREN)))
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "parent_mb": me, "worker_mb": max(peaks.values(), default=me),
                   "n_workers": len(peaks) or 1, "rows": len(df),
                   "ranks": sorted(set(df["rank"].tolist()))}))
 """
@@ -102,6 +107,7 @@ def run(path: Path, workers) -> dict:
 def main():
     trace = Path(sys.argv[1]) if len(sys.argv) > 1 else TRACE
     res = {(n, w): [] for n in RANKS for w in WORKERS}
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "all").mkdir()
@@ -120,8 +126,9 @@ def main():
                     assert r["ranks"] == list(range(n)), r["ranks"]
                     res[(n, w)].append(r)
     print(f"trace: {trace.name} ({trace.stat().st_size / 1e6:.1f} MB gz) x ranks; "
-          f"{os.cpu_count()} cores; best of {REPEAT}")
-    head = (f"{'ranks':>5} | {'workers':>7} | {'wall s':>7} | {'speedup':>7} | "
+          f"{os.cpu_count()} cores; best of {REPEAT}; load average before / after: "
+          f"{load0:.2f} / {os.getloadavg()[0]:.2f} (other work on the VM slows the workers)")
+    head = (f"{'ranks':>5} | {'workers':>7} | {'wall s':>7} | {'speedup':>7} | {'cpu s':>6} | "
             f"{'peak RSS/worker MB':>18} | {'parent RSS MB':>13} | {'rows':>5}")
     print(head)
     print("-" * len(head))
@@ -130,7 +137,8 @@ def main():
         for w in WORKERS:
             r = best[w]
             print(f"{n:>5} | {r['n_workers']:>7} | {r['wall_s']:>7.2f} | "
-                  f"{best[1]['wall_s'] / r['wall_s']:>6.2f}x | {r['worker_mb']:>18.0f} | "
+                  f"{best[1]['wall_s'] / r['wall_s']:>6.2f}x | {r['cpu_s']:>6.2f} | "
+                  f"{r['worker_mb']:>18.0f} | "
                   f"{r['parent_mb']:>13.0f} | {r['rows']:>5}")
 
 

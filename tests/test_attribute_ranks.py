@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO
 
 from cbtrace.attribution import comm
-from cbtrace.attribution.attribute import attribute
+from cbtrace.attribution.attribute import attribute, summary_text
 from cbtrace.attribution.ranks import across_ranks
 from cbtrace.errors import ProviderError
 
@@ -86,7 +86,7 @@ def test_cli_prints_the_across_rank_view(rank_dir):
 def test_one_rank_prints_no_across_view(rank_dir, tmp_path):
     shutil.copy(rank_dir / "rank0.pt.trace.json", tmp_path)
     rc, out, _ = cbtrace("attribute", str(tmp_path))
-    assert rc == 0 and "across" not in out
+    assert rc == 0 and "across" not in out and "comm_ms" not in out
 
 
 def test_across_ranks_uses_device_time_where_there_is_some():
@@ -177,6 +177,7 @@ def test_nccl_kernels_belong_to_the_issuing_module(shared_traces):
     assert roots.comm_exposed_ms.sum() * 1e3 == pytest.approx(_naive_exposed(events), rel=1e-6)
     assert (df.comm_exposed_ms <= df.comm_ms + 1e-12).all() and (df.comm_ms <= df.gpu_ms + 1e-9).all()
     assert 0 < roots.comm_exposed_ms.sum() < roots.comm_ms.sum()
+    assert "comm_exposed_ms_median" in summary_text(df)  # shown where there is communication
     # the collectives' annotations are ops, not modules: DDP's broadcasts are its forward's
     assert not df.fqn.str.startswith("nccl:").any()
     ddp = df[(df.fqn == "DistributedDataParallel.forward") & (df.phase == "fwd")]

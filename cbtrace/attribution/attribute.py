@@ -289,6 +289,8 @@ def summary_text(df, *, top: int = 15) -> str:
     s = s.sort_values(key, ascending=False).head(top)
     cols = ["rank", "fqn", "call_index", "phase", "cpu_ms_median", "gpu_ms_median",
             "kernel_count", "mfu"]
+    if "comm_ms" in df and df["comm_ms"].sum() > 0:  # communication kernels: NCCL time too
+        cols[6:6] = ["comm_ms_median", "comm_exposed_ms_median"]
     steps = sorted(set(df["step"]))
     head = f"{len(df)} rows, ranks {sorted(set(df['rank']))}, steps {steps[:6]}{' ...' if len(steps) > 6 else ''}"
     warn = suspect_line(df)
