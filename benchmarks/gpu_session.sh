@@ -4,7 +4,9 @@
 # tests: the GPU-marked tests; profile: cbtrace profile of NanoGPT and DLRM bf16, error tables
 # (profile_models.py); capture: capture overhead with its breakdown (bench_capture.py);
 # paper: benchmarks/paper_demos.py (the paper's figures beside ours, icicles);
-# replay: calibrate, then bench_replay_gpu.py (default and cold replay vs do_bench and in situ).
+# replay: calibrate, then bench_replay_gpu.py (default and cold replay vs do_bench and in situ);
+# modes: bench_modes_gpu.py (eager vs compile vs cudagraph per module, whole-model compile);
+# nproc: bench_nproc.py (torchrun --nproc 1 against in-process replay).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -24,5 +26,11 @@ replay)
   timeout 60 python3 -m cbtrace calibrate --device cuda 2>&1 | tail -1
   timeout 540 python3 $R/benchmarks/bench_replay_gpu.py /tmp/runs nanogpt dlrm 2>&1 | grep -v -E "UserWarning|_warn_once|USDT" | tee $OUT/bench_replay.log | tail -80
   cp /tmp/runs/*_modules.csv $OUT/ 2>/dev/null ;;
+modes)
+  for M in ${MODES_MODELS:-nanogpt dlrm}; do
+    timeout ${MODES_TIMEOUT:-300} python3 $R/benchmarks/bench_modes_gpu.py --out /tmp/modes --models $M ${MODES_DEPTH:+--max-depth $MODES_DEPTH} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_modes_$M.log | tail -45
+  done ;;
+nproc)
+  timeout ${NPROC_TIMEOUT:-150} python3 $R/benchmarks/bench_nproc.py /tmp/nproc 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_nproc.log | tail -6 ;;
 esac
 done
