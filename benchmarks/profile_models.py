@@ -28,6 +28,9 @@ MODELS = {
     "nanogpt-tiny-cpu": dict(spec="nanogpt:tiny", device="cpu", dtype=None, options={}),
     "dlrm-tiny-cpu": dict(spec="dlrm:tiny", device="cpu", dtype=None, options={}),
 }
+# NAME+VARIANT[+...]: the same model replayed with other settings, side by side in one table
+VARIANTS = {"warm": {"warm_inputs": True},        # inputs rewritten in place before each call
+            "reuse": {"reuse_timing": True}}       # --reuse-timing
 
 
 def summary(name, df, wall_s):
@@ -67,18 +70,23 @@ def main(out_dir, names):
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, captured = [], {}  # a variant replays its model's capture again (same in-situ step)
     for name in names:
-        m = MODELS[name]
-        run = out / name
+        base, *variants = name.split("+")
+        m = MODELS[base]
+        replay_opts = {k: v for x in variants for k, v in VARIANTS[x].items()}
         try:
             step = m.get("step", "forward")
-            cap = capture_model(m["spec"], run, device=m["device"], dtype=m["dtype"],
-                                options=m["options"], step=step)
+            if base not in captured:
+                captured[base] = capture_model(m["spec"], out / base, device=m["device"],
+                                               dtype=m["dtype"], options=m["options"],
+                                               step=step).out
+            run = captured[base]
             t0 = time.perf_counter()
-            replay(cap.out, model_spec=m["spec"], backward=step == "train", progress=False)
+            replay(run, model_spec=m["spec"], backward=step == "train", progress=False,
+                   **replay_opts)
             wall = time.perf_counter() - t0
-            df = join_insitu(cap.out)
+            df = join_insitu(run)
         except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
             print(f"\n== {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue

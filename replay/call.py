@@ -37,6 +37,7 @@ class CallUnderTest:
     cfg: object                    # ReplayConfig
     grads: tuple | None = None     # the gradients its outputs got in the step (grads_ref)
     row: dict = dataclasses.field(default_factory=dict)  # what the plan's steps measured so far
+    value_free: bool = False       # OpCount: its time cannot depend on values (replay.reuse)
 
 
 def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest:

@@ -13,6 +13,7 @@ from cbtrace.errors import ReplayError
 from cbtrace.replay.config import ReplayConfig
 from cbtrace.replay.plan import default_plan, measure_call
 from cbtrace.replay.limits import CallTimeout, time_limit
+from cbtrace.replay.prefetch import ReadAhead
 from cbtrace.replay import shard
 from cbtrace.replay.progress import ProgressLog, clear_progress, read_done
 from cbtrace.replay.timing import join_notes
@@ -77,13 +78,18 @@ def replay(run, model=None, device=None, **options):
     bar = Progress("replay", len(order), len(done), show=cfg.progress)
     timings: dict[str, float] = {}  # seconds per phase of a call's replay, summed
     t0 = time.perf_counter()
+    ahead = ReadAhead(run, [c for c in order if c not in done], by_id, cfg.backward,
+                      enabled=device.type == "cuda")
     try:
         for cid in order:
             if cid in done:
                 continue
             rec = by_id[cid]
+            t1 = time.perf_counter()
+            read = ahead.take(cid)  # waits only when the read-ahead is slower than the timing
+            timings["load"] = timings.get("load", 0.0) + time.perf_counter() - t1
             row = replay_one(model, rec, run, device, cfg, plan, guard, budget,
-                             manifest.training_flags, timings)
+                             manifest.training_flags, timings, read=read)
             row["call_id"] = cid
             row["settings"] = settings
             row["rank"] = 0 if w is None else w.rank
@@ -101,6 +107,7 @@ def replay(run, model=None, device=None, **options):
                     log.append(row)
                     done[cid] = row
     finally:
+        ahead.close()
         log.close()
         bar.close()
     if w is not None:  # rank 0 derives the figures over the whole tree and writes the table
@@ -177,6 +184,7 @@ def timing_settings(cfg) -> dict:
     replay's warm-up sets the clock it measures at, so its settings count too."""
     settings = {"timer": cfg.timer, "cold": cfg.cold, "graph_k": cfg.graph_k,
                 "warm_inputs": cfg.warm_inputs and not cfg.cold, "modes": list(cfg.modes),
+                "reuse_timing": cfg.reuse_timing,
                 "compile_mode": cfg.compile_mode, "backward": cfg.backward}
     if cfg.cold:
         settings.update(cold_warmup_s=cfg.cold_warmup_s, cold_settle_tol=cfg.cold_settle_tol)
@@ -215,8 +223,9 @@ def set_training_flags(module, rec, flags: dict) -> None:
 
 
 def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
-               timings: dict | None = None) -> dict:
-    """Replay one call; never raises for the module's own failures (status = error)."""
+               timings: dict | None = None, read=(None, None)) -> dict:
+    """Replay one call; never raises for the module's own failures (status = error).
+    ``read``: its inputs' and output gradients' chunks read ahead (``replay.prefetch``)."""
     from cbtrace.store.load import load_call_inputs
 
     if (rec.capture_error or "").startswith(COPY_FAILED):
@@ -233,8 +242,9 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
     try:
         with guard.call(), time_limit(cfg.timeout_s):
             t0 = time.perf_counter()
-            args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device)
-            grads = (load_call_inputs(run, rec.grads_ref, device=device)[0]
+            args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device,
+                                            chunks_read=read[0])
+            grads = (load_call_inputs(run, rec.grads_ref, device=device, chunks_read=read[1])[0]
                      if cfg.backward and rec.grads_ref else None)
             if timings is not None:
                 timings["load"] = timings.get("load", 0.0) + time.perf_counter() - t0

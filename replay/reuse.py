@@ -43,3 +43,65 @@ class ProfileCache:
     def put(self, key, fqn: str, figures: dict) -> None:
         if key is not None:
             self._seen.setdefault(key, (fqn, figures))
+
+
+# ---- timing reuse (ReplayConfig.reuse_timing, --reuse-timing): an option, off by default -----
+
+# ops whose time depends on the values they read (which rows, how many, which experts)
+VALUE_OPS = frozenset(f"aten::{n}" for n in (
+    "embedding", "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "index",
+    "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_add",
+    "index_put", "index_put_", "index_copy", "masked_select", "masked_scatter", "nonzero",
+    "topk", "sort", "argsort", "unique", "_unique2", "unique_dim", "unique_consecutive",
+    "bincount", "histc", "multinomial", "repeat_interleave", "searchsorted", "bucketize",
+    "where"))
+VERIFY_TOL = 0.03  # the verification call must read within 3 % of the call it would copy
+
+
+def value_free(input_meta: str, op_names) -> bool:
+    """Whether a call's time can depend only on its shapes: no integer or bool input (ids,
+    offsets, masks, routing) and no op that reads values to decide its work."""
+    import json
+
+    try:
+        metas = json.loads(input_meta or "[]")
+    except ValueError:
+        return False
+    if any(not str(m.get("dtype", "")).startswith(("float", "bfloat", "complex"))
+           for m in metas if isinstance(m, dict)):
+        return False
+    return not (set(op_names) & VALUE_OPS)
+
+
+class TimingReuse:
+    """Time once the calls that are the same work (``signature`` and counted cost equal) and
+    whose time cannot depend on values (``value_free``): the first call of a group is timed,
+    the second is timed too as a check, and the rest copy the first's timing only if the check
+    read within ``VERIFY_TOL`` of it; otherwise every call of the group is timed."""
+
+    def __init__(self, tol: float = VERIFY_TOL):
+        self.tol = tol
+        self._groups: dict[tuple, dict] = {}
+
+    def lookup(self, key) -> tuple[str, dict] | None:
+        """(fqn, timing fields) to copy, or None: time the call (then ``record`` it)."""
+        g = self._groups.get(key) if key is not None else None
+        if g is None or not g.get("verified"):
+            return None
+        return g["fqn"], g["fields"]
+
+    def record(self, key, fqn: str, fields: dict) -> str | None:
+        """A timed call of group ``key``; returns a note for the verification call."""
+        if key is None or fields.get("isolated_ms") is None:
+            return None
+        g = self._groups.get(key)
+        if g is None:
+            self._groups[key] = dict(fqn=fqn, fields=dict(fields), verified=None)
+            return None
+        if g["verified"] is None:
+            ref, got = g["fields"]["isolated_ms"], fields["isolated_ms"]
+            off = abs(got / ref - 1) if ref else float("inf")
+            g["verified"] = off <= self.tol
+            return (f"timing-reuse check against {g['fqn'] or '(root)'}: {100 * off:.1f} % "
+                    f"({'reused for the rest' if g['verified'] else 'each timed'})")
+        return None

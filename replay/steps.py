@@ -34,16 +34,34 @@ class Timed:
     def __init__(self, chain: list[str], backends: dict, cfg):
         self.chain, self.backends = chain, backends
         self.tcfg, self.cold = timing_config(cfg), cfg.cold
+        self.reuse = None
+        if cfg.reuse_timing:
+            from cbtrace.replay.reuse import TimingReuse
+
+            self.reuse = TimingReuse()
 
     def run(self, c: CallUnderTest) -> dict:
+        key = self._key(c)
+        hit = self.reuse.lookup(key) if key is not None else None
+        if hit is not None:  # the same work, timed and checked: its timing, no runs of its own
+            fqn, fields = hit
+            return {**fields, "runs": 0, "timer_notes": join_notes(
+                c.row.get("timer_notes"), f"timed as {fqn or '(root)'} (--reuse-timing)")}
         c.run.expected_ms = c.row.get("device_ms")  # sizes the graph timer's K (profiled pass)
         t, fallback = timers.measure(c.run, c.n_copies, c.device, self.chain, self.backends,
                                      self.tcfg)
-        return dict(timer=t.timer, timer_fallback=fallback,
-                    timer_notes=join_notes(c.row.get("timer_notes"), t.notes,
-                                           "cold" if self.cold else None),
-                    isolated_ms=t.median_ms, isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms,
-                    runs=t.runs, noisy=t.noisy)
+        fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
+                      isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy)
+        check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
+        return dict(fields, runs=t.runs, timer_notes=join_notes(
+            c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, check))
+
+    def _key(self, c: CallUnderTest):
+        if self.reuse is None or not c.value_free:
+            return None
+        from cbtrace.replay.reuse import ProfileCache, signature
+
+        return ProfileCache.key(signature(c.module, c.rec), c.row)
 
 
 class ProfilerPass:
@@ -104,11 +122,13 @@ class OpCount:
 
     def run(self, c: CallUnderTest) -> dict:
         from cbtrace.cost.opcount import OpCounter
+        from cbtrace.replay.reuse import value_free
 
         params = {id(p): n for n, p in c.module.named_parameters()}
         with OpCounter(params=params) as oc:
             c.run(0)
         cost = oc.cost()
+        c.value_free = value_free(c.rec.input_meta, oc.op_names())
         return dict(flops=cost.flops, flops_executed=cost.flops_executed, bytes=cost.bytes,
                     unknown_ops=cost.unknown_ops, compute_dtype=cost.compute_dtype)
 

@@ -46,11 +46,11 @@ def test_cold_mode_times_one_call_per_graph(tmp_path):
     cold = cbtrace.replay(tmp_path / "r", model=model, cold=True, **FAST).set_index("call_id")
     wall = time.perf_counter() - t0
     g = cold[cold["timer"] == "graph"]
-    assert len(g) and g["timer_notes"].str.match(r"K=1\b").all()
+    assert len(g) and g["timer_notes"].str.contains(r"\bK=1\b").all()
     # do_bench's durations: 25 ms of warm-up and 100 ms of timed runs per call
     assert wall > len(cold[cold["status"] == "ok"]) * 0.125
     assert (g["runs"] > FAST["min_runs"]).all()
-    assert warm.loc[g.index, "timer_notes"].str.match(r"K=20\b").any()
+    assert warm.loc[g.index, "timer_notes"].str.contains(r"\bK=20\b").any()
     assert (g["isolated_ms"] > 0).all()
 
 

@@ -244,6 +244,10 @@ class OpCounter:
 
     # ------------------------------------------------------------------ results
 
+    def op_names(self) -> set[str]:
+        """The aten ops counted so far (view and metadata ops left out)."""
+        return {op.name for op in self._ops}
+
     def cost(self, outputs=None) -> CallCost:
         """Totals so far. ``outputs``: the call's return value, to count exactly those as written."""
         read = sum(max(_union_length(self._ext_spans.get(k, [])), self._ext_gathered.get(k, 0))

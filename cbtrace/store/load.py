@@ -57,12 +57,15 @@ def _dtype(name: str) -> torch.dtype:
 class _TensorLoader:
     """Reads chunks once per call and builds tensors over them."""
 
-    def __init__(self, inputs_dir: Path, chunks: dict, device):
+    def __init__(self, inputs_dir: Path, chunks: dict, device, chunks_read: dict | None = None):
         self.inputs_dir, self.chunks, self.device = inputs_dir, chunks, device
+        self._read_ahead = dict(chunks_read or {})  # cid -> _read's result (read_call_chunks)
         self._storages: dict = {}
         self._grad_bases: dict = {}  # storage -> its non-leaf copy (autograd_shape.as_non_leaf)
 
     def _read(self, cid: int):
+        if str(cid) in self._read_ahead:
+            return self._read_ahead.pop(str(cid))
         try:
             shard, row, nparts, lo, nbytes, kind = self.chunks[str(cid)]
         except (KeyError, ValueError, TypeError):
@@ -137,7 +140,30 @@ class _TensorLoader:
         return t
 
 
-def load_call_inputs(run_dir: Path, inputs_ref: str, device=None, *, serializers=None):
+def _parse_ref(run_dir, inputs_ref: str) -> dict:
+    try:
+        doc = json.loads(inputs_ref)
+        version, _ = doc.get("v"), doc["chunks"]
+    except (TypeError, ValueError, KeyError, AttributeError):
+        raise SerializationError(f"{run_dir}: inputs_ref is not a cbtrace inputs reference "
+                                 f"({str(inputs_ref)[:60]!r})") from None
+    if version != FORMAT_VERSION:
+        raise SerializationError(f"{run_dir}: inputs_ref format v{version} is not supported "
+                                 f"(this cbtrace reads v{FORMAT_VERSION})")
+    return doc
+
+
+def read_call_chunks(run_dir: Path, inputs_ref: str) -> dict:
+    """Every chunk of one call's inputs read from its shard and checksummed, for
+    ``load_call_inputs(..., chunks_read=)``: the slow, torch-free half of loading (Parquet
+    reads and CRCs release the GIL), so replay runs it on a thread while another call is timed."""
+    doc = _parse_ref(run_dir, inputs_ref)
+    loader = _TensorLoader(Path(run_dir) / "inputs", doc["chunks"], None)
+    return {cid: loader._read(int(cid)) for cid in doc["chunks"]}
+
+
+def load_call_inputs(run_dir: Path, inputs_ref: str, device=None, *, serializers=None,
+                     chunks_read: dict | None = None):
     """``(args, kwargs)`` of one captured call, bit-identical to what the module received.
 
     Args:
@@ -145,21 +171,14 @@ def load_call_inputs(run_dir: Path, inputs_ref: str, device=None, *, serializers
         inputs_ref: the call's ``inputs_ref`` column (what ``Snapshotter.take`` returned).
         device: put tensors there; default: the captured device if present, else CPU.
         serializers: default ``cbtrace.registry.serializers()``.
+        chunks_read: what ``read_call_chunks`` returned for this ``inputs_ref`` (read ahead).
     """
-    try:
-        doc = json.loads(inputs_ref)
-        version, chunks = doc.get("v"), doc["chunks"]
-    except (TypeError, ValueError, KeyError, AttributeError):
-        raise SerializationError(f"{run_dir}: inputs_ref is not a cbtrace inputs reference "
-                                 f"({str(inputs_ref)[:60]!r})") from None
-    if version != FORMAT_VERSION:
-        raise SerializationError(f"{run_dir}: inputs_ref format v{version} is not supported "
-                                 f"(this cbtrace reads v{FORMAT_VERSION})")
+    doc = _parse_ref(run_dir, inputs_ref)
     if serializers is None:
         from cbtrace import registry
 
         serializers = registry.serializers()
-    loader = _TensorLoader(Path(run_dir) / "inputs", chunks, device)
+    loader = _TensorLoader(Path(run_dir) / "inputs", doc["chunks"], device, chunks_read)
     ctx = DecodeContext(serializers, loader.tensor)
     with torch.no_grad():
         args = tuple(ctx.decode(n) for n in doc["args"])

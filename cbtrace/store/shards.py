@@ -210,8 +210,9 @@ class _Shard:
     def row(self, i: int):
         """(row group table, index within it) of row ``i``; the last group read is kept."""
         g = bisect.bisect_right(self.starts, i) - 1
-        if self._cached[0] == g:
-            return self._cached[1], i - self.starts[g]
+        cached = self._cached  # one read: a read-ahead thread may replace it meanwhile
+        if cached[0] == g:
+            return cached[1], i - self.starts[g]
         table = self.pf.read_row_group(g)
         self._cached = (g, table) if table.nbytes <= 2 * GROUP_BYTES else (None, None)
         return table, i - self.starts[g]
