@@ -91,31 +91,11 @@ def _backward_runner(c: CallUnderTest, grads):
             forward(i)
         outs = last.pop("outs")
         last.clear()
-        _run_backward(c, outs, grads, i)
+        _fresh_grads(c.module)  # as after zero_grad(): no accumulation kernels of its own
+        torch.autograd.backward(outs, grads)
 
     bwd.touch = forward
     return bwd
-
-
-def _targets(c: CallUnderTest, i: int) -> list[torch.Tensor]:
-    """What the call's backward produces in a step: its parameters' gradients and those of its
-    inputs that require grad. Naming them stops autograd at the inputs: a captured non-leaf
-    input is rebuilt over a leaf (``store.autograd_shape``), whose own gradient the step never
-    computed (an accumulation kernel the size of the input, +20-40 % on GPT-2's Linears)."""
-    copies = getattr(c.run, "copies", None)
-    inputs = flat_tensors(copies[i % len(copies)]) if copies else []
-    params = [p for p in c.module.parameters() if p.requires_grad]
-    seen = {id(p) for p in params}
-    return params + [t for t in inputs if t.requires_grad and id(t) not in seen]
-
-
-def _run_backward(c: CallUnderTest, outs, grads, i: int = 0) -> None:
-    """The call's backward on copy ``i``'s outputs, into fresh ``.grad`` (as after
-    ``zero_grad()``: no accumulation kernels of its own)."""
-    targets = _targets(c, i)
-    for t in targets:
-        t.grad = None
-    torch.autograd.backward(outs, grads, inputs=targets or None)
 
 
 def _cost(c: CallUnderTest, grads) -> dict:
@@ -124,8 +104,9 @@ def _cost(c: CallUnderTest, grads) -> dict:
 
     outs = _grad_outputs(c.run(0))
     params = {id(p): n for n, p in c.module.named_parameters()}
+    _fresh_grads(c.module)  # as in a step after zero_grad(): no accumulation into old .grad
     with OpCounter(params=params) as oc:
-        _run_backward(c, outs, grads)
+        torch.autograd.backward(outs, grads)
     cost = oc.cost()
     return dict(bwd_flops=cost.flops, bwd_bytes=cost.bytes, bwd_compute_dtype=cost.compute_dtype)
 
@@ -143,19 +124,25 @@ def _memory(c: CallUnderTest, grads) -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = _grad_outputs(c.run(0))
     params = [p for p in c.module.parameters() if p.requires_grad]
+    _fresh_grads(c.module)
     if c.device.type == "cuda":
-        for t in _targets(c, 0):
-            t.grad = None  # what they held is not the backward's
         torch.cuda.synchronize(c.device)
         torch.cuda.reset_peak_memory_stats(c.device)
         base = torch.cuda.memory_allocated(c.device)
-        _run_backward(c, outs, grads)
+        torch.autograd.backward(outs, grads)
         torch.cuda.synchronize(c.device)
         peak = max(torch.cuda.max_memory_allocated(c.device) - base, 0)
     else:
-        peak = _cpu_peak(lambda: _run_backward(c, outs, grads))
+        peak = _cpu_peak(lambda: torch.autograd.backward(outs, grads))
     return dict(saved_bytes=sum(saved.values()), bwd_peak_mem_bytes=int(peak),
                 grad_bytes=sum(p.numel() * p.element_size() for p in params))
+
+
+def _fresh_grads(module) -> None:
+    """Parameters' .grad set to None, as ``zero_grad()`` leaves them before a step's backward
+    (the engine's StateGuard puts the caller's back after the call)."""
+    for p in module.parameters():
+        p.grad = None
 
 
 def _cpu_peak(fn) -> int:

@@ -67,7 +67,6 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
                 return fn(*a, **k)
 
         run.touch = touch  # timers that keep inputs warm call it before run(i)
-        run.copies = copies  # (args, kwargs) per copy: the backward's gradient targets
         run.runner = runner
         return run
 
