@@ -1,9 +1,10 @@
 """PNG screenshot of a run's icicle, taken in real headless Chromium (for READMEs and papers).
 
-    python benchmarks/screenshot.py RUN OUT.png [--width 1400] [--full]
+    python benchmarks/screenshot.py RUN|ICICLE.html OUT.png [--width 1400] [--full]
                                            [--zoom FQN] [--scheme metric|bound]
 
-Renders the icicle of RUN into a temporary file (RUN is not touched), opens it over file://
+Renders the icicle of RUN into a temporary file (RUN is not touched), or takes an icicle.html
+already rendered (e.g. one a GPU run sent back), opens it over file://
 with every network request blocked, and captures the chart and legend (``--full``: the whole
 page with the table). Needs the ``playwright`` Python package and a Chromium binary
 (``CBTRACE_CHROMIUM``, default /usr/bin/chromium).
@@ -96,15 +97,15 @@ def screenshot_run(run, out_png, **kw) -> Path:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python benchmarks/screenshot.py",
                                  description="PNG screenshot of a run's icicle.")
-    ap.add_argument("run")
+    ap.add_argument("run", help="run directory, or an icicle .html")
     ap.add_argument("out_png")
     ap.add_argument("--width", type=int, default=1400)
     ap.add_argument("--full", action="store_true", help="whole page, with the table")
     ap.add_argument("--zoom", default=None, help="module fqn to zoom on")
     ap.add_argument("--scheme", default="metric", choices=["metric", "bound"])
     a = ap.parse_args(argv)
-    print(screenshot_run(a.run, a.out_png, width=a.width, full=a.full, zoom=a.zoom,
-                         scheme=a.scheme))
+    shoot = screenshot_html if a.run.endswith(".html") else screenshot_run
+    print(shoot(a.run, a.out_png, width=a.width, full=a.full, zoom=a.zoom, scheme=a.scheme))
 
 
 if __name__ == "__main__":
