@@ -163,7 +163,9 @@ class capture:
     def _start(self) -> None:
         from cbtrace.store.snapshot import Snapshotter
 
+        t0 = time.perf_counter()
         self._state_sha256 = state_digest(self.model)  # before the step changes any buffer
+        self.timings_s["state_digest"] = time.perf_counter() - t0
         self._snap = Snapshotter(self.out / INPUTS,
                                  synthesize_above_bytes=self.cfg.synthesize_above_bytes,
                                  max_pending_bytes=self.cfg.max_pending_bytes)
@@ -189,8 +191,10 @@ class capture:
         if self.cfg.trace:
             self._prof = torch.profiler.profile(activities=profiler_activities(), record_shapes=True,
                                                 with_stack=True)
+            t0 = time.perf_counter()
             with quiet_kineto():  # Kineto's USDT/STAGE log lines stay off the terminal
                 self._prof.__enter__()
+            self.timings_s["profiler_start"] = time.perf_counter() - t0
             # started after the profiler, so the profiler neither traces it nor records its ops
             self._helper = HelperThread()
 
