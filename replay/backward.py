@@ -92,6 +92,7 @@ def _backward_runner(c: CallUnderTest, grads):
         outs = last.pop("outs")
         last.clear()
         _fresh_grads(c.module)  # as after zero_grad(): no accumulation kernels of its own
+        _fresh_input_grads(c, i)
         torch.autograd.backward(outs, grads)
 
     bwd.touch = forward
@@ -136,6 +137,39 @@ def _memory(c: CallUnderTest, grads) -> dict:
         peak = _cpu_peak(lambda: torch.autograd.backward(outs, grads))
     return dict(saved_bytes=sum(saved.values()), bwd_peak_mem_bytes=int(peak),
                 grad_bytes=sum(p.numel() * p.element_size() for p in params))
+
+
+def _input_leaves(inputs) -> list[torch.Tensor]:
+    """The leaves an input's gradient ends in: the input itself, or the base a captured
+    non-leaf input was rebuilt over (``store.autograd_shape``: a view of a clone of a leaf)."""
+    leaves, stack, seen = [], [], set()
+    for t in flat_tensors(inputs):
+        if t.requires_grad:
+            if t.is_leaf:
+                leaves.append(t)
+            elif t.grad_fn is not None:
+                stack.append((t.grad_fn, 0))
+    while stack:
+        fn, depth = stack.pop()
+        if fn is None or id(fn) in seen or depth > 4:  # rebuilt inputs sit 2-3 nodes deep
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)  # AccumulateGrad
+        if var is not None:
+            leaves.append(var)
+            continue
+        stack.extend((nxt, depth + 1) for nxt, _ in fn.next_functions)
+    return leaves
+
+
+def _fresh_input_grads(c: CallUnderTest, i: int) -> None:
+    """The input leaves' .grad set to None before a backward: the step's gradient of an
+    input flows on to its producer; here it lands in a leaf, and accumulating into the last
+    run's would add a kernel the size of the input that the step never ran."""
+    copies = getattr(c.run, "copies", None)
+    if copies:
+        for t in _input_leaves(copies[i % len(copies)]):
+            t.grad = None
 
 
 def _fresh_grads(module) -> None:

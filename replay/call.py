@@ -67,6 +67,7 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
                 return fn(*a, **k)
 
         run.touch = touch  # timers that keep inputs warm call it before run(i)
+        run.copies = copies  # (args, kwargs) per copy (the backward clears its leaves' .grad)
         run.runner = runner
         return run
 

@@ -98,3 +98,41 @@ def test_backward_is_timed_from_cuda_graphs(tmp_path):
     assert (df["bwd_status"] == "ok").all(), df[["fqn", "bwd_status", "bwd_status_reason"]]
     assert set(df["bwd_timer"]) == {"graph"}, df[["fqn", "bwd_timer", "bwd_timer_notes"]]
     assert (df["bwd_ms"] > 0).all() and state_fingerprint(model) == before
+
+
+def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_path):
+    """A non-leaf input is rebuilt as a view of a clone of a leaf: its backward must add no
+    kernel of its own. as_strided's backward (a zero-filled buffer the size of the input and a
+    copy into it) and accumulation into the leaf's last .grad made GPT-2's Linear backwards
+    read +24 % slower than in situ on the H200."""
+    from cbtrace.replay.backward import _backward_runner, _gradients, _grad_outputs
+    from cbtrace.replay.call import prepare
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.rundir.read import load_run
+    from cbtrace.schema.modules import frame_to_records
+    from cbtrace.store.load import load_call_inputs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 32)).train()
+    _capture_train(model, torch.randn(16, 64), tmp_path / "r")
+    _, df = load_run(tmp_path / "r")
+    rec = next(r for r in frame_to_records(df) if r.fqn == "1")
+    args, kwargs = load_call_inputs(tmp_path / "r", rec.inputs_ref)
+    assert args[0].requires_grad and not args[0].is_leaf  # the first Linear's output
+    grads = load_call_inputs(tmp_path / "r", rec.grads_ref)[0]
+    c = prepare(model[1], rec, args, kwargs, torch.device("cpu"),
+                ReplayConfig(backward=True, max_copies=2), grads)
+    g, source = _gradients(c, _grad_outputs(c.run(0)))
+    assert source == "captured"
+    bwd = _backward_runner(c, g)
+    for i in range(3):  # runs after the first: leaves' .grad would accumulate
+        bwd.touch(i % c.n_copies)
+        bwd(i % c.n_copies)
+    bwd.touch(0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        bwd(0)
+    ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    assert {"aten::mm", "aten::sum"} <= ops, ops  # grad-input, grad-weight, grad-bias
+    extra = ops & {"aten::new_zeros", "aten::zeros", "aten::zero_", "aten::copy_", "aten::add_",
+                   "aten::add"}
+    assert not extra, ops

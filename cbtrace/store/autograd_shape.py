@@ -31,4 +31,9 @@ def as_non_leaf(t: torch.Tensor, bases: dict | None = None) -> torch.Tensor:
         if bases is not None:
             bases[key] = base
     with torch.enable_grad():
+        if t.storage_offset() == 0 and t.is_contiguous() and t.numel() == base.numel():
+            # the whole storage: a plain view, whose backward is free. as_strided's backward
+            # zero-fills a buffer the size of the storage and copies the gradient into it: on
+            # the H200 that made GPT-2's Linear backwards read +24 % (median) slower than in situ
+            return base.view(t.shape)
         return base.as_strided(t.shape, t.stride(), t.storage_offset())
