@@ -30,6 +30,8 @@ import warnings
 import torch
 
 from cbtrace.replay.call import CallUnderTest
+from cbtrace.replay.graph_capture import (ASKS_CAPTURE, end_pool_routing, root_cause,
+                                          side_stream_warmup, watch_capture_checks)
 from cbtrace.replay.steps import HostIssue, Timed, timing_config
 from cbtrace.replay.limits import CallTimeout
 from cbtrace.replay.timing import join_notes
@@ -172,45 +174,10 @@ class GraphUnavailable(Exception):
     """The call cannot be captured into a CUDA graph; the message says why."""
 
 
-ASKS_CAPTURE = ("the call asks torch.cuda.is_current_stream_capturing() and would run other "
-                "code under capture than in its step")
-
-
-@contextlib.contextmanager
-def _watch_capture_checks(asked: list):
-    """Note calls of is_current_stream_capturing while captured (the graph timer does too)."""
-    original = torch.cuda.is_current_stream_capturing
-
-    def watched():
-        capturing = original()
-        if capturing:
-            asked.append(True)
-        return capturing
-
-    torch.cuda.is_current_stream_capturing = watched
-    try:
-        yield
-    finally:
-        torch.cuda.is_current_stream_capturing = original
-
-
-def _end_pool_routing(g) -> None:
-    """Stop routing allocations to a failed capture's pool (torch < 2.12 skipped it:
-    pytorch#180395; plugins/backends/graph.py does the same)."""
-    with contextlib.suppress(Exception):
-        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), g.pool())
-
-
 def capture_graphs(c: CallUnderTest, warmup_runs: int) -> list:
     """One CUDA graph of one eager call per input copy (sharing one memory pool: replayed one
     at a time, in order), after a warm-up on a side stream as the CUDA graph docs require."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(max(warmup_runs, 1)):
-            c.run(i % c.n_copies)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    side_stream_warmup(c.run, c.n_copies, warmup_runs)
     graphs, pool, asked = [], None, []
     for i in range(c.n_copies):
         g = torch.cuda.CUDAGraph()
@@ -218,13 +185,13 @@ def capture_graphs(c: CallUnderTest, warmup_runs: int) -> list:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*empty.*")  # a call without kernels
                 with torch.cuda.graph(g, pool=pool, stream=torch.cuda.Stream()), \
-                        _watch_capture_checks(asked):
+                        watch_capture_checks(asked):
                     c.run(i)
         except Exception as e:  # noqa: BLE001 - RuntimeError, AcceleratorError, OOM, ...
-            _end_pool_routing(g)
+            end_pool_routing(g)
             for x in graphs:
                 x.reset()
-            cause = e.__context__ if "captur" in str(e) and e.__context__ else e
+            cause = root_cause(e)
             try:
                 torch.cuda.synchronize()
             except Exception as e2:  # noqa: BLE001

@@ -269,14 +269,15 @@ def test_cuda_timers_say_why_not_on_cpu():
 
 
 def test_capture_error_names_the_op_that_broke_it():
-    from cbtrace.plugins.backends.graph import _first_line, _root_cause
+    from cbtrace.plugins.backends.graph import _first_line
+    from cbtrace.replay.graph_capture import root_cause
     try:
         try:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nhint")
         finally:
             raise RuntimeError("operation failed due to a previous error during capture")
     except RuntimeError as e:
-        assert _first_line(_root_cause(e)) == (
+        assert _first_line(root_cause(e)) == (
             "RuntimeError: CUDA error: operation not permitted when stream is capturing")
 
 
@@ -468,11 +469,11 @@ def test_gpu_benchmark_script_builds_its_cases_on_cpu():
 
 
 def test_a_call_that_asks_whether_it_is_captured_is_noted(monkeypatch):
-    from cbtrace.plugins.backends import graph
+    from cbtrace.replay.graph_capture import watch_capture_checks
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     asked = []
-    with graph._watch_capture_checks(asked):
+    with watch_capture_checks(asked):
         assert torch.cuda.is_current_stream_capturing() is True  # the call's own check
     assert asked == [True]
     assert torch.cuda.is_current_stream_capturing() is True and not [a for a in asked[1:]]

@@ -7,11 +7,12 @@ heavy GEMMs from running back-to-back long enough to drop the SM clock.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
 
+from cbtrace.replay.graph_capture import (ASKS_CAPTURE, end_pool_routing, root_cause,
+                                          side_stream_warmup, watch_capture_checks)
 from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
 
 from .events import CudaTimer, event_pairs
@@ -25,64 +26,6 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
-def _root_cause(e: BaseException) -> BaseException:
-    """The op that broke the capture, not capture_end's 'invalidated' error raised after it."""
-    for _ in range(5):
-        if e.__context__ is None or "captur" not in str(e):
-            break
-        e = e.__context__
-    return e
-
-
-def _end_pool_routing(g: torch.cuda.CUDAGraph) -> None:
-    """Stop routing allocations to a failed capture's pool.
-
-    Before pytorch#180395 (torch < 2.12), capture_end skipped this when cudaStreamEndCapture
-    failed, and a later empty_cache died on 'captures_underway.empty() INTERNAL ASSERT'.
-    Where torch already did it, the call raises 'not currently recording'; that is ignored.
-    """
-    try:
-        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), g.pool())
-    except Exception:
-        pass
-
-
-def side_stream_warmup(call, n_copies: int, runs: int) -> None:
-    """Warm up on a side stream before capture, as the torch.cuda.graphs docs require."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(max(runs, 1)):
-            call(i % n_copies)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
-
-ASKS_CAPTURE = ("the call asks torch.cuda.is_current_stream_capturing() and may run other code "
-                "under graph capture (transformers then keeps an all-ones attention mask its eager "
-                "step drops); timed without a graph")
-
-
-@contextlib.contextmanager
-def _watch_capture_checks(asked: list):
-    """Note every call of ``torch.cuda.is_current_stream_capturing`` while the call is captured:
-    code that branches on it (transformers' mask creation) would be timed on a path its real
-    step does not take (BERT-base's and a Llama's whole model read +15-17 % on the H200)."""
-    original = torch.cuda.is_current_stream_capturing
-
-    def watched():
-        capturing = original()
-        if capturing:
-            asked.append(True)
-        return capturing
-
-    torch.cuda.is_current_stream_capturing = watched
-    try:
-        yield
-    finally:
-        torch.cuda.is_current_stream_capturing = original
-
-
 def capture(call, n_copies: int, k: int, touch=None) -> torch.cuda.CUDAGraph:
     """Capture k calls (cycling input copies; each after ``touch(j)`` when given) into one
     graph; TimerUnavailable if capture fails or the call looks at whether it is being captured."""
@@ -93,15 +36,15 @@ def capture(call, n_copies: int, k: int, touch=None) -> torch.cuda.CUDAGraph:
             warnings.filterwarnings("ignore", message=".*empty.*")  # a call that launches nothing
             # A fresh capture stream each time: a failed capture may leave the allocator routing
             # that stream's allocations to the dead graph's pool; keep it off the shared default.
-            with torch.cuda.graph(g, stream=torch.cuda.Stream()), _watch_capture_checks(asked):
+            with torch.cuda.graph(g, stream=torch.cuda.Stream()), watch_capture_checks(asked):
                 for j in range(k):
                     if touch is not None:
                         touch(j % n_copies)
                     call(j % n_copies)
     except Exception as e:  # capture errors come as RuntimeError, AcceleratorError, OOM, ...
-        _end_pool_routing(g)
+        end_pool_routing(g)
         del g
-        cause = _first_line(_root_cause(e))
+        cause = _first_line(root_cause(e))
         try:
             torch.cuda.synchronize()
         except Exception as e2:
@@ -110,7 +53,7 @@ def capture(call, n_copies: int, k: int, touch=None) -> torch.cuda.CUDAGraph:
         raise TimerUnavailable(f"graph capture failed: {cause}") from e
     if asked:
         g.reset()
-        raise TimerUnavailable(ASKS_CAPTURE)
+        raise TimerUnavailable(f"{ASKS_CAPTURE}; timed without a graph")
     return g
 
 
