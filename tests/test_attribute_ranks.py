@@ -48,10 +48,11 @@ def _events(path: Path) -> list:
 
 @pytest.fixture(scope="module")
 def rank_dir(tmp_path_factory):
-    """rank0 / rank1 CPU traces of ``Pipeline``; rank 1's ``stages.1`` does 50 extra matmuls."""
+    """rank0 / rank1 CPU traces of ``Pipeline``; rank 1's ``stages.1`` does 1,000 extra matmuls
+    (with 50, a loaded 2-core VM once made rank 0's plain call the slower one)."""
     pytest.importorskip("torch")
     out = tmp_path_factory.mktemp("ranks")
-    _recorder().record_ranks(out, ranks=2, slow_rank=1, slow=50)
+    _recorder().record_ranks(out, ranks=2, slow_rank=1, slow=1000)
     return out
 
 
