@@ -19,7 +19,6 @@ import os
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cbtrace.errors import SerializationError
+
+try:  # ISA-L's CRC-32 is zlib's checksum (same values), ~8x faster: 17 vs 2 GB/s on our CPU
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal is a dependency; a bare install still works
+    from zlib import crc32
 
 PART_BYTES = 32 << 20
 GROUP_BYTES = 4 << 20
@@ -171,7 +175,7 @@ def _write_rows(where, fd: int, rows) -> int:
                 break
             c, p, k, arr = row
             arr = np.ascontiguousarray(arr, dtype=np.uint8).reshape(-1)
-            crc = zlib.crc32(arr)
+            crc = crc32(arr)
             total += arr.nbytes
             t = _add_phase("crc32", t)
             big = arr.nbytes >= GROUP_BYTES
@@ -259,7 +263,7 @@ def read_chunk(path: Path, row: int, nparts: int, chunk_id: int) -> tuple[str, l
                                      f"{rec['part']}, expected chunk {chunk_id} part {i} "
                                      "(shard from another capture?)")
         arr = _value(table.column("data"), j)
-        if zlib.crc32(arr) != rec["crc32"]:
+        if crc32(arr) != rec["crc32"]:
             raise SerializationError(f"{path}: checksum mismatch in chunk {chunk_id} "
                                      f"(row {row + i}); the file is corrupted")
         kind = rec["kind"]
