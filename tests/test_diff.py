@@ -27,7 +27,8 @@ MiB = 1 << 20
 REPLAY = dict(budget_s=0.02, min_runs=20, warmup_runs=1, profile_runs=1, progress=False)
 FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, profile_runs=1, progress=False)
 # This CPU is a shared 2-core machine: replays of one run put single calls up to 2.8x apart
-# (110 pairs of 11 replays: none flagged at these settings, 3 at 2x, 90+ at the defaults)
+# (110 pairs of 11 replays: none flagged at these settings, 3 at 2x, 90+ at the GPU's): the
+# defaults for runs replayed on a CPU (cbtrace.workflows.diff.TIME_THRESHOLDS)
 CPU = dict(min_time_rel=1.5, min_time_ms=0.05)
 SLOW_S = 0.005
 MEMORY = ("transformer.h.0", "transformer.h.1")
@@ -140,13 +141,27 @@ def _peaks(run) -> dict:
 
 def test_identical_runs_diff_clean(runs):
     for a, b in (("A", "A2"), ("A2", "A")):
-        df = diff_runs(runs[a], runs[b], **CPU)
+        df = diff_runs(runs[a], runs[b])  # CPU runs: the CPU's time thresholds by default
+        assert (df.attrs["min_time_rel"], df.attrs["min_time_ms"]) == tuple(CPU.values())
         assert len(df) == 30 and (df["match"] == "name").all()
         flagged = df[df["regression"]]
         assert flagged.empty, flagged[["fqn", "isolated_ms_a", "isolated_ms_b", "regressed"]]
         # peak memory does not depend on the machine's load: equal, clean at the defaults too
         assert (df["peak_mem_bytes_delta"] == 0).all()
         assert not diff_runs(runs[a], runs[b])["regressed"].str.contains("memory").any()
+
+
+def test_time_thresholds_follow_the_replay_device():
+    from cbtrace.workflows.diff import DiffConfig, TIME_THRESHOLDS, with_device_thresholds
+
+    def pick(devices, **given):
+        c = with_device_thresholds(DiffConfig(**given), devices)
+        return c.min_time_rel, c.min_time_ms
+
+    assert pick(["cuda:0", "cuda"]) == TIME_THRESHOLDS["gpu"] == (0.05, 0.001)
+    assert pick(["cuda", "cpu"]) == pick(["cpu", "cpu"]) == TIME_THRESHOLDS["cpu"]
+    assert pick(["cpu", "cpu"], min_time_rel=0.2) == (0.2, 0.05)  # what the user set stays
+    assert pick(["cuda", "cuda"], min_time_ms=0.0) == (0.05, 0.0)
 
 
 def test_planted_regression_names_its_modules_and_their_ancestors(runs):
@@ -230,8 +245,9 @@ def test_cli_prints_regressions_first_and_fails_on_them(runs, cli, tmp_path):
     assert f"wrote {tmp_path / 'd.parquet'}" in out
     assert f"wrote {tmp_path / 'diff_icicle.html'}" in out
     assert cli(runs["A"], runs["B"], *CPU_FLAGS, "--no-icicle")[0] == 0  # without the flag
-    code, out, _ = cli(runs["A"], runs["A2"], *CPU_FLAGS, "--fail-on-regression", "--no-icicle")
-    assert code == 0 and out.startswith("Regressions: none among 30 calls compared.")
+    code, out, _ = cli(runs["A"], runs["A2"], "--fail-on-regression", "--no-icicle")  # defaults
+    assert code == 0 and out.startswith("Regressions: none among 30 calls compared."), out
+    assert "(the larger of 150% and the run-to-run noise" in out
 
 
 def test_cli_out_round_trips_and_is_never_overwritten(runs, cli, tmp_path):

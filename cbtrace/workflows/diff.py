@@ -20,12 +20,19 @@ VALUES = {"isolated_ms": "time", "peak_mem_bytes": "memory", "flops": None, "byt
 CONTEXT = ("isolated_ms_p10", "isolated_ms_p90", "status", "noisy")
 
 
+# time thresholds by where the runs were replayed (min_time_rel, min_time_ms). On the shared
+# 2-core CPU, replays of one run put single calls up to 2.8x apart: at the GPU's thresholds 90+
+# of 110 pairs of identical replays flagged calls, at these none (tests/test_diff.py)
+TIME_THRESHOLDS = {"gpu": (0.05, 0.001), "cpu": (1.5, 0.05)}
+
+
 @dataclass(kw_only=True)
 class DiffConfig:
-    min_time_rel: float = 0.05
-    """A time change counts from this much (relative: B / A - 1, or A / B - 1 for a gain)."""
-    min_time_ms: float = 0.001
-    """... and from this much (ms: 1 µs)."""
+    min_time_rel: float | None = None
+    """A time change counts from this much (relative: B / A - 1, or A / B - 1 for a gain);
+    None: by device, 5 % where both runs were replayed on a GPU, 150 % where one was on a CPU."""
+    min_time_ms: float | None = None
+    """... and from this much (ms); None: by device, 1 µs on a GPU, 50 µs on a CPU."""
     min_mem_rel: float = 0.10
     """A peak-memory change counts from this much (relative)."""
     min_mem_bytes: int = 1 << 20
@@ -36,7 +43,7 @@ class DiffConfig:
     drift, which one replay's p10-p90 does not show; 0: off."""
 
     def __post_init__(self):
-        bad = {k: v for k, v in asdict(self).items() if v < 0}
+        bad = {k: v for k, v in asdict(self).items() if v is not None and v < 0}
         if bad:
             raise ValueError(f"diff thresholds must be >= 0: {bad}")
 
@@ -65,13 +72,25 @@ def diff_runs(a, b, **options):
     from cbtrace.rundir.read import load_run
 
     cfg = DiffConfig(**options)
-    frames = []
+    frames, devices = [], []
     for run in (a, b):
-        _, df = load_run(run)
+        manifest, df = load_run(run)
         if df.empty:
             raise RunDirError(f"{run}: modules.parquet holds no module calls")
         frames.append(df)
-    return diff_frames(*frames, cfg)
+        devices.append(manifest.replay.device if manifest.replay else manifest.device)
+    return diff_frames(*frames, with_device_thresholds(cfg, devices))
+
+
+def with_device_thresholds(cfg: DiffConfig, devices) -> DiffConfig:
+    """``cfg`` with its unset time thresholds taken from where the runs were replayed: the
+    CPU's where either run was replayed on one, else the GPU's."""
+    from dataclasses import replace
+
+    kind = "cpu" if any(not str(d).startswith("cuda") for d in devices) else "gpu"
+    rel, ms = TIME_THRESHOLDS[kind]
+    return replace(cfg, min_time_rel=rel if cfg.min_time_rel is None else cfg.min_time_rel,
+                   min_time_ms=ms if cfg.min_time_ms is None else cfg.min_time_ms)
 
 
 def _rows(df) -> dict[int, dict]:
@@ -83,7 +102,7 @@ def diff_frames(df_a, df_b, cfg: DiffConfig | None = None):
     """``diff_runs`` on two modules DataFrames (columns of ``ModuleRecord``)."""
     import pandas as pd
 
-    cfg = cfg or DiffConfig()
+    cfg = with_device_thresholds(cfg or DiffConfig(), ["cuda"])  # unset: the GPU's
     ra, rb = _rows(df_a), _rows(df_b)
     out = [_pair(ra.get(ca, {}), rb.get(cb, {}), how)
            for ca, cb, how in align(list(ra.values()), list(rb.values()))]

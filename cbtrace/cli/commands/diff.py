@@ -16,10 +16,12 @@ HEADER = ("module", "call", "match", "regressed", "time A", "time B", "Δ time",
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
               help="write the full table here (.parquet or .csv)")
 @click.option("--force", is_flag=True, help="overwrite --out if it exists")
-@click.option("--min-time-rel", type=click.FloatRange(min=0), default=DiffConfig.min_time_rel,
-              show_default=True, help="smallest relative time change that counts")
-@click.option("--min-time-ms", type=click.FloatRange(min=0), default=DiffConfig.min_time_ms,
-              show_default=True, help="smallest absolute time change that counts (ms)")
+@click.option("--min-time-rel", type=click.FloatRange(min=0), default=None,
+              help="smallest relative time change that counts (default: 0.05 for runs "
+                   "replayed on a GPU, 1.5 where one was replayed on a CPU)")
+@click.option("--min-time-ms", type=click.FloatRange(min=0), default=None,
+              help="smallest absolute time change that counts (ms; default: 0.001 on a GPU, "
+                   "0.05 on a CPU)")
 @click.option("--min-mem-rel", type=click.FloatRange(min=0), default=DiffConfig.min_mem_rel,
               show_default=True, help="smallest relative peak-memory change that counts")
 @click.option("--min-mem-bytes", type=click.IntRange(min=0), default=DiffConfig.min_mem_bytes,
