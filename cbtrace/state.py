@@ -69,7 +69,7 @@ def state_fingerprint(model: torch.nn.Module) -> str:
     """sha256 of parameters, buffers, RNG and train flags (tests compare before/after replay)."""
     import hashlib
 
-    h = hashlib.sha256(state_digest(model).encode())
+    h = hashlib.sha256(state_digest(model, sampled=False).encode())
     h.update(torch.random.get_rng_state().numpy().tobytes())
     if torch.cuda.is_initialized():
         for s in torch.cuda.get_rng_state_all():
@@ -78,8 +78,20 @@ def state_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def state_digest(model) -> str:
-    """sha256 over parameter and buffer bytes (names, dtypes, shapes, values)."""
+SAMPLED = "v2:"           # prefix of a digest that samples the tensors above SAMPLE_ABOVE
+SAMPLE_ABOVE = 4 << 20    # bytes
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 256, 4096  # evenly spaced blocks of bytes, first and last included
+
+
+def state_digest(model, sampled: bool = True) -> str:
+    """sha256 over the parameters and buffers (names, dtypes, shapes, values): which weights a
+    run was captured with, so that replay knows a rebuilt model is the same one.
+
+    ``sampled`` (the default, and what capture stores; prefixed ``v2:``): a tensor larger than
+    4 MiB is read as 256 evenly spaced 4 KiB blocks (1 MiB), not whole. Another seed, init or
+    checkpoint changes every block; copying DLRM's 1.7 GB of embedding tables to the host and
+    hashing them cost a capture and a replay a second or more each. ``sampled=False``: every
+    byte (digests without the prefix, as runs before it stored)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -88,5 +100,21 @@ def state_digest(model) -> str:
         name = module_tree.user_name(name)
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         if t.numel():
-            h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())
-    return h.hexdigest()
+            h.update(_digest_bytes(t.detach(), sampled).cpu().numpy())
+    return (SAMPLED if sampled else "") + h.hexdigest()
+
+
+def same_state(model, digest: str) -> bool:
+    """Whether ``model``'s weights are those ``digest`` (a stored ``state_digest``) names."""
+    return state_digest(model, sampled=digest.startswith(SAMPLED)) == digest
+
+
+def _digest_bytes(t: torch.Tensor, sampled: bool) -> torch.Tensor:
+    """The bytes of ``t`` that its digest reads (on t's device): all, or sampled blocks."""
+    flat = t.contiguous().view(-1).view(torch.uint8)
+    n = flat.numel()
+    if not sampled or n <= SAMPLE_ABOVE:
+        return flat
+    step = (n - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1)
+    blocks = flat.as_strided((SAMPLE_BLOCKS - 1, SAMPLE_BLOCK), (step, 1))
+    return torch.cat([blocks.reshape(-1), flat[n - SAMPLE_BLOCK:]])

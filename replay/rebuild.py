@@ -28,7 +28,7 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
     """
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.model.spec import is_registered, resolve
-    from cbtrace.state import state_digest
+    from cbtrace.state import same_state
 
     where = f"{run}: " if run is not None else ""
     named = spec is not None
@@ -51,7 +51,7 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
     except Exception as e:
         raise ReplayError(f"{where}cannot rebuild {whose} '{spec}' ({type(e).__name__}: "
                           f"{_first_line(e)}); pass model= to cbtrace.replay") from None
-    if verify and manifest.state_sha256 and state_digest(model) != manifest.state_sha256:
+    if verify and manifest.state_sha256 and not same_state(model, manifest.state_sha256):
         raise ReplayError(f"{where}{spec}: the rebuilt model's weights differ from the captured "
                           "ones (provider not deterministic, or another model?): pass model= to "
                           "replay")

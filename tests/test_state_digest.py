@@ -1,0 +1,70 @@
+"""The state digest a run stores (cbtrace.state.state_digest): replay knows a rebuilt model is
+the one captured; tensors above 4 MiB are read as evenly spaced blocks, older runs' full
+digests still verify."""
+import torch
+
+from cbtrace.state import SAMPLED, same_state, state_digest, state_fingerprint
+
+
+class Table(torch.nn.Module):
+    def __init__(self, rows: int, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.nn.Parameter(torch.randn(rows, 256, generator=g))  # rows * 1 KiB
+        self.fc = torch.nn.Linear(256, 8)
+
+
+def test_small_models_are_digested_whole():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    d = state_digest(m)
+    assert d.startswith(SAMPLED) and d[len(SAMPLED):] == state_digest(m, sampled=False)
+    assert same_state(m, d) and same_state(m, state_digest(m, sampled=False))  # old runs too
+    with torch.no_grad():
+        m[0].weight[3, 5] += 1
+    assert not same_state(m, d)
+
+
+def test_a_large_table_is_sampled_and_still_tells_models_apart():
+    a, b = Table(80_000, seed=0), Table(80_000, seed=1)  # 78 MiB tables: sampled
+    assert state_digest(a) != state_digest(b)
+    assert same_state(a, state_digest(a)) and not same_state(b, state_digest(a))
+    with torch.no_grad():
+        a.emb[0, 0] += 1  # inside the first block
+    assert not same_state(b, state_digest(a)) and state_digest(a) != state_digest(Table(80_000, 0))
+    with torch.no_grad():
+        a.emb[-1, -1] += 1  # inside the last block
+    d = state_digest(a)
+    assert same_state(a, d)
+    # a full digest (older runs') reads every byte: the legacy verification still works
+    assert same_state(a, state_digest(a, sampled=False))
+
+
+def test_fingerprint_reads_every_byte():
+    t = Table(80_000, seed=0)
+    before = state_fingerprint(t)
+    with torch.no_grad():
+        t.emb[40_000, 100] += 1  # between sampled blocks: replay's own checks must still see it
+    assert state_fingerprint(t) != before
+
+
+def test_replay_checks_the_rebuilt_model_against_the_stored_digest(tmp_path):
+    import pytest
+    from msgspec.structs import replace
+
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.errors import ReplayError
+    from cbtrace.replay.rebuild import rebuild_model
+    from cbtrace.rundir.read import read_manifest
+
+    capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
+    m = read_manifest(tmp_path / "r")
+    assert m.state_sha256.startswith(SAMPLED)
+    model = rebuild_model(m, torch.device("cpu"), verify=True, run=tmp_path / "r")
+    # a run of before the sampled digest stored the whole one: it verifies the same model
+    old = replace(m, state_sha256=state_digest(model, sampled=False))
+    rebuild_model(old, torch.device("cpu"), verify=True, run=tmp_path / "r")
+    for bad in (SAMPLED + "0" * 64, "0" * 64):
+        with pytest.raises(ReplayError, match="weights differ from the captured ones"):
+            rebuild_model(replace(m, state_sha256=bad), torch.device("cpu"),
+                          verify=True, run=tmp_path / "r")
