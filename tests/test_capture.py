@@ -447,4 +447,8 @@ def test_cpu_capture_records_host_insitu_and_profile_uses_it(tmp_path):
     cbtrace.replay(cap.out, budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
     out = join_insitu(cap.out)
     assert (out["insitu_ms"] == out["insitu_host_ms"]).all()
-    assert out["error_pct"].notna().all()
+    # a call whose host time is all hook cost (an eval Dropout) nets to 0 in situ, which has
+    # no error: on the loaded 2-core VM one or two of the 30 calls do
+    timed = out["insitu_ms"] > 0
+    assert out.loc[timed, "error_pct"].notna().all() and out.loc[~timed, "error_pct"].isna().all()
+    assert timed.sum() >= len(out) - 3, out.loc[~timed, ["fqn", "insitu_host_ms"]]

@@ -30,7 +30,7 @@ FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, profile_runs=1, progress=
 # (110 pairs of 11 replays: none flagged at these settings, 3 at 2x, 90+ at the GPU's): the
 # defaults for runs replayed on a CPU (cbtrace.workflows.diff.TIME_THRESHOLDS)
 CPU = dict(min_time_rel=1.5, min_time_ms=0.05)
-SLOW_S = 0.005
+SLOW_S = 0.020  # 5 ms: under load the root (~4 ms) sometimes moved less than the CPU's 150 %
 MEMORY = ("transformer.h.0", "transformer.h.1")
 SLOW = "transformer.h.1.attn.c_proj"
 
