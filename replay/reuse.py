@@ -73,6 +73,17 @@ def value_free(input_meta: str, op_names) -> bool:
     return not (set(op_names) & VALUE_OPS)
 
 
+COPIED = "timed as "
+
+
+def copied_from(notes: str | None) -> str | None:
+    """The fqn a row's timing was copied from under --reuse-timing ("" for the root), else None."""
+    if not notes or COPIED not in notes:
+        return None
+    name = notes.split(COPIED, 1)[1].split(" (--reuse-timing)", 1)[0]
+    return "" if name == "(root)" else name
+
+
 class TimingReuse:
     """Time once the calls that are the same work (``signature`` and counted cost equal) and
     whose time cannot depend on values (``value_free``): the first call of a group is timed,

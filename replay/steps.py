@@ -13,6 +13,7 @@ import torch
 from cbtrace.replay import timers
 from cbtrace.replay.call import CallUnderTest
 from cbtrace.replay.timing import TimingConfig, join_notes
+from cbtrace.replay.reuse import COPIED
 
 
 def timing_config(cfg) -> TimingConfig:
@@ -46,7 +47,7 @@ class Timed:
         if hit is not None:  # the same work, timed and checked: its timing, no runs of its own
             fqn, fields = hit
             return {**fields, "runs": 0, "timer_notes": join_notes(
-                c.row.get("timer_notes"), f"timed as {fqn or '(root)'} (--reuse-timing)")}
+                c.row.get("timer_notes"), f"{COPIED}{fqn or '(root)'} (--reuse-timing)")}
         c.run.expected_ms = c.row.get("device_ms")  # sizes the graph timer's K (profiled pass)
         t, fallback = timers.measure(c.run, c.n_copies, c.device, self.chain, self.backends,
                                      self.tcfg)
