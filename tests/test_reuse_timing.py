@@ -119,3 +119,24 @@ def test_copied_from_reads_the_note():
     assert copied_from("timed as (root) (--reuse-timing)") == ""
     assert copied_from("K=20; timing-reuse check against x: 1.0 % (each timed)") is None
     assert copied_from(None) is None
+
+
+def test_profile_and_replay_commands_take_the_flag(tmp_path):
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    run = tmp_path / "r"
+    out = subprocess.run([sys.executable, "-m", "cbtrace", "profile", "--model", "nanogpt:tiny",
+                          "--out", str(run), "--reuse-timing"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    notes = pd.read_parquet(run / "modules.parquet")["timer_notes"].fillna("")
+    assert notes.str.contains("timing-reuse check").any()
+    out = subprocess.run([sys.executable, "-m", "cbtrace", "replay", str(run)],
+                         capture_output=True, text=True, timeout=600)  # without: all timed
+    assert out.returncode == 0, out.stderr[-2000:]
+    df = pd.read_parquet(run / "modules.parquet")
+    assert not df["timer_notes"].fillna("").str.contains("timing-reuse").any()
+    assert (df["runs"] > 0).all()

@@ -16,9 +16,12 @@ from cbtrace.replay.config import ReplayConfig
 @click.option("--timeout-s", type=click.FloatRange(min=0), default=ReplayConfig.timeout_s,
               show_default=True,
               help="a call replaying longer ends status=timeout and replay goes on (0: no limit)")
+@click.option("--reuse-timing", is_flag=True,
+              help="time once the calls that are the same work and cannot depend on values "
+                   "(as cbtrace replay --reuse-timing)")
 @click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthesize_above_bytes,
-            seed, out, timer, cold, tb_logdir, timeout_s, strict):
+            seed, out, timer, cold, tb_logdir, timeout_s, reuse_timing, strict):
     """Capture, replay and attribute: isolated vs in-situ time per module.
 
     Adds insitu_ms and error_pct (isolated / in-situ - 1) to RUN/modules.parquet and prints the
@@ -34,7 +37,8 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
 
     if tb_logdir:
         out = str(Path(tb_logdir) / Path(out).name)
-    df = profile(spec, out, replay_options=dict(timer=timer, cold=cold, timeout_s=timeout_s), device=device,
+    df = profile(spec, out, replay_options=dict(timer=timer, cold=cold, timeout_s=timeout_s,
+                                          reuse_timing=reuse_timing), device=device,
                  dtype=dtype, step=step, seed=seed, options=parse_kv(opts), include=include,
                  exclude=exclude, max_depth=max_depth,
                  synthesize_above_bytes=synthesize_above_bytes)
