@@ -38,7 +38,8 @@ class BackwardStep:
             return dict(bwd_status="skipped", bwd_status_reason="no output requires grad (the "
                         "call ran without grad, or its outputs are not differentiable)")
         grads, source = _gradients(c, outs)
-        bwd = _backward_runner(c, grads)
+        backward = _FreshBackward(c, grads)
+        bwd = _backward_runner(c, backward)
         try:
             t, fallback = timers.measure(bwd, c.n_copies, c.device, self.chain, self.backends,
                                          self.tcfg)
@@ -48,8 +49,8 @@ class BackwardStep:
         row = dict(bwd_status="ok", grad_source=source, bwd_timer=t.timer, bwd_ms=t.median_ms,
                    bwd_ms_p10=t.p10_ms, bwd_ms_p90=t.p90_ms,
                    bwd_timer_notes=join_notes(t.notes, fallback and f"fallback: {fallback}"))
-        row.update(_cost(c, grads))
-        row.update(_memory(c, grads))
+        row.update(_cost(c, backward))
+        row.update(_memory(c, backward))
         return row
 
 
@@ -70,7 +71,33 @@ def _gradients(c: CallUnderTest, outs) -> tuple[list, str]:
             for o in outs], "random"
 
 
-def _backward_runner(c: CallUnderTest, grads):
+class _FreshBackward:
+    """``self(outs, i)``: the backward of copy i's outputs from empty ``.grad``, as after
+    ``zero_grad()``: the parameters', and the leaves the inputs end in (the input itself, or
+    the base a captured non-leaf input was rebuilt over: ``store.autograd_shape``). In the step
+    an input's gradient flows on to its producer; here it lands in a leaf, and accumulating
+    into the last run's would add a kernel the size of the input that the step never ran."""
+
+    def __init__(self, c: CallUnderTest, grads):
+        self.c, self.grads = c, grads
+        self._leaves: dict[int, list] = {}  # copy -> its inputs' leaves, found once
+
+    def __call__(self, outs, i: int = 0) -> None:
+        c = self.c
+        for p in c.module.parameters():
+            p.grad = None  # the engine's StateGuard puts the caller's back after the call
+        for t in self.leaves(i % c.n_copies):
+            t.grad = None
+        torch.autograd.backward(outs, self.grads)
+
+    def leaves(self, i: int) -> list:
+        if i not in self._leaves:
+            copies = getattr(self.c.run, "copies", None)
+            self._leaves[i] = _input_leaves(copies[i]) if copies else []
+        return self._leaves[i]
+
+
+def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
     """bwd(i): the backward of copy i's forward, which ``bwd.touch(i)`` ran just before (the
     timers' untimed hook); without it (a warm-up call), bwd runs the forward itself. A forward
     is used only by the next backward of the same copy, inside the same CUDA graph capture or
@@ -91,28 +118,25 @@ def _backward_runner(c: CallUnderTest, grads):
             forward(i)
         outs = last.pop("outs")
         last.clear()
-        _fresh_grads(c.module)  # as after zero_grad(): no accumulation kernels of its own
-        _fresh_input_grads(c, i)
-        torch.autograd.backward(outs, grads)
+        backward(outs, i)
 
     bwd.touch = forward
     return bwd
 
 
-def _cost(c: CallUnderTest, grads) -> dict:
+def _cost(c: CallUnderTest, backward: _FreshBackward) -> dict:
     """FLOPs and bytes of one backward as it runs (grad-input and grad-weight, counted)."""
     from cbtrace.cost.opcount import OpCounter
 
     outs = _grad_outputs(c.run(0))
     params = {id(p): n for n, p in c.module.named_parameters()}
-    _fresh_grads(c.module)  # as in a step after zero_grad(): no accumulation into old .grad
     with OpCounter(params=params) as oc:
-        torch.autograd.backward(outs, grads)
+        backward(outs)
     cost = oc.cost()
     return dict(bwd_flops=cost.flops, bwd_bytes=cost.bytes, bwd_compute_dtype=cost.compute_dtype)
 
 
-def _memory(c: CallUnderTest, grads) -> dict:
+def _memory(c: CallUnderTest, backward: _FreshBackward) -> dict:
     """Bytes the forward saved for backward, the backward's peak and the parameter gradients."""
     saved: dict[tuple, int] = {}
 
@@ -125,23 +149,23 @@ def _memory(c: CallUnderTest, grads) -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = _grad_outputs(c.run(0))
     params = [p for p in c.module.parameters() if p.requires_grad]
-    _fresh_grads(c.module)
     if c.device.type == "cuda":
+        for p in params:
+            p.grad = None  # their memory is not the backward's
         torch.cuda.synchronize(c.device)
         torch.cuda.reset_peak_memory_stats(c.device)
         base = torch.cuda.memory_allocated(c.device)
-        torch.autograd.backward(outs, grads)
+        backward(outs)
         torch.cuda.synchronize(c.device)
         peak = max(torch.cuda.max_memory_allocated(c.device) - base, 0)
     else:
-        peak = _cpu_peak(lambda: torch.autograd.backward(outs, grads))
+        peak = _cpu_peak(lambda: backward(outs))
     return dict(saved_bytes=sum(saved.values()), bwd_peak_mem_bytes=int(peak),
                 grad_bytes=sum(p.numel() * p.element_size() for p in params))
 
 
 def _input_leaves(inputs) -> list[torch.Tensor]:
-    """The leaves an input's gradient ends in: the input itself, or the base a captured
-    non-leaf input was rebuilt over (``store.autograd_shape``: a view of a clone of a leaf)."""
+    """The leaves the gradients of ``inputs`` (one copy's args and kwargs) end in."""
     leaves, stack, seen = [], [], set()
     for t in flat_tensors(inputs):
         if t.requires_grad:
@@ -160,23 +184,6 @@ def _input_leaves(inputs) -> list[torch.Tensor]:
             continue
         stack.extend((nxt, depth + 1) for nxt, _ in fn.next_functions)
     return leaves
-
-
-def _fresh_input_grads(c: CallUnderTest, i: int) -> None:
-    """The input leaves' .grad set to None before a backward: the step's gradient of an
-    input flows on to its producer; here it lands in a leaf, and accumulating into the last
-    run's would add a kernel the size of the input that the step never ran."""
-    copies = getattr(c.run, "copies", None)
-    if copies:
-        for t in _input_leaves(copies[i % len(copies)]):
-            t.grad = None
-
-
-def _fresh_grads(module) -> None:
-    """Parameters' .grad set to None, as ``zero_grad()`` leaves them before a step's backward
-    (the engine's StateGuard puts the caller's back after the call)."""
-    for p in module.parameters():
-        p.grad = None
 
 
 def _cpu_peak(fn) -> int:

@@ -141,14 +141,16 @@ class _TensorLoader:
 
 
 def _parse_ref(run_dir, inputs_ref: str) -> dict:
+    """The JSON document of an ``inputs_ref``; a one-line SerializationError if it is none."""
     try:
         doc = json.loads(inputs_ref)
-        version, _ = doc.get("v"), doc["chunks"]
-    except (TypeError, ValueError, KeyError, AttributeError):
+    except (TypeError, ValueError):
+        doc = None
+    if not isinstance(doc, dict) or "chunks" not in doc:
         raise SerializationError(f"{run_dir}: inputs_ref is not a cbtrace inputs reference "
-                                 f"({str(inputs_ref)[:60]!r})") from None
-    if version != FORMAT_VERSION:
-        raise SerializationError(f"{run_dir}: inputs_ref format v{version} is not supported "
+                                 f"({str(inputs_ref)[:60]!r})")
+    if doc.get("v") != FORMAT_VERSION:
+        raise SerializationError(f"{run_dir}: inputs_ref format v{doc.get('v')} is not supported "
                                  f"(this cbtrace reads v{FORMAT_VERSION})")
     return doc
 
