@@ -1,9 +1,12 @@
 """``--backward``: each call's backward, on the gradients its outputs got in the step.
 
-The backward is timed on its own: before every timed backward the call's forward runs untimed
-(the timers' ``touch`` hook: queued before the start event, or, in a CUDA graph, timed in a
-graph of its own and subtracted), then ``torch.autograd.backward(outputs, grads)`` is the
-timed work: grad-input where an input required grad, grad-weight for parameters. Gradients
+The backward is timed on its own: ``torch.autograd.backward(outputs, grads)`` is the timed
+work (grad-input where an input required grad, grad-weight for parameters), and the call's
+forward runs untimed before it. The graph timer stages one forward per captured slot, eagerly on
+the capture stream, and captures only the K backwards (``retain_graph``: each replay runs them
+again over the same saved tensors); the events timer runs the forward as its untimed ``touch``,
+queued before the start event. (A graph of K forward+backward pairs less a graph of K forwards
+read GPT-2's backward 10-30 % slow on the H200.) Gradients
 come from the capture (``grads_ref``: ``cbtrace capture --step train``), else random ones of
 the outputs' shape and dtype (``grad_source``). Parameters' ``.grad`` come back as they were
 (the engine's StateGuard). The forward's saved tensors, the backward's peak memory and the
@@ -76,19 +79,20 @@ class _FreshBackward:
     ``zero_grad()``: the parameters', and the leaves the inputs end in (the input itself, or
     the base a captured non-leaf input was rebuilt over: ``store.autograd_shape``). In the step
     an input's gradient flows on to its producer; here it lands in a leaf, and accumulating
-    into the last run's would add a kernel the size of the input that the step never ran."""
+    into the last run's would add a kernel the size of the input that the step never ran.
+    ``retain``: keep the forward's saved tensors for another backward over them."""
 
     def __init__(self, c: CallUnderTest, grads):
         self.c, self.grads = c, grads
         self._leaves: dict[int, list] = {}  # copy -> its inputs' leaves, found once
 
-    def __call__(self, outs, i: int = 0) -> None:
+    def __call__(self, outs, i: int = 0, retain: bool = False) -> None:
         c = self.c
         for p in c.module.parameters():
             p.grad = None  # the engine's StateGuard puts the caller's back after the call
         for t in self.leaves(i % c.n_copies):
             t.grad = None
-        torch.autograd.backward(outs, self.grads)
+        torch.autograd.backward(outs, self.grads, retain_graph=retain)
 
     def leaves(self, i: int) -> list:
         if i not in self._leaves:
@@ -98,11 +102,14 @@ class _FreshBackward:
 
 
 def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
-    """bwd(i): the backward of copy i's forward, which ``bwd.touch(i)`` ran just before (the
-    timers' untimed hook); without it (a warm-up call), bwd runs the forward itself. A forward
-    is used only by the next backward of the same copy, inside the same CUDA graph capture or
-    outside one: never one left over from a graph of forwards alone."""
+    """bwd(i): the backward of copy i's forward. Its forward ran untimed before it: staged
+    for slot i (``bwd.stage(i)``, the graph timer: kept until ``bwd.unstage()``, every
+    backward over it retains it), or just before (``bwd.touch(i)``, the events timer's
+    untimed hook, used by the next backward of the same copy only, inside the same CUDA graph
+    capture or outside one); without either (a warm-up call) bwd runs the forward itself."""
+    n = c.n_copies
     last: dict = {}
+    slots: dict[int, list] = {}
 
     def capturing() -> bool:
         # the C check, not torch.cuda.is_current_stream_capturing: the graph timer watches that
@@ -111,16 +118,24 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
 
     def forward(i: int) -> None:
         last.clear()
-        last.update(i=i % c.n_copies, capturing=capturing(), outs=_grad_outputs(c.run(i)))
+        last.update(i=i % n, capturing=capturing(), outs=_grad_outputs(c.run(i)))
+
+    def stage(j: int) -> None:
+        slots[j] = _grad_outputs(c.run(j % n))
 
     def bwd(i: int) -> None:
-        if last.get("i") != i % c.n_copies or last.get("capturing") != capturing():
+        if i in slots:
+            backward(slots[i], i, retain=True)
+            return
+        if last.get("i") != i % n or last.get("capturing") != capturing():
             forward(i)
         outs = last.pop("outs")
         last.clear()
         backward(outs, i)
 
     bwd.touch = forward
+    bwd.stage = stage
+    bwd.unstage = slots.clear
     return bwd
 
 

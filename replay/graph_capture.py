@@ -13,6 +13,25 @@ ASKS_CAPTURE = ("the call asks torch.cuda.is_current_stream_capturing() and may 
                 "attention mask its eager step drops)")
 
 
+@contextlib.contextmanager
+def capturing(g: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None):
+    """``torch.cuda.graph(g, pool, stream)`` without its ``empty_cache()``: that hands every
+    cached block back to the driver before each capture, so the next call's input copies, the
+    L2-flush buffer and the graph's own pool are allocated afresh (cudaMalloc) for each of the
+    two or three captures a timed call makes. As in torch, capture_end runs even when the body
+    raises, and its 'invalidated' error then names the body's error as its context."""
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        if pool is None:
+            g.capture_begin()
+        else:
+            g.capture_begin(pool=pool)
+        try:
+            yield g
+        finally:
+            g.capture_end()
+
+
 def side_stream_warmup(call, n_copies: int, runs: int) -> None:
     """Warm up on a side stream before capture, as the torch.cuda.graphs docs require."""
     side = torch.cuda.Stream()

@@ -6,7 +6,11 @@ A backend (timer) has a ``name`` and two methods::
     backend.measure(call, n_copies, device, cfg) -> Timing
 
 ``call(i)`` runs the module once on input copy ``i`` (0 <= i < n_copies); rotating among copies
-keeps repeated runs from reading their inputs out of a warm L2. ``measure`` raises
+keeps repeated runs from reading their inputs out of a warm L2. Optional attributes of
+``call``: ``touch(i)``, untimed work on copy i's inputs before ``call(i)`` (warm inputs; the
+backward's forward); ``stage(j)`` / ``unstage()``, untimed work for a run slot j that a CUDA
+graph timer does eagerly before capturing ``call(j)`` for each slot, and releases after (the
+backward's forward: only the backward is captured). ``measure`` raises
 ``TimerUnavailable`` when it cannot time this particular call (e.g. CUDA graph capture fails);
 the replay engine then falls back (``cbtrace.replay.timers``) and records the reason.
 Exceptions raised by the module itself pass through unchanged.

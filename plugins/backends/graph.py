@@ -11,8 +11,8 @@ import warnings
 
 import torch
 
-from cbtrace.replay.graph_capture import (ASKS_CAPTURE, end_pool_routing, root_cause,
-                                          side_stream_warmup, watch_capture_checks)
+from cbtrace.replay.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing,
+                                          root_cause, side_stream_warmup, watch_capture_checks)
 from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
 
 from .events import CudaTimer, event_pairs
@@ -26,21 +26,24 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
-def capture(call, n_copies: int, k: int, touch=None) -> torch.cuda.CUDAGraph:
+def capture(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.CUDAGraph:
     """Capture k calls (cycling input copies; each after ``touch(j)`` when given) into one
-    graph; TimerUnavailable if capture fails or the call looks at whether it is being captured."""
+    graph on ``stream`` (a fresh one by default); TimerUnavailable if capture fails or the
+    call looks at whether it is being captured. A call with ``stage`` (see ``staged``) is
+    called with its slot j, which it maps to a copy itself."""
     g = torch.cuda.CUDAGraph()
     asked: list = []
+    slots = hasattr(call, "stage")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*empty.*")  # a call that launches nothing
             # A fresh capture stream each time: a failed capture may leave the allocator routing
             # that stream's allocations to the dead graph's pool; keep it off the shared default.
-            with torch.cuda.graph(g, stream=torch.cuda.Stream()), watch_capture_checks(asked):
+            with capturing(g, stream or torch.cuda.Stream()), watch_capture_checks(asked):
                 for j in range(k):
                     if touch is not None:
                         touch(j % n_copies)
-                    call(j % n_copies)
+                    call(j if slots else j % n_copies)
     except Exception as e:  # capture errors come as RuntimeError, AcceleratorError, OOM, ...
         end_pool_routing(g)
         del g
@@ -55,6 +58,21 @@ def capture(call, n_copies: int, k: int, touch=None) -> torch.cuda.CUDAGraph:
         g.reset()
         raise TimerUnavailable(f"{ASKS_CAPTURE}; timed without a graph")
     return g
+
+
+def staged(call, n_copies: int, k: int, touch=None) -> torch.cuda.CUDAGraph:
+    """``capture`` of k calls; a call with ``stage(j)`` (untimed work its slot j needs first,
+    such as the forward whose backward the call is) has it run eagerly for every slot on the
+    capture stream, so that only the call itself is in the graph: work an op does on its
+    forward's stream (autograd's backward) then lands in the capture."""
+    stream = torch.cuda.Stream()
+    stage = getattr(call, "stage", None)
+    if stage is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for j in range(k):
+                stage(j)
+    return capture(call, n_copies, k, touch, stream)
 
 
 def replay_ms(g: torch.cuda.CUDAGraph) -> float:
@@ -73,7 +91,8 @@ class GraphTimer(CudaTimer):
 
     def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
         device = self._device(device)
-        touch = warm_toucher(call, cfg)
+        # a staged call's untimed part runs outside the graph: no touches to time and subtract
+        touch = None if hasattr(call, "stage") else warm_toucher(call, cfg)
         graphs = []
         with torch.cuda.device(device):
             side_stream_warmup(call, n_copies, cfg.warmup_runs)
@@ -83,13 +102,13 @@ class GraphTimer(CudaTimer):
                 # to back before sampling, and the lowered SM clock read lm_head 17 % slow.
                 expected = getattr(call, "expected_ms", None)
                 if not expected:
-                    graphs.append(capture(call, n_copies, 1, touch))
+                    graphs.append(staged(call, n_copies, 1, touch))
                     graphs[0].replay()  # warm replay: first launch uploads the graph
                     expected = replay_ms(graphs[0])
                 k = graph_calls(per_call_ms=expected, k_max=cfg.graph_k,
                                 max_replay_ms=cfg.graph_max_ms)
                 if not graphs or k > 1:
-                    graphs.append(capture(call, n_copies, k, touch))
+                    graphs.append(staged(call, n_copies, k, touch))
                 g = graphs[-1]
                 # warm inputs: the same touches alone, timed beside the calls and subtracted
                 t = capture(lambda i: None, n_copies, k, touch) if touch else None
@@ -106,6 +125,8 @@ class GraphTimer(CudaTimer):
                 for x in graphs:
                     if x is not None:
                         x.reset()
+                if hasattr(call, "unstage"):
+                    call.unstage()
         notes = join_notes(f"K={k}", flusher.note, settle, "warm inputs" if touch else None)
         return timing_from_samples(samples, self.name, notes)
 
