@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from cbtrace.replay.call import CallUnderTest
-from cbtrace.replay.graph_capture import (ASKS_CAPTURE, end_pool_routing, root_cause,
+from cbtrace.replay.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing, root_cause,
                                           side_stream_warmup, watch_capture_checks)
 from cbtrace.replay.steps import HostIssue, Timed, timing_config
 from cbtrace.replay.limits import CallTimeout
@@ -184,7 +184,7 @@ def capture_graphs(c: CallUnderTest, warmup_runs: int) -> list:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*empty.*")  # a call without kernels
-                with torch.cuda.graph(g, pool=pool, stream=torch.cuda.Stream()), \
+                with capturing(g, torch.cuda.Stream(), pool), \
                         watch_capture_checks(asked):
                     c.run(i)
         except Exception as e:  # noqa: BLE001 - RuntimeError, AcceleratorError, OOM, ...

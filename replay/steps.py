@@ -46,7 +46,7 @@ class Timed:
         hit = self.reuse.lookup(key) if key is not None else None
         if hit is not None:  # the same work, timed and checked: its timing, no runs of its own
             fqn, fields = hit
-            return {**fields, "runs": 0, "timer_notes": join_notes(
+            return {**fields, "runs": 0, "timed_ms": 0.0, "timer_notes": join_notes(
                 c.row.get("timer_notes"), f"{COPIED}{fqn or '(root)'} (--reuse-timing)")}
         c.run.expected_ms = c.row.get("device_ms")  # sizes the graph timer's K (profiled pass)
         t, fallback = timers.measure(c.run, c.n_copies, c.device, self.chain, self.backends,
@@ -54,7 +54,7 @@ class Timed:
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy)
         check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
-        return dict(fields, runs=t.runs, timer_notes=join_notes(
+        return dict(fields, runs=t.runs, timed_ms=t.timed_ms, timer_notes=join_notes(
             c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, check))
 
     def _key(self, c: CallUnderTest):

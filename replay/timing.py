@@ -101,6 +101,7 @@ class Timing:
     samples_ms: list[float] = field(default_factory=list)
     notes: str | None = None  # e.g. "K=20", "spin=0.050ms", fallback reasons
     noisy: bool = False  # the samples say the machine was busy (waits off-CPU, a wide spread)
+    timed_ms: float = 0.0  # time inside the timing events, all runs (graph: K calls a replay)
 
 
 def join_notes(*notes: str | None) -> str | None:

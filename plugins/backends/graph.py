@@ -128,7 +128,7 @@ class GraphTimer(CudaTimer):
                 if hasattr(call, "unstage"):
                     call.unstage()
         notes = join_notes(f"K={k}", flusher.note, settle, "warm inputs" if touch else None)
-        return timing_from_samples(samples, self.name, notes)
+        return timing_from_samples(samples, self.name, notes, calls_per_run=k)
 
     @staticmethod
     def _sampler(g, touches, k: int, device, cfg: TimingConfig, flusher: L2Flusher):

@@ -79,11 +79,13 @@ def warm_until_settled(sample: Callable[[int, int], list[float]], cfg: TimingCon
             return f"still drifting after {spent:.1f} s of warm-up"
 
 
-def timing_from_samples(samples_ms: list[float], timer: str, notes: str | None = None) -> Timing:
-    """Summarise per-call samples into a Timing."""
+def timing_from_samples(samples_ms: list[float], timer: str, notes: str | None = None,
+                        calls_per_run: int = 1) -> Timing:
+    """Summarise per-call samples (each the mean of ``calls_per_run`` calls) into a Timing."""
     median, p10, p90 = summarize(samples_ms)
     return Timing(median_ms=median, p10_ms=p10, p90_ms=p90, runs=len(samples_ms), timer=timer,
-                  samples_ms=list(samples_ms), notes=notes)
+                  samples_ms=list(samples_ms), notes=notes,
+                  timed_ms=sum(samples_ms) * calls_per_run)
 
 
 def warm_toucher(call, cfg: TimingConfig):
