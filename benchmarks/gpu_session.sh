@@ -6,7 +6,9 @@
 # paper: benchmarks/paper_demos.py (the paper's figures beside ours, icicles);
 # replay: calibrate, then bench_replay_gpu.py (default and cold replay vs do_bench and in situ);
 # modes: bench_modes_gpu.py (eager vs compile vs cudagraph per module, whole-model compile);
-# nproc: bench_nproc.py (torchrun --nproc 1 against in-process replay).
+# nproc: bench_nproc.py (torchrun --nproc 1 against in-process replay);
+# probe-backward: probe_backward.py (a train step's backward kernels in situ vs replayed, three
+# backward timing methods); overhead: probe_replay_overhead.py (replay wall under cProfile).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -32,5 +34,11 @@ modes)
   done ;;
 nproc)
   timeout ${NPROC_TIMEOUT:-150} python3 $R/benchmarks/bench_nproc.py /tmp/nproc 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_nproc.log | tail -6 ;;
+probe-backward)
+  timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_backward.py /tmp/probe 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -40 ;;
+overhead)
+  for M in ${OVERHEAD_MODELS:-nanogpt}; do
+    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probe_replay_overhead.py /tmp/overhead $M 40 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/overhead_$M.log | head -${OVERHEAD_LINES:-30}
+  done ;;
 esac
 done

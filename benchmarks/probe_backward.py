@@ -1,0 +1,162 @@
+"""Why a replayed backward differs from its in-situ time: kernels and timing methods, per call.
+
+Captures one training step (``--step train``), then for a few calls lists the backward's kernels
+in the step (the capture trace, attributed to the call by autograd sequence number, as the
+in-situ stage does) beside the kernels of one replayed backward (torch.profiler), and times the
+replayed backward three ways on the same prepared call:
+
+- ``staged``: the graph timer as replay uses it (each slot's forward run eagerly on the capture
+  stream, only the K backwards in the graph);
+- ``pairs``: a graph of K forward+backward pairs less a graph of K forwards (replay's method
+  before this probe);
+- ``events``: the events timer, the forward queued untimed before the start event.
+
+Usage: python benchmarks/probe_backward.py OUT_DIR [SPEC] [FQN ...]   (GPU; SPEC: nanogpt)
+"""
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+SPEC, OPTIONS = "nanogpt", {"batch_size": 8}
+FQNS = ["transformer.h.0.ln_1", "transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
+        "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.gelu", "transformer.h.0.mlp.c_proj",
+        "transformer.h.0.attn", "transformer.h.0.mlp", "transformer.h.0", "lm_head"]
+
+
+def insitu_kernels(trace) -> dict:
+    """fqn -> [(kernel, µs)] of the backward kernels the step ran for the call (own, not its
+    children's), first call of each fqn."""
+    from cbtrace.attribution import backward as bw
+    from cbtrace.attribution import forest as fm
+    from cbtrace.attribution import identity, insitu, loader
+
+    cols = loader.load(trace)
+    name_of = dict(zip(cols.idx.tolist(), cols.name.tolist()))
+    strings = cols.strings
+    f = fm.build(cols)
+    lab, is_copy, labels = identity.labels(f, identity.choose_source(f))
+    module_of, copy_of = f.nearest(lab >= 0), f.outermost(is_copy)
+    roots = bw.backward_roots(f)
+    owner = bw.backward_owner(f, roots, bw.forward_owner_by_seq(f, module_of, roots, copy_of))
+    key = insitu.owners(f, module_of, copy_of, roots, owner)
+    out = defaultdict(list)
+    for j in range(len(f.d_ts)):
+        la = f.launcher[j]
+        if la < 0 or key[la] % 5 != insitu.BWD:
+            continue
+        node = key[la] // 5 - 1
+        out[labels[lab[node]]].append((strings[name_of[int(f.d_idx[j])]], float(f.d_dur[j])))
+    return out
+
+
+def replay_kernels(bwd, outs_of) -> list:
+    """[(kernel, µs)] of one backward of copy 0 after an untimed forward (CPU: its aten ops,
+    host µs: a dry run of the probe)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    outs = outs_of()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        bwd(outs)
+        if cuda:
+            torch.cuda.synchronize()
+    if not cuda:
+        return [(e.name, e.cpu_time) for e in prof.events() if e.name.startswith("aten::")]
+    return [(e.name, e.device_time) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def methods(c, backward, backends, tcfg):
+    """ms of one backward, timed staged / as pairs less forwards / with events."""
+    from cbtrace.replay import timers
+    from cbtrace.replay.backward import _backward_runner
+
+    out = {}
+    bwd = _backward_runner(c, backward)
+
+    def pairs(i):  # no stage: the graph timer takes the touch path (forward in the graph)
+        return bwd(i)
+
+    pairs.touch = bwd.touch
+    for name, fn, chain in (("staged", bwd, ["graph"]), ("pairs", pairs, ["graph"]),
+                            ("events", bwd, ["events"])):
+        try:
+            t, fb = timers.measure(fn, c.n_copies, c.device, chain, backends, tcfg)
+            out[name] = (t.median_ms, t.timer, t.notes or "")
+        except Exception as e:  # noqa: BLE001 - report and go on
+            out[name] = (float("nan"), "failed", f"{type(e).__name__}: {str(e)[:120]}")
+    return out
+
+
+def main(out_dir, spec=SPEC, fqns=None):
+    import dataclasses
+
+    import pandas as pd
+
+    from cbtrace import module_tree, registry
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.replay.backward import _FreshBackward, _gradients, _grad_outputs
+    from cbtrace.replay.call import prepare
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.steps import timing_config
+    from cbtrace.rundir.read import find_trace, load_run
+    from cbtrace.schema.modules import frame_to_records
+    from cbtrace.store.load import load_call_inputs
+
+    fqns = fqns or FQNS
+    run = Path(out_dir) / "probe"
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    cap = capture_model(spec, run, device=device.type, dtype="bf16" if gpu else None,
+                        options=OPTIONS if spec == SPEC else {}, step="train")
+    model = cap.model
+    manifest, df = load_run(run)
+    ins = insitu_kernels(find_trace(run, manifest))
+    cfg = ReplayConfig()
+    tcfg = dataclasses.replace(timing_config(cfg), warm_inputs=True)
+    backends = registry.backends()
+    rows = []
+    for fqn in fqns:
+        rec = df[(df["fqn"] == fqn) & (df["call_index"] == 0)]
+        if not len(rec):
+            print(f"{fqn}: not captured")
+            continue
+        rec = frame_to_records(rec)[0]
+        module = module_tree.get_submodule(model, rec.fqn)
+        args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device)
+        grads = load_call_inputs(run, rec.grads_ref, device=device)[0] if rec.grads_ref else None
+        module.train(bool(rec.training))
+        c = prepare(module, rec, args, kwargs, device, cfg, grads)
+        outs = _grad_outputs(c.run(0))
+        g, source = _gradients(c, outs)
+        backward = _FreshBackward(c, g)
+        rk = replay_kernels(lambda o: backward(o), lambda: _grad_outputs(c.run(0)))
+        own = ins.get(fqn, [])
+        m = methods(c, backward, backends, tcfg)
+        rows.append(dict(fqn=fqn, grads=source, insitu_own_us=sum(d for _, d in own),
+                         insitu_kernels=len(own), replay_us=sum(d for _, d in rk),
+                         replay_kernels=len(rk),
+                         **{f"{k}_us": v[0] * 1e3 for k, v in m.items()},
+                         notes=" | ".join(f"{k}: {v[1]} {v[2]}" for k, v in m.items())))
+        print(f"\n== {fqn} (grads {source})")
+        print("  in situ (own):  " + "; ".join(f"{n[:60]} {d:.1f}" for n, d in own))
+        print("  replay (all):   " + "; ".join(f"{n[:60]} {d:.1f}" for n, d in rk))
+        for p in module.parameters():
+            p.grad = None
+        del c, outs, backward
+        if gpu:
+            torch.cuda.empty_cache()
+    t = pd.DataFrame(rows)
+    print("\n== backward per call (µs); in situ: own kernels; staged/pairs/events: timed")
+    print(t.drop(columns=["notes"]).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+    print(t[["fqn", "notes"]].to_string(index=False))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1], *(sys.argv[2:3] or [SPEC]), fqns=sys.argv[3:] or None)
