@@ -121,7 +121,11 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
         last.update(i=i % n, capturing=capturing(), outs=_grad_outputs(c.run(i)))
 
     def stage(j: int) -> None:
-        slots[j] = _grad_outputs(c.run(j % n))
+        on = getattr(c.run, "on", None)
+        if on is None:
+            slots[j] = _grad_outputs(c.run(j % n))
+        else:  # its own autograd leaves: their nodes made now, on the capture stream
+            slots[j] = _grad_outputs(on(_fresh_autograd(c.run.copies[j % n]), j % n))
 
     def bwd(i: int) -> None:
         if i in slots:
@@ -137,6 +141,31 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
     bwd.stage = stage
     bwd.unstage = slots.clear
     return bwd
+
+
+def _fresh_autograd(inputs):
+    """``inputs`` (one copy's args and kwargs) with each tensor that requires grad derived
+    anew from a leaf of its own over the same bytes (a non-leaf input's base cloned again, a
+    leaf input detached and made to require grad). Autograd keeps the stream a node was made
+    on: an input's AccumulateGrad made at load, on the default stream, and reached by a
+    backward captured on a side stream breaks the capture ("operation would make the legacy
+    stream depend on a capturing blocking stream", torch 2.11; pytorch#180090). Nodes made by
+    the staged forward are made on the capture stream."""
+    from cbtrace.nested import map_tensors
+    from cbtrace.store.autograd_shape import as_non_leaf, is_non_leaf
+
+    if not any(t.requires_grad for t in flat_tensors(inputs)):
+        return inputs
+    bases: dict = {}  # tensors over one storage keep sharing one base
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if not t.requires_grad:
+            return t
+        if is_non_leaf(t):
+            return as_non_leaf(t.detach(), bases)
+        return t.detach().requires_grad_(True)
+
+    return map_tensors(fresh, inputs)
 
 
 def _cost(c: CallUnderTest, backward: _FreshBackward) -> dict:

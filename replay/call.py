@@ -57,17 +57,22 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
 
     def runner(fn):
         """run(i): ``fn`` on input copy i as the module is called (objects in the inputs put
-        back, grad mode and autocast as captured); run.runner(other) wraps another callable
+        back, grad mode and autocast as captured); run.on(inputs, i): the same on other
+        (args, kwargs) that share copy i's objects; run.runner(other) wraps another callable
         (the module compiled) over the same copies."""
-        def run(i: int = 0):
-            a, k = copies[i % n]
+        def on(inputs, i: int = 0):
             if states is not None:
                 states[i % n].restore(cuda)
+            a, k = inputs
             with call_context(rec, device.type):
                 return fn(*a, **k)
 
+        def run(i: int = 0):
+            return on(copies[i % n], i)
+
         run.touch = touch  # timers that keep inputs warm call it before run(i)
         run.copies = copies  # (args, kwargs) per copy (the backward clears its leaves' .grad)
+        run.on = on
         run.runner = runner
         return run
 
@@ -82,8 +87,12 @@ def input_toucher(copies):
     as the op that produced them would have: in the real step a module reads an input its
     producer has just written, often still in the 50 MB L2 (on the H200 ResNet-50's ReLUs read
     +28 % and Llama's RMSNorms +8 % from cold inputs). None when no input qualifies (or for
-    dtypes without an in-place multiply); parameters and overlapping views are left alone."""
-    per_copy = [[t for t in flat_tensors(c) if _touchable(t)] for c in copies]
+    dtypes without an in-place multiply); parameters and overlapping views are left alone.
+    Writes go through aliases with version counters of their own: an in-place write on a view
+    of a non-leaf input (even untimed, under no_grad) makes autograd regenerate its grad_fn as
+    AsStridedBackward, whose backward zero-fills and copies a buffer the size of the input (on
+    the H200 two extra kernels, 11 us, in every GPT-2 Linear's replayed backward)."""
+    per_copy = [[_alias(t) for t in flat_tensors(c) if _touchable(t)] for c in copies]
     if not any(per_copy):
         return None
 
@@ -95,16 +104,26 @@ def input_toucher(copies):
     return touch
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s bytes (same shape, strides, offset) outside its autograd history."""
+    if t.is_conj() or t.is_neg() or t.is_sparse or t.layout != torch.strided:
+        return t  # _touchable leaves these alone
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
 def _touchable(t: torch.Tensor) -> bool:
     if isinstance(t, torch.nn.Parameter) or t.numel() * t.element_size() < WARM_MIN_BYTES:
         return False
     if t.dtype == torch.bool or t.is_conj() or t.is_neg() or t.device.type == "meta":
         return False
+    if t.is_sparse or t.layout != torch.strided:
+        return False
     if torch._debug_has_internal_overlap(t) != 0:  # expanded: writing it is refused
         return False
     try:
         with torch.no_grad():
-            t.reshape(-1)[:1].mul_(1)  # the dtype has an in-place multiply (not float8)
+            _alias(t).reshape(-1)[:1].mul_(1)  # the dtype has an in-place multiply (not float8)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
     return True

@@ -43,15 +43,35 @@ def backward_owner(forest: Forest, bwd_root: np.ndarray, seq_owner) -> np.ndarra
     """Per host event that is a backward root: the module node it belongs to (-1 elsewhere)."""
     roots = np.flatnonzero(bwd_root == np.arange(len(forest)))
     seq = forest.seq[roots].copy()
-    for k in (1, 2, 3):  # some torch versions put the number on the inner XBackward0 op only
-        j = roots + k
-        inside = j < len(forest)
-        jj = np.where(inside, j, 0)
-        child = inside & (forest.parent[jj] == roots) & (forest.seq[jj] >= 0) & (seq < 0)
-        seq[child] = forest.seq[jj[child]]
+    inner = inner_seq(forest, roots)  # some torch versions number the inner XBackward0 op only
+    seq = np.where(seq < 0, inner, seq)
     seqs, owner = seq_owner
     pos = np.minimum(np.searchsorted(seqs, seq), max(len(seqs) - 1, 0))
     hit = (seq >= 0) & (seqs[pos] == seq) if len(seqs) else np.zeros(len(seq), bool)
     out = np.full(len(forest), -1, np.int64)
     out[roots] = np.where(hit, owner[pos] if len(seqs) else -1, -1)
+    return out
+
+
+def inner_seq(forest: Forest, roots: np.ndarray) -> np.ndarray:
+    """Per root ``evaluate_function: X``: the sequence number of its child op ``X``, -1 without.
+    The child by name, not position: in a ``with_stack`` trace of a capture the Python frames
+    of cbtrace's gradient hooks come first (every LayerNorm and GELU backward of a GPT-2 step
+    lost its module that way)."""
+    s, n = forest.strings, len(forest)
+    out = np.full(len(roots), -1, np.int64)
+    if not len(roots):
+        return out
+    code = {name: c for c, name in enumerate(s)}
+    inner = np.full(len(s), -2, np.int64)  # root name code -> code of its op's name
+    for c, name in enumerate(s):
+        if name.startswith(EVALUATE):
+            inner[c] = code.get(name[len(EVALUATE):], -2)
+    at = np.full(n + 1, -1, np.int64)
+    at[roots] = np.arange(len(roots))
+    kids = np.flatnonzero((forest.seq >= 0) & (forest.parent >= 0))
+    kids = kids[at[forest.parent[kids]] >= 0]  # children of a root
+    kids = kids[forest.name[kids] == inner[forest.name[forest.parent[kids]]]]
+    which, first = np.unique(at[forest.parent[kids]], return_index=True)
+    out[which] = forest.seq[kids[first]]
     return out

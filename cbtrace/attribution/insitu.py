@@ -118,6 +118,8 @@ class _Buckets:
         # host time: backward roots, overhead ranges, top-level ops outside every module
         top_op = is_op & ~forest.strict_any(is_op) & (roots < 0) & (copy_of < 0) & (module_of < 0)
         cpu_at = np.flatnonzero((roots == ar) | copy_root | top_op)
+        # a backward op's host time less the input copies of cbtrace's gradient hooks in it
+        nest = np.flatnonzero(copy_root & (roots >= 0) & (roots != ar))
         # device time: the launcher's owner, else unattributed in the step of the event
         la = forest.launcher
         d_key = np.where(la >= 0, key[np.maximum(la, 0)] if n else 0,
@@ -127,12 +129,13 @@ class _Buckets:
         cost_at = np.flatnonzero(working_ops(forest, table[:, 0], table[:, 2]))
         nof_at = np.flatnonzero(is_op & aten & ~forest.subtree_any(forest.cost >= 0) & ~f_anc
                                 & ~forest.strict_any(aten))
-        self.keys, inv = np.unique(np.r_[key[cpu_at], d_key, key[cost_at], key[nof_at]],
-                                   return_inverse=True)
-        i_cpu, i_dev, i_cost, i_nof = np.split(
-            inv.ravel(), np.cumsum([len(cpu_at), len(d_key), len(cost_at)]))
+        self.keys, inv = np.unique(np.r_[key[cpu_at], d_key, key[cost_at], key[nof_at],
+                                         key[roots[nest]]], return_inverse=True)
+        i_cpu, i_dev, i_cost, i_nof, i_nest = np.split(
+            inv.ravel(), np.cumsum([len(cpu_at), len(d_key), len(cost_at), len(nof_at)]))
         nb, d_ts, d_dur = len(self.keys), forest.d_ts, forest.d_dur
-        acc = {"cpu": np.bincount(i_cpu, forest.dur[cpu_at], nb),
+        acc = {"cpu": np.bincount(i_cpu, forest.dur[cpu_at], nb)
+               - np.bincount(i_nest, forest.dur[nest], nb),
                "gpu": np.bincount(i_dev, d_dur, nb),
                "comm": np.bincount(i_dev, np.where(forest.d_comm, d_dur, 0.0), nb),
                "comm_exp": np.bincount(i_dev, forest.d_exposed, nb),
