@@ -3,13 +3,14 @@
 Captures one training step (``--step train``), then for a few calls lists the backward's kernels
 in the step (the capture trace, attributed to the call by autograd sequence number, as the
 in-situ stage does) beside the kernels of one replayed backward (torch.profiler), and times the
-replayed backward three ways on the same prepared call:
+replayed backward two ways on the same prepared call:
 
 - ``staged``: the graph timer as replay uses it (each slot's forward run eagerly on the capture
   stream, only the K backwards in the graph);
-- ``pairs``: a graph of K forward+backward pairs less a graph of K forwards (replay's method
-  before this probe);
 - ``events``: the events timer, the forward queued untimed before the start event.
+
+(A third way, a graph of K forward+backward pairs less a graph of K forwards, was replay's
+method before this probe; at 35435c8 its capture failed on every call, see RESULTS.md.)
 
 Usage: python benchmarks/probe_backward.py OUT_DIR [SPEC] [FQN ...]   (GPU; SPEC: nanogpt)
 """
@@ -71,19 +72,14 @@ def replay_kernels(bwd, outs_of) -> list:
 
 
 def methods(c, backward, backends, tcfg):
-    """ms of one backward, timed staged / as pairs less forwards / with events."""
+    """ms of one backward, timed staged / with events."""
     from cbtrace.replay import timers
     from cbtrace.replay.backward import _backward_runner
 
     out = {}
     bwd = _backward_runner(c, backward)
 
-    def pairs(i):  # no stage: the graph timer takes the touch path (forward in the graph)
-        return bwd(i)
-
-    pairs.touch = bwd.touch
-    for name, fn, chain in (("staged", bwd, ["graph"]), ("pairs", pairs, ["graph"]),
-                            ("events", bwd, ["events"])):
+    for name, fn, chain in (("staged", bwd, ["graph"]), ("events", bwd, ["events"])):
         try:
             t, fb = timers.measure(fn, c.n_copies, c.device, chain, backends, tcfg)
             out[name] = (t.median_ms, t.timer, t.notes or "")
@@ -151,7 +147,7 @@ def main(out_dir, spec=SPEC, fqns=None):
         if gpu:
             torch.cuda.empty_cache()
     t = pd.DataFrame(rows)
-    print("\n== backward per call (µs); in situ: own kernels; staged/pairs/events: timed")
+    print("\n== backward per call (µs); in situ: own kernels; staged/events: timed")
     print(t.drop(columns=["notes"]).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
     print(t[["fqn", "notes"]].to_string(index=False))
 

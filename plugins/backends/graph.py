@@ -60,14 +60,16 @@ def capture(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.
     return g
 
 
-def staged(call, n_copies: int, k: int, touch=None) -> torch.cuda.CUDAGraph:
+def staged(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.CUDAGraph:
     """``capture`` of k calls; a call with ``stage(j)`` (untimed work its slot j needs first,
     such as the forward whose backward the call is) has it run eagerly for every slot on the
     capture stream, so that only the call itself is in the graph: work an op does on its
-    forward's stream (autograd's backward) then lands in the capture."""
-    stream = torch.cuda.Stream()
+    forward's stream (autograd's backward) then lands in the capture. Slots staged before are
+    released first: autograd nodes they hold would keep the stream of an earlier capture."""
+    stream = stream or torch.cuda.Stream()
     stage = getattr(call, "stage", None)
     if stage is not None:
+        call.unstage()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for j in range(k):
@@ -96,19 +98,20 @@ class GraphTimer(CudaTimer):
         graphs = []
         with torch.cuda.device(device):
             side_stream_warmup(call, n_copies, cfg.warmup_runs)
+            stream = torch.cuda.Stream()  # every capture of this call: staged nodes keep it
             try:
                 # K from the call's device time where the plan measured it, else from one call
                 # captured first: capturing K = 20 straight away ran a 1 ms GEMM 40 times back
                 # to back before sampling, and the lowered SM clock read lm_head 17 % slow.
                 expected = getattr(call, "expected_ms", None)
                 if not expected:
-                    graphs.append(staged(call, n_copies, 1, touch))
+                    graphs.append(staged(call, n_copies, 1, touch, stream))
                     graphs[0].replay()  # warm replay: first launch uploads the graph
                     expected = replay_ms(graphs[0])
                 k = graph_calls(per_call_ms=expected, k_max=cfg.graph_k,
                                 max_replay_ms=cfg.graph_max_ms)
                 if not graphs or k > 1:
-                    graphs.append(staged(call, n_copies, k, touch))
+                    graphs.append(staged(call, n_copies, k, touch, stream))
                 g = graphs[-1]
                 # warm inputs: the same touches alone, timed beside the calls and subtracted
                 t = capture(lambda i: None, n_copies, k, touch) if touch else None
