@@ -127,8 +127,7 @@ def main(out_dir, spec=SPEC, fqns=None):
         grads = load_call_inputs(run, rec.grads_ref, device=device)[0] if rec.grads_ref else None
         module.train(bool(rec.training))
         c = prepare(module, rec, args, kwargs, device, cfg, grads)
-        outs = _grad_outputs(c.run(0))
-        g, source = _gradients(c, outs)
+        g, source = _gradients(c, _grad_outputs(c.run(0)))  # no graph kept (see BackwardStep)
         backward = _FreshBackward(c, g)
         rk = replay_kernels(lambda o: backward(o), lambda: _grad_outputs(c.run(0)))
         own = ins.get(fqn, [])
@@ -143,7 +142,7 @@ def main(out_dir, spec=SPEC, fqns=None):
         print("  replay (all):   " + "; ".join(f"{n[:60]} {d:.1f}" for n, d in rk))
         for p in module.parameters():
             p.grad = None
-        del c, outs, backward
+        del c, backward
         if gpu:
             torch.cuda.empty_cache()
     t = pd.DataFrame(rows)

@@ -41,6 +41,8 @@ class BackwardStep:
             return dict(bwd_status="skipped", bwd_status_reason="no output requires grad (the "
                         "call ran without grad, or its outputs are not differentiable)")
         grads, source = _gradients(c, outs)
+        del outs  # its autograd graph would keep the parameters' AccumulateGrad nodes alive, and
+        # with them the stream they were made on: a backward captured on another stream fails
         backward = _FreshBackward(c, grads)
         bwd = _backward_runner(c, backward)
         try:
