@@ -1,9 +1,12 @@
 """`cbtrace profile` over several models in one run: statuses, fidelity and the error tables.
 
-Per model: capture (the model's spec, dtype and options), replay (default timer), in-situ join;
-then one line per model (calls, ok / skipped / error, share of calls with in-situ >= 10 us that
-read within +-5 % of in situ, the root's error, replay wall and duty cycle) and its error table
-by module class. Writes OUT_DIR/<model>_modules.csv. Usage:
+Per model: capture (the model's spec, dtype and options), replay (default timer) of the model
+the capture ran, as `cbtrace profile` does (the variant +rebuild rebuilds it from its spec, as
+`cbtrace replay RUN` does), in-situ join; then where the replay wall went (manifest.replay:
+timings_s inside the per-call loop, outside_s the rest), one line per model (calls, ok /
+skipped / error, share of calls with in-situ >= 10 us that read within +-5 % of in situ, the
+root's error, replay wall, the part outside the loop and duty cycle) and its error table by
+module class. Writes OUT_DIR/<model>_modules.csv. Usage:
 
     python benchmarks/profile_models.py OUT_DIR nanogpt dlrm [...]   (names from MODELS)
 """
@@ -30,10 +33,11 @@ MODELS = {
 }
 # NAME+VARIANT[+...]: the same model replayed with other settings, side by side in one table
 VARIANTS = {"warm": {"warm_inputs": True},        # inputs rewritten in place before each call
-            "reuse": {"reuse_timing": True}}       # --reuse-timing
+            "reuse": {"reuse_timing": True},       # --reuse-timing
+            "rebuild": {}}                         # the model rebuilt from its spec
 
 
-def summary(name, df, wall_s):
+def summary(name, df, wall_s, outside_s):
     """One row of the model table (a dict)."""
     status = df["status"].value_counts().to_dict()
     timed = df[(df["status"] == "ok") & (df["insitu_ms"] >= MIN_MS)]
@@ -44,7 +48,8 @@ def summary(name, df, wall_s):
             "skipped": status.get("skipped", 0), "error": status.get("error", 0),
             "calls>=10us": len(timed), "within5%": within,
             "root_err%": float(root["error_pct"].iloc[0]) if len(root) else float("nan"),
-            "replay_wall_s": wall_s, "duty": device_s / wall_s if wall_s else float("nan")}
+            "replay_wall_s": wall_s, "outside_loop_s": outside_s,
+            "duty": device_s / wall_s if wall_s else float("nan")}
 
 
 def backward_table(df) -> str:
@@ -67,10 +72,12 @@ def main(out_dir, names):
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.replay.engine import replay
     from cbtrace.rundir.read import read_manifest
+    from cbtrace.workflows.profile_model import live_model
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows, captured = [], {}  # a variant replays its model's capture again (same in-situ step)
+    live = {}  # the last captured model only (GPU memory); an earlier one's variants rebuild
     for name in names:
         base, *variants = name.split("+")
         m = MODELS[base]
@@ -78,21 +85,29 @@ def main(out_dir, names):
         try:
             step = m.get("step", "forward")
             if base not in captured:
-                captured[base] = capture_model(m["spec"], out / base, device=m["device"],
-                                               dtype=m["dtype"], options=m["options"],
-                                               step=step).out
+                live.clear()
+                cap = capture_model(m["spec"], out / base, device=m["device"], dtype=m["dtype"],
+                                    options=m["options"], step=step)
+                captured[base], live[base] = cap.out, live_model(cap)
+                del cap
             run = captured[base]
+            model = None if "rebuild" in variants else live.get(base)
             t0 = time.perf_counter()
-            replay(run, model_spec=m["spec"], backward=step == "train", progress=False,
-                   **replay_opts)
+            replay(run, model=model, model_spec=m["spec"], backward=step == "train",
+                   progress=False, **replay_opts)
             wall = time.perf_counter() - t0
             df = join_insitu(run)
         except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
             print(f"\n== {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         df.to_csv(out / f"{name}_modules.csv", index=False)
-        rows.append(summary(name, df, wall))
-        print(f"\n== {name}: replay time by phase (s): {read_manifest(run).replay.timings_s}")
+        info = read_manifest(run).replay
+        loop_s, outside_s = sum(info.timings_s.values()), sum(info.outside_s.values())
+        rows.append(summary(name, df, wall, outside_s))
+        print(f"\n== {name}: replay() {wall:.2f} s = per-call loop {loop_s:.2f} s + outside it "
+              f"{outside_s:.2f} s (+ the manifest write {wall - info.wall_s:.2f} s)")
+        print(f"   loop phases (s): {info.timings_s}")
+        print(f"   outside the loop (s): {info.outside_s}")
         if step == "train":
             print(backward_table(df))
         root = df[df["parent_call_id"] == -1].iloc[0]

@@ -1,6 +1,7 @@
 """Breadth-first isolated replay of a run: every captured call re-run standalone and measured."""
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from cbtrace.replay.progress import ProgressLog, clear_progress, read_done
 from cbtrace.replay.timing import join_notes
 from cbtrace.rundir.files import check_writable, sha256_file
 from cbtrace.rundir.read import load_run
-from cbtrace.rundir.writer import write_stage
+from cbtrace.rundir.layout import MODULES
+from cbtrace.rundir.writer import write_columns, write_manifest
 from cbtrace.schema.manifest import ReplayInfo
 from cbtrace.schema.modules import (CAPTURE, COLUMNS, COPY_FAILED, HOST_INSITU, REPLAY,
                                     ModuleRecord, frame_to_records, stage_columns)
@@ -38,9 +40,12 @@ def replay(run, model=None, device=None, **options):
     from cbtrace.replay.derive import finalize
     from cbtrace.replay.rebuild import rebuild_model
 
+    t_start = time.perf_counter()
+    outside: dict[str, float] = {}  # seconds outside the per-call loop, by phase
     cfg = ReplayConfig(**options)
     run = Path(run)
-    manifest, df = load_run(run)
+    with phase(outside, "load_run"):
+        manifest, df = load_run(run)
     if not manifest.complete:
         raise ReplayError(f"{run}: the capture did not complete ({manifest.error})")
     check_writable(run)  # a read-only run fails now, before the model is rebuilt
@@ -52,11 +57,14 @@ def replay(run, model=None, device=None, **options):
         shard.init(w, device.type == "cuda")
         if device.type == "cpu":
             torch.set_num_threads(shard.cpu_threads(w))
-    if model is None:
+    if model is None:  # "rebuild" and "verify_state" in outside
         model = rebuild_model(manifest, device, verify=cfg.verify_state, trust=cfg.trust,
-                              spec=cfg.model_spec, run=run)
-    verify_inputs(run, manifest)
-    ensure_calibrated(device)
+                              spec=cfg.model_spec, run=run, timings=outside)
+    with phase(outside, "verify_inputs"):
+        verify_inputs(run, manifest)
+    with phase(outside, "calibrate"):
+        ensure_calibrated(device)
+    t_setup = time.perf_counter()
     records = [fresh_replay_fields(r) for r in frame_to_records(df)]
     by_id = {r.call_id: r for r in records}
     settings = timing_settings(cfg)
@@ -65,9 +73,11 @@ def replay(run, model=None, device=None, **options):
             if cfg.resume else {})
     if not cfg.resume and (w is None or w.rank == 0):
         clear_progress(run)
+    kept = set(done)
     if w is not None:
         shard.barrier()  # rank 0 cleared old rows before any rank writes new ones
-    guard = StateGuard(model)
+    with phase(outside, "state_copy"):  # StateGuard: a host copy of every parameter
+        guard = StateGuard(model)
     plan = default_plan(cfg, device, registry.backends())
     budget = cfg.memory_budget_bytes
     log = ProgressLog(run, resume=cfg.resume, rank=None if w is None else w.rank)
@@ -77,9 +87,10 @@ def replay(run, model=None, device=None, **options):
         order = [cid for cid in order if mine[cid] == w.rank]
     bar = Progress("replay", len(order), len(done), show=cfg.progress)
     timings: dict[str, float] = {}  # seconds per phase of a call's replay, summed
-    t0 = time.perf_counter()
     ahead = ReadAhead(run, [c for c in order if c not in done], by_id, cfg.backward,
                       enabled=device.type == "cuda")
+    t0 = time.perf_counter()
+    outside["setup"] = t0 - t_setup - outside["state_copy"]
     try:
         for cid in order:
             if cid in done:
@@ -97,7 +108,8 @@ def replay(run, model=None, device=None, **options):
             done[cid] = row
             bar.advance(rec.fqn or "(root)")
         if device.type == "cpu":  # a busy machine slows calls at random: time those again
-            for cid in recheck({c: done[c] for c in order if c in done}, by_id):
+            again = recheck({c: done[c] for c in order if c in done}, by_id)
+            for cid in [c for c in again if c not in kept]:  # a row --resume kept stays
                 row = replay_one(model, by_id[cid], run, device, cfg, plan, guard, budget,
                                  manifest.training_flags, timings)
                 if row.get("isolated_ms") is not None and (
@@ -110,6 +122,8 @@ def replay(run, model=None, device=None, **options):
         ahead.close()
         log.close()
         bar.close()
+    # the loop's time in no phase of a call: progress rows, the bar, picking the next call
+    timings["loop_other"] = time.perf_counter() - t0 - sum(timings.values())
     if w is not None:  # rank 0 derives the figures over the whole tree and writes the table
         done = shard.gather(done, w)
         if w.rank != 0:
@@ -120,20 +134,58 @@ def replay(run, model=None, device=None, **options):
             if k in COLUMNS and COLUMNS[k].stage == REPLAY:
                 setattr(rec, k, v)
     name = _device_name(device)
-    finalize(records, device_name=name)
+    with phase(outside, "finalize"):
+        finalize(records, device_name=name)
+    columns = stage_columns(REPLAY)
+    with phase(outside, "write"):
+        out = write_columns(run, REPLAY, {r.call_id: {c: getattr(r, c) for c in columns}
+                                          for r in records}, table=df)
+    wall = time.perf_counter() - t_start
+    outside["other"] = wall - sum(timings.values()) - sum(outside.values())
     manifest.replay = ReplayInfo(device=str(device), device_name=name, timer_requested=cfg.timer,
                                  cold=cfg.cold,
                                  timers_used=sorted({r.timer for r in records if r.timer}),
-                                 wall_s=time.perf_counter() - t0,
-                                 torch_version=str(torch.__version__),
-                                 timings_s={k: round(v, 4) for k, v in timings.items()})
+                                 wall_s=wall, torch_version=str(torch.__version__),
+                                 timings_s=_rounded(timings), outside_s=_rounded(outside))
     manifest.replay.ranks = 1 if w is None else w.size
-    columns = stage_columns(REPLAY)
-    out = write_stage(run, REPLAY, {r.call_id: {c: getattr(r, c) for c in columns}
-                                    for r in records}, manifest=manifest)
+    write_manifest(run, manifest, rewritten=[MODULES])
     if w is not None:
         shard.barrier()  # the table is written: the other ranks may read it
     return out
+
+
+@contextlib.contextmanager
+def phase(timings: dict, name: str):
+    """Add the seconds the block takes to ``timings[name]``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _add(timings, name, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def timed(cm, timings: dict | None, name: str):
+    """``cm``, the seconds its entry and exit take added to ``timings[name]``."""
+    t0 = time.perf_counter()
+    try:
+        with cm:
+            _add(timings, name, time.perf_counter() - t0)
+            try:
+                yield
+            finally:
+                t0 = time.perf_counter()
+    finally:
+        _add(timings, name, time.perf_counter() - t0)
+
+
+def _add(timings: dict | None, name: str, seconds: float) -> None:
+    if timings is not None:
+        timings[name] = timings.get(name, 0.0) + seconds
+
+
+def _rounded(timings: dict) -> dict:
+    return {k: round(v, 4) for k, v in timings.items()}
 
 
 def _rank_device(manifest, w) -> str | None:
@@ -246,7 +298,7 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
         return dict(status="skipped", status_reason=f"footprint {need / 2**20:.0f} MiB > "
                     f"budget {limit / 2**20:.0f} MiB")
     try:
-        with guard.call(), time_limit(cfg.timeout_s):
+        with timed(guard.call(), timings, "state_guard"), time_limit(cfg.timeout_s):
             t0 = time.perf_counter()
             args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device,
                                             chunks_read=read[0])

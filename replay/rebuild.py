@@ -16,7 +16,7 @@ HOW = ("pass --model SPEC to name the model (cbtrace.replay: model= or model_spe
 
 
 def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
-                  spec: str | None = None, run=None):
+                  spec: str | None = None, run=None, timings: dict | None = None):
     """The run's model on ``device``.
 
     Args:
@@ -25,7 +25,10 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
         trust: resolve the run's spec even when it names code (file.py:fn, pkg.module:fn).
         spec: the user's model spec, used instead of the run's.
         run: the run directory, named in errors.
+        timings: gets the seconds of "rebuild" and "verify_state" (the digest check).
     """
+    import time
+
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.model.spec import is_registered, resolve
     from cbtrace.state import same_state
@@ -41,6 +44,7 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
                           + HOW)
     dtype = manifest.step.dtype if manifest.step is not None else None
     whose = "the model" if named else "the run's model"
+    t0 = time.perf_counter()
     try:
         provider = resolve(spec, seed=manifest.model.seed or 0,
                            options=dict(manifest.model.options))
@@ -51,10 +55,14 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
     except Exception as e:
         raise ReplayError(f"{where}cannot rebuild {whose} '{spec}' ({type(e).__name__}: "
                           f"{_first_line(e)}); pass model= to cbtrace.replay") from None
-    if verify and manifest.state_sha256 and not same_state(model, manifest.state_sha256):
+    t1 = time.perf_counter()
+    same = not (verify and manifest.state_sha256) or same_state(model, manifest.state_sha256)
+    if timings is not None:
+        timings.update(rebuild=t1 - t0, verify_state=time.perf_counter() - t1)
+    if not same:
         raise ReplayError(f"{where}{spec}: the rebuilt model's weights differ from the captured "
-                          "ones (provider not deterministic, or another model?): pass model= to "
-                          "replay")
+                          "ones (provider not deterministic, its init changed since the capture, "
+                          "or another model?): pass model= to replay, or capture again")
     return model
 
 

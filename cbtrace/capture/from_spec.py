@@ -39,13 +39,12 @@ def run_step(provider, model, batch, step: str):
     return out
 
 
-def warm_up(provider, model, batch, step: str, n: int) -> None:
-    """Run ``n`` uncaptured steps (lazy init, autotuning); the model's state is left as it was."""
-    from cbtrace.state import StateGuard
-
+def warm_up(provider, model, batch, step: str, n: int, guard) -> None:
+    """Run ``n`` uncaptured steps (lazy init, autotuning); ``guard`` (a StateGuard of the
+    model) leaves its state as it was."""
     if n <= 0:
         return
-    with StateGuard(model).call():
+    with guard.call():
         for _ in range(n):
             run_step(provider, model, batch, step)
     if torch.cuda.is_available():
@@ -56,12 +55,17 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
                   step: str = "forward", warmup: int = 1, seed: int = 0,
                   options: dict | None = None, **capture_options) -> capture:
     """Build the provider's model and batch, warm up, capture one step into ``out``; on a CPU
-    also time each call in unprofiled repeats of the step (the CPU in-situ times)."""
+    also time each call in unprofiled repeats of the step (the CPU in-situ times).
+
+    Returns the capture (``cap.out``: the run; ``cap.model``: the model, its parameters,
+    buffers, gradients and RNG state as they were when the run's state digest was taken, so
+    it replays the run as a model rebuilt from the spec would)."""
     from cbtrace.device import resolve_device
     from cbtrace.errors import CbtraceError, ProviderError
     from cbtrace.model.spec import resolve
     from cbtrace.rundir.layout import prepare_new_run
     from cbtrace.schema.manifest import ModelSource, StepSettings
+    from cbtrace.state import StateGuard
 
     device = resolve_device(device)
     if dtype is not None and dtype not in CLI_DTYPES:
@@ -77,7 +81,8 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     try:
         model, batch = provider.model_and_batch(device, torch_dtype(dtype) if dtype else None)
         model.train(step == "train")
-        warm_up(provider, model, batch, step, warmup)
+        guard = StateGuard(model)  # warm-up and the captured step undone (a step may update
+        warm_up(provider, model, batch, step, warmup, guard)  # buffers, a train step .grad)
     except CbtraceError:
         raise
     except torch.OutOfMemoryError as e:
@@ -91,8 +96,8 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     source = ModelSource(model_class=f"{cls.__module__}.{cls.__qualname__}", spec=spec,
                          options=options, seed=seed)
     settings = StepSettings(device=str(device), dtype=dtype, step=step, warmup=warmup)
-    with capture(model, out, config=CaptureConfig(**capture_options), source=source,
-                 step=settings) as cap:
+    with guard.call(), capture(model, out, config=CaptureConfig(**capture_options),
+                               source=source, step=settings) as cap:
         run_step(provider, model, batch, step)
     if not cap.records:
         raise CaptureError(f"{cap.out}: no module call matched --include/--exclude/--max-depth "

@@ -1,7 +1,8 @@
 """The one writer of a run directory: stages return columns, this merges them.
 
 Capture writes the whole table once (``write_records``); every later stage hands over the
-columns it produced per call (``write_stage``), which must be declared for that stage in
+columns it produced per call (``write_stage``, or ``write_columns`` then ``write_manifest``
+when the manifest is to say how long the table took), which must be declared for that stage in
 ``cbtrace.schema.modules``; the table is rewritten atomically and the manifest, with fresh
 checksums, is written once at the end (``write_manifest``).
 """
@@ -23,20 +24,33 @@ def write_records(run, records) -> None:
 
 
 def write_stage(run, stage: str, by_call: dict[int, dict], manifest=None):
-    """Set ``stage``'s columns from ``by_call`` (call_id -> {column: value}; a call or a column
-    left out gets the column's default), clear the stages derived from it, rewrite the table
-    and the manifest (``manifest`` if given, else the one on disk) with fresh checksums.
+    """Set ``stage``'s columns from ``by_call`` (``write_columns``), then write the manifest
+    (``manifest`` if given, else the one on disk) with fresh checksums.
     Returns the new modules DataFrame."""
+    from cbtrace.rundir.read import read_manifest
+
+    df = write_columns(run, stage, by_call)
+    write_manifest(run, manifest if manifest is not None else read_manifest(run),
+                   rewritten=[MODULES])
+    return df
+
+
+def write_columns(run, stage: str, by_call: dict[int, dict], table=None):
+    """Set ``stage``'s columns from ``by_call`` (call_id -> {column: value}; a call or a column
+    left out gets the column's default), clear the stages derived from it and rewrite the
+    table; the caller writes the manifest next (``write_manifest``, ``rewritten=[MODULES]``).
+    ``table``: the modules DataFrame as read (``read_modules``), else it is read again; it is
+    changed in place and returned."""
     import pyarrow as pa
 
-    from cbtrace.rundir.read import read_manifest, read_modules
+    from cbtrace.rundir.read import read_modules
 
     allowed = stage_columns(stage)
     extra = sorted({k for row in by_call.values() for k in row} - set(allowed))
     if extra:
         raise SchemaError(f"stage '{stage}' wrote undeclared column(s) {', '.join(extra)} "
                           "(declare them in cbtrace/schema/modules.py)")
-    df = read_modules(run)
+    df = read_modules(run) if table is None else table
     defaults = ModuleRecord.__dataclass_fields__
     cleared = [c for s in DERIVED.get(stage, ()) for c in stage_columns(s)]
     for name in allowed:
@@ -45,8 +59,6 @@ def write_stage(run, stage: str, by_call: dict[int, dict], manifest=None):
     for name in cleared:
         df[name] = defaults[name].default
     _write_table(run, pa.Table.from_pandas(df, schema=arrow_schema(), preserve_index=False))
-    write_manifest(run, manifest if manifest is not None else read_manifest(run),
-                   rewritten=[MODULES])
     return df
 
 

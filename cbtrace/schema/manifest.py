@@ -77,9 +77,14 @@ class ReplayInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     timer_requested: str
     cold: bool = False
     timers_used: list[str] = []
-    wall_s: float
+    wall_s: float                        # the whole replay() up to writing this manifest
+    #   (runs replayed before outside_s existed: the per-call loop and finalize only)
     torch_version: str
-    timings_s: dict[str, float] = {}     # where replay time went: load, prepare, each step
+    timings_s: dict[str, float] = {}     # the per-call loop's seconds: load, prepare, each
+    #   step, state_guard (StateGuard.call per call), loop_other (progress rows, the bar)
+    outside_s: dict[str, float] = {}     # the rest of wall_s: load_run, rebuild, verify_state,
+    #   verify_inputs, calibrate, state_copy (StateGuard's copy of every parameter), setup,
+    #   finalize, write (modules.parquet), other
     ranks: int = 1                       # processes it was sharded over (torchrun)
 
 
