@@ -13,12 +13,14 @@ Sparse ids arrive jagged and key-major, like a KeyedJaggedTensor's values/offset
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from cbtrace.model.provider import RecSysProvider, TableConfig, pick_preset
+from cbtrace.plugins.providers.weights import build
 
 
 @dataclass
@@ -137,6 +139,17 @@ class SimpleDeepFMNN(nn.Module):
         return torch.sigmoid(self.over_arch(self.inter_arch(embedded_dense, embedded_sparse)))
 
 
+def torch_default_init(name: str, module, param) -> tuple:
+    """PyTorch's own init of these modules: N(0, 1) embeddings; a Linear's weight
+    (kaiming_uniform_, a=sqrt(5)) and bias both U(+-1/sqrt(in_features))."""
+    if isinstance(module, nn.EmbeddingBag):
+        return ("normal", 0.0, 1.0)
+    if isinstance(module, nn.Linear):
+        bound = 1 / math.sqrt(module.in_features)
+        return ("uniform", -bound, bound)
+    raise ValueError(f"torch_default_init: no init for {name} ({type(module).__name__})")
+
+
 @dataclass
 class DLRMProvider(RecSysProvider):
     """DeepFM-DLRM; options: preset (default|tiny|large), batch_size, num_embeddings."""
@@ -164,7 +177,8 @@ class DLRMProvider(RecSysProvider):
                 for i in range(c.num_tables)]
 
     def build_model(self, device):
-        return SimpleDeepFMNN(self.config()).to(device)
+        c = self.config()
+        return build(lambda: SimpleDeepFMNN(c), device, self.seed, torch_default_init)
 
     def build_batch(self, device):
         b = self.batch_size()

@@ -1,7 +1,9 @@
 """NanoGPT (GPT-2) in plain PyTorch, with nanoGPT's module names (karpathy/nanoGPT model.py).
 
 Presets: ``gpt2`` (default: 12 layers, d=768, 12 heads, seq 1024, vocab 50304, batch 8) and
-``tiny`` (2 layers, d=64, 4 heads, seq 64, vocab 512, batch 2) for CPU.
+``tiny`` (2 layers, d=64, 4 heads, seq 64, vocab 512, batch 2) for CPU. The provider fills
+nanoGPT's init distributions from per-parameter generators (``weights.py``); ``GPT(config)``
+alone initialises as nanoGPT does.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cbtrace.model.provider import Provider, pick_preset
+from cbtrace.plugins.providers.weights import build
 
 
 @dataclass
@@ -121,6 +124,16 @@ class GPT(nn.Module):
         return logits, loss
 
 
+def nanogpt_init(c: GPTConfig, name: str, module) -> tuple:
+    """nanoGPT's init of one parameter (``GPT._init_weights`` and the scaled c_proj)."""
+    if isinstance(module, nn.LayerNorm):
+        return ("constant", 1.0 if name.endswith("weight") else 0.0, None)
+    if name.endswith("bias"):
+        return ("constant", 0.0, None)
+    std = 0.02 / math.sqrt(2 * c.n_layer) if name.endswith("c_proj.weight") else 0.02
+    return ("normal", 0.0, std)
+
+
 @dataclass
 class NanoGPTProvider(Provider):
     """GPT-2 small by default; options: preset, batch_size, seq_len, targets (bool)."""
@@ -132,7 +145,8 @@ class NanoGPTProvider(Provider):
         return pick_preset("nanogpt", PRESETS, self.options.get("preset", "gpt2"))
 
     def build_model(self, device):
-        return GPT(self._preset()["config"]).to(device)
+        c = self._preset()["config"]
+        return build(lambda: GPT(c), device, self.seed, lambda n, m, p: nanogpt_init(c, n, m))
 
     def build_batch(self, device):
         p = self._preset()
