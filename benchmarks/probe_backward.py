@@ -41,7 +41,7 @@ def insitu_kernels(trace) -> dict:
     module_of, copy_of = f.nearest(lab >= 0), f.outermost(is_copy)
     roots = bw.backward_roots(f)
     owner = bw.backward_owner(f, roots, bw.forward_owner_by_seq(f, module_of, roots, copy_of))
-    key = insitu.owners(f, module_of, copy_of, roots, owner)
+    key = insitu.owners(f, module_of, copy_of, roots, owner, bw.engine_work(f, roots))
     out = defaultdict(list)
     for j in range(len(f.d_ts)):
         la = f.launcher[j]

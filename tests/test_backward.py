@@ -168,3 +168,44 @@ def test_every_module_of_a_train_capture_gets_its_backward_in_situ(tmp_path):
     kids = bwd.loc[["0", "1", "2", "3"], "cpu_ms"]
     assert (kids > 0).all() and kids.sum() <= bwd.loc["", "cpu_ms"] * 1.001, bwd["cpu_ms"]
     assert bwd.loc["2", "cpu_ms"] < 5 * bwd.loc["3", "cpu_ms"], bwd["cpu_ms"]  # no hook copies
+
+
+def test_gradient_accumulation_of_a_residual_goes_to_the_module_that_used_it_twice(tmp_path):
+    """x feeds a LayerNorm and the residual add after it: the engine adds the two gradients of
+    x inside the LayerNorm's backward op, outside its node. That add belongs to the module
+    whose forward used x twice (the block), not to the LayerNorm: replayed alone, a LayerNorm
+    has no second consumer (GPT-2's ln_1 read -17 % against in situ on the H200 with it)."""
+    import numpy as np
+
+    from cbtrace.attribution import backward as bw
+    from cbtrace.attribution import forest as fm
+    from cbtrace.attribution import identity, insitu, loader
+    from cbtrace.rundir.read import find_trace, load_run
+
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.lin = nn.LayerNorm(64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return x + self.lin(self.ln(x))
+
+    model = nn.Sequential(nn.Linear(32, 64), Res(), nn.Linear(64, 8)).train()
+    with cbtrace.capture(model, tmp_path / "r"):
+        model(torch.randn(16, 32)).pow(2).mean().backward()
+    manifest, _ = load_run(tmp_path / "r")
+    f = fm.build(loader.load(find_trace(tmp_path / "r", manifest)))
+    lab, is_copy, labels = identity.labels(f, identity.choose_source(f))
+    module_of, copy_of = f.nearest(lab >= 0), f.outermost(is_copy)
+    roots = bw.backward_roots(f)
+    owner = bw.backward_owner(f, roots, bw.forward_owner_by_seq(f, module_of, roots, copy_of))
+    key = insitu.owners(f, module_of, copy_of, roots, owner, bw.engine_work(f, roots))
+    names = np.array([f.strings[c] for c in f.name])
+    in_ln = roots >= 0
+    in_ln[in_ln] = np.char.find(names[roots[in_ln]].astype(str), "LayerNormBackward") >= 0
+    adds = np.flatnonzero(in_ln & (names == "aten::add"))
+    assert len(adds) == 1, names[in_ln]
+    k = key[adds[0]]
+    assert k % 5 == insitu.BWD and labels[lab[k // 5 - 1]] == "1"  # the Res block
+    norm = np.flatnonzero(in_ln & (names == "aten::native_layer_norm_backward"))
+    assert len(norm) and all(labels[lab[key[j] // 5 - 1]] == "1.ln" for j in norm)

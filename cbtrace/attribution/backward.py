@@ -43,8 +43,8 @@ def backward_owner(forest: Forest, bwd_root: np.ndarray, seq_owner) -> np.ndarra
     """Per host event that is a backward root: the module node it belongs to (-1 elsewhere)."""
     roots = np.flatnonzero(bwd_root == np.arange(len(forest)))
     seq = forest.seq[roots].copy()
-    inner = inner_seq(forest, roots)  # some torch versions number the inner XBackward0 op only
-    seq = np.where(seq < 0, inner, seq)
+    inner = inner_ops(forest, roots)  # some torch versions number the inner XBackward0 op only
+    seq = np.where((seq < 0) & (inner >= 0), forest.seq[np.maximum(inner, 0)], seq)
     seqs, owner = seq_owner
     pos = np.minimum(np.searchsorted(seqs, seq), max(len(seqs) - 1, 0))
     hit = (seq >= 0) & (seqs[pos] == seq) if len(seqs) else np.zeros(len(seq), bool)
@@ -53,11 +53,11 @@ def backward_owner(forest: Forest, bwd_root: np.ndarray, seq_owner) -> np.ndarra
     return out
 
 
-def inner_seq(forest: Forest, roots: np.ndarray) -> np.ndarray:
-    """Per root ``evaluate_function: X``: the sequence number of its child op ``X``, -1 without.
-    The child by name, not position: in a ``with_stack`` trace of a capture the Python frames
-    of cbtrace's gradient hooks come first (every LayerNorm and GELU backward of a GPT-2 step
-    lost its module that way)."""
+def inner_ops(forest: Forest, roots: np.ndarray) -> np.ndarray:
+    """Per root ``evaluate_function: X``: the index of its child op ``X`` (the node's own
+    work), -1 without. Found by name, not position: in a ``with_stack`` trace of a capture the
+    Python frames of cbtrace's gradient hooks come first (every LayerNorm and GELU backward of
+    a GPT-2 step lost its module that way)."""
     s, n = forest.strings, len(forest)
     out = np.full(len(roots), -1, np.int64)
     if not len(roots):
@@ -69,9 +69,25 @@ def inner_seq(forest: Forest, roots: np.ndarray) -> np.ndarray:
             inner[c] = code.get(name[len(EVALUATE):], -2)
     at = np.full(n + 1, -1, np.int64)
     at[roots] = np.arange(len(roots))
-    kids = np.flatnonzero((forest.seq >= 0) & (forest.parent >= 0))
+    kids = np.flatnonzero(forest.parent >= 0)
     kids = kids[at[forest.parent[kids]] >= 0]  # children of a root
     kids = kids[forest.name[kids] == inner[forest.name[forest.parent[kids]]]]
     which, first = np.unique(at[forest.parent[kids]], return_index=True)
-    out[which] = forest.seq[kids[first]]
+    out[which] = kids[first]
     return out
+
+
+def engine_work(forest: Forest, bwd_root: np.ndarray) -> np.ndarray:
+    """Per host event: is it the autograd engine's own work inside a backward op, outside the
+    node's op ``X``? That is where a gradient is added into the buffer of a tensor that had
+    several consumers (a residual stream's ``x`` feeds a LayerNorm and the add after it: the
+    add runs in whichever consumer's backward finishes second, 9 us of every GPT-2 ln_1's 55)."""
+    roots = np.flatnonzero(bwd_root == np.arange(len(forest)))
+    inner = inner_ops(forest, roots)
+    mark = np.zeros(len(forest), bool)
+    mark[inner[inner >= 0]] = True
+    with_inner = np.zeros(len(forest) + 1, bool)
+    with_inner[roots[inner >= 0]] = True
+    inside = bwd_root >= 0
+    return inside & (bwd_root != np.arange(len(forest))) & with_inner[bwd_root] & (
+        forest.nearest(mark) < 0)

@@ -32,11 +32,17 @@ def _key(kind, ident):
     return (np.asarray(ident, np.int64) + 1) * 5 + kind
 
 
-def owners(forest: Forest, module_of, copy_of, roots, b_owner) -> np.ndarray:
-    """Owner key per host event (see the module docstring)."""
+def owners(forest: Forest, module_of, copy_of, roots, b_owner, engine=None) -> np.ndarray:
+    """Owner key per host event (see the module docstring). ``engine`` (backward.engine_work):
+    events of the autograd engine's own inside a backward op, which belong to the parent of
+    the op's module (where the tensor whose gradients it adds had its several consumers)."""
     step = forest.step_of_host
     rs = np.maximum(roots, 0)
     bo = b_owner[rs]
+    if engine is not None:
+        par = forest.parent[np.maximum(bo, 0)]
+        up = np.where(par >= 0, module_of[np.maximum(par, 0)], -1)
+        bo = np.where(engine & (bo >= 0) & (up >= 0), up, bo)
     return np.where(copy_of >= 0, _key(OVH, step),
                     np.where(roots >= 0, np.where(bo >= 0, _key(BWD, bo), _key(UBWD, step[rs])),
                              np.where(module_of >= 0, _key(FWD, module_of), _key(UFWD, step))))
@@ -56,7 +62,7 @@ def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = 
     roots = backward.backward_roots(forest)
     b_owner = backward.backward_owner(
         forest, roots, backward.forward_owner_by_seq(forest, module_of, roots, copy_of))
-    key = owners(forest, module_of, copy_of, roots, b_owner)
+    key = owners(forest, module_of, copy_of, roots, b_owner, backward.engine_work(forest, roots))
     copy_root = is_copy & (copy_of == np.arange(len(forest)))  # outermost cbtrace.copy ranges
     b = _Buckets(forest, key, roots, copy_root, module_of, copy_of, costs)
     m_cols, m_figs = _module_rows(forest, b, lab, labels, module_of, copy_root, source,
