@@ -20,7 +20,7 @@ profile)
   timeout ${PROFILE_TIMEOUT:-400} python3 $R/benchmarks/profile_models.py /tmp/prof ${PROFILE_MODELS:-nanogpt dlrm} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/profile_models.log | tail -60
   cp /tmp/prof/*_modules.csv $OUT/ 2>/dev/null ;;
 paper)
-  timeout ${PAPER_TIMEOUT:-200} python3 $R/benchmarks/paper_demos.py /tmp/paper 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/paper_demos.log | tail -40
+  timeout ${PAPER_TIMEOUT:-200} python3 $R/benchmarks/paper_demos.py /tmp/paper --models ${PAPER_MODELS:-dlrm,nanogpt} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/paper_demos.log | tail -40
   for f in /tmp/paper/*/icicle.html; do cp $f $OUT/icicle_$(basename $(dirname $f)).html; done ;;
 capture)
   CBTRACE_BENCH_DIR=/tmp timeout ${CAPTURE_TIMEOUT:-200} python3 $R/benchmarks/bench_capture.py ${CAPTURE_MODELS:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_capture.log | tail -20 ;;

@@ -10,7 +10,7 @@ paper vs ours per module with dtype, batch and FLOP convention (dense: causal at
 the full square; MFU against the dtype's datasheet peak), and writes the icicles of the default
 runs. Alternative settings capture only the modules the table needs (``include``). Usage:
 
-    python benchmarks/paper_demos.py OUT_DIR [--device cuda|cpu] [--quick]
+    python benchmarks/paper_demos.py OUT_DIR [--device cuda|cpu] [--quick] [--models dlrm,nanogpt]
 """
 import argparse
 import time
@@ -67,9 +67,11 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="the tiny presets only (a CPU check)")
+    ap.add_argument("--models", default=",".join(PAPER), help="which demos, comma-separated")
     a = ap.parse_args()
     out = Path(a.out)
-    for model, rows in PAPER.items():
+    for model in a.models.split(","):
+        rows = PAPER[model]
         settings = [QUICK[model]] if a.quick else SETTINGS[model]
         frames = {}
         for label, spec, dtype, options, include in settings:
