@@ -53,7 +53,9 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
         states = None
     cuda = device.type == "cuda"
 
-    touch = input_toucher(copies)
+    # the warm-inputs toucher only where asked for: finding what it may write costs a kernel
+    # per large input, and every call is prepared
+    touch = input_toucher(copies) if cfg.warm_inputs and not cfg.cold else None
 
     def runner(fn):
         """run(i): ``fn`` on input copy i as the module is called (objects in the inputs put

@@ -72,6 +72,7 @@ class EventsTimer(CudaTimer):
             spin_ms = spin_for(host_ms=host_ms, lo_ms=cfg.spin_min_ms, hi_ms=cfg.spin_max_ms)
             flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
             touch = warm_toucher(call, cfg)
+            stream = torch.cuda.current_stream(device)
 
             def sample(first: int, n: int) -> list[float]:
                 pairs = event_pairs(n)
@@ -81,9 +82,9 @@ class EventsTimer(CudaTimer):
                     spin(device, cfg.gap_s * 1e3 + spin_ms)
                     if touch is not None:  # queued behind the spin, before the start event
                         touch(j)
-                    start.record()
+                    start.record(stream)
                     call(j)
-                    end.record()
+                    end.record(stream)
                 torch.cuda.synchronize()
                 return [start.elapsed_time(end) for start, end in pairs]
 

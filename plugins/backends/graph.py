@@ -137,12 +137,14 @@ class GraphTimer(CudaTimer):
     def _sampler(g, touches, k: int, device, cfg: TimingConfig, flusher: L2Flusher):
         """Per-call times of replays of ``g`` (K calls), less the replay of ``touches`` (the
         same K input touches alone) taken just before each, when there is one."""
+        stream = torch.cuda.current_stream(device)  # looked up once: ~30 us of Python a call
+
         def replay(graph, start, end):
             flusher.flush()
             spin(device, cfg.gap_s * 1e3 + cfg.spin_min_ms)  # covers the host's graph launch
-            start.record()
+            start.record(stream)
             graph.replay()
-            end.record()
+            end.record(stream)
 
         def sample(first: int, n: int) -> list[float]:
             calls = event_pairs(n)
