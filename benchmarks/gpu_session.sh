@@ -38,7 +38,8 @@ probe-backward)
   timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_backward.py /tmp/probe 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -40 ;;
 overhead)
   for M in ${OVERHEAD_MODELS:-nanogpt}; do
-    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probe_replay_overhead.py /tmp/overhead $M 40 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/overhead_$M.log | head -${OVERHEAD_LINES:-30}
+    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probe_replay_overhead.py /tmp/overhead $M 40 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_$M.log
+    head -${OVERHEAD_LINES:-30} $OUT/overhead_$M.log
   done ;;
 esac
 done
