@@ -25,22 +25,27 @@ class StateGuard:
         self.buffers = [(m, n, b, b.detach().clone())
                         for m in model.modules() for n, b in m._buffers.items() if b is not None]
         self.restored: list[str] = []
+        # walked once: walking them for every call cost 2 ms a GPT-2 call and 10-28 ms a
+        # dlrm:large call (1,021 modules) on the H200 host and this CPU
+        self._params, self._modules = list(model.parameters()), list(model.modules())
 
     @contextlib.contextmanager
     def call(self):
         """Wrap one replayed call: RNG, grads and train flags restored; writes undone."""
-        grads = [(p, p.grad) for p in self.model.parameters()]
-        flags = [(m, m.training) for m in self.model.modules()]
+        grads = [p.grad for p in self._params]
+        flags = [m.training for m in self._modules]
         rng = torch.random.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         try:
             yield
         finally:
             self._undo_writes()
-            for p, g in grads:
-                p.grad = g
-            for m, flag in flags:
-                m.training = flag
+            for p, g in zip(self._params, grads):
+                if p.grad is not g:
+                    p.grad = g
+            for m, flag in zip(self._modules, flags):
+                if m.training != flag:  # nn.Module.__setattr__ only where it changed
+                    m.training = flag
             torch.random.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
