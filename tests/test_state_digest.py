@@ -1,9 +1,9 @@
 """The state digest a run stores (cbtrace.state.state_digest): replay knows a rebuilt model is
-the one captured; tensors above 4 MiB are read as evenly spaced blocks, older runs' full
-digests still verify."""
+the one captured; tensors above 64 KiB are read as evenly spaced blocks, older runs' digests
+(v2: above 4 MiB sampled; before it, whole) still verify."""
 import torch
 
-from cbtrace.state import SAMPLED, same_state, state_digest, state_fingerprint
+from cbtrace.state import SAMPLED, SCHEMES, same_state, state_digest, state_fingerprint
 
 
 class Table(torch.nn.Module):
@@ -38,6 +38,28 @@ def test_a_large_table_is_sampled_and_still_tells_models_apart():
     assert same_state(a, d)
     # a full digest (older runs') reads every byte: the legacy verification still works
     assert same_state(a, state_digest(a, sampled=False))
+
+
+def test_older_sampled_digests_still_verify():
+    a, b = Table(3_000, seed=0), Table(3_000, seed=1)  # 2.9 MiB: whole under v2, sampled now
+    v2 = state_digest(a, scheme="v2:")
+    assert v2.startswith("v2:") and v2[3:] == state_digest(a, sampled=False)
+    assert same_state(a, v2) and not same_state(b, v2)
+    assert state_digest(a) != v2 and same_state(a, state_digest(a))
+
+
+def test_tensors_above_the_threshold_are_read_in_blocks():
+    above, blocks, block = SCHEMES[SAMPLED]
+    t = Table(above // 1024 + 1, seed=0)  # one 1 KiB row over: sampled
+    d = state_digest(t)
+    n = t.emb.numel() * 4
+    assert (n - block) // (blocks - 1) > block  # a gap after the first block
+    with torch.no_grad():
+        t.emb.view(-1)[block // 4] += 1  # the first float after the first block: not read
+    assert same_state(t, d)
+    with torch.no_grad():
+        t.emb.view(-1)[0] += 1
+    assert not same_state(t, d)
 
 
 def test_fingerprint_reads_every_byte():

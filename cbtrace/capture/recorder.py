@@ -31,7 +31,7 @@ from cbtrace.rundir import writer
 from cbtrace.rundir.files import atomic_path
 from cbtrace.rundir.layout import INPUTS, prepare_new_run
 from cbtrace.schema import manifest as manifest_schema
-from cbtrace.capture.helper_thread import HelperThread, InlineHelper
+from cbtrace.capture.helper_thread import HelperThread, InlineHelper, untraced
 from cbtrace.store.tensor_store import run_copies
 from cbtrace.schema.modules import COPY_FAILED, ModuleRecord
 from cbtrace.nested import flat_tensors
@@ -89,17 +89,28 @@ _ACTIVE: list = []  # the capture in progress, if any (captures do not nest)
 
 
 def _raw_op(overload):
-    """The C++ callable behind an op overload: one trace event per call under with_stack, where
-    the OpOverload's Python ``__call__`` layers add 5 more (and the packet's 10)."""
-    return getattr(overload, "_op", overload)
+    """The C++ callable behind an op overload, untraced: no trace event of its own under
+    with_stack, where the OpOverload's Python ``__call__`` layers add 5 (and the packet's 10)."""
+    return untraced(getattr(overload, "_op", overload))
 
 
 # The ops behind torch.autograd.profiler.record_function (a user_annotation range), called
 # directly: the context manager's own Python layers made ~17 trace events per range.
 RANGE_ENTER = _raw_op(torch.ops.profiler._record_function_enter_new.default)
 RANGE_EXIT = _raw_op(torch.ops.profiler._record_function_exit._RecordFunction)
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+# What the hooks call on the step's thread, untraced (helper_thread.untraced): with the hand-off
+# and the ranges, 25 trace events per call fewer (dlrm:large on a 2-core CPU: 76,499 -> 50,967
+# events), and on a GPU the few dozen of torch.cuda.current_stream() (_stream_reader)
+_ANY_AUTOCAST = untraced(getattr(torch._C, "_is_any_autocast_enabled", lambda: True))
+_GRAD_ENABLED = untraced(torch.is_grad_enabled)
+_EXC_INFO = untraced(sys.exc_info)
+_STRIDE, _OFFSET = untraced(torch.Tensor.stride), untraced(torch.Tensor.storage_offset)
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
+# capture_timings_s entries that follow one another (the rest are parts of one of them, or
+# thread seconds): their sum plus what the caller's own code adds is the capture's wall
+TIMINGS_IN_SEQUENCE = ("prepare", "state_digest", "hooks_install", "profiler_start",
+                       "helper_start", "step", "helper_drain", "profiler_stop", "hooks_remove",
+                       "inputs_and_trace", "checksums_and_manifest")
 
 # A frame of the hook stack: (record or None for a call through an unselected path, module,
 # range handle, exception already being handled when it was called). A plain tuple: building
@@ -132,13 +143,18 @@ class capture:
         self._prof = None
         self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread while profiling)
         self._lock = threading.RLock()
+        self._acquire, self._release = untraced(self._lock.acquire), untraced(self._lock.release)
+        self._push, self._pop = untraced(self._stack.append), untraced(self._stack.pop)
+        self._stream = None  # untraced call giving the current CUDA stream (a CUDA model)
         self._cuda = False
         self._eager = None
         self._grads: dict[int, list] = {}  # call_id -> inputs_ref of each output's gradient
         self._grad_handles: list = []
         self._closed = False
         self.trace_path: Path | None = None
-        self.timings_s: dict[str, float] = {}  # where capture time went (also in the manifest)
+        # where capture time went (TIMINGS_IN_SEQUENCE and their parts); the manifest gets all
+        # but checksums_and_manifest and total (the whole capture), known after it is written
+        self.timings_s: dict[str, float] = {}
 
     # --- context manager -------------------------------------------------------------
     def __enter__(self):
@@ -148,6 +164,7 @@ class capture:
         if self.cfg.trace and torch.autograd.profiler._is_profiler_enabled:
             raise CaptureError(f"{self.out}: a torch.profiler session is already active; "
                                "capture with trace=False inside it (ranges still recorded)")
+        self._t_enter = time.perf_counter()
         self.rank = distributed_rank()  # a rank of a torch.distributed job writes its shard
         if self.rank is not None:
             self.out = self.out / f"rank-{self.rank[0]}"
@@ -158,14 +175,22 @@ class capture:
         except BaseException:  # leave nothing half-open: hooks, profiler, helper, _ACTIVE
             self._undo_start()
             raise
+        self._t0 = self._t_lap  # the step: from the last lap of _start to __exit__
         return self
+
+    def _lap(self, name: str) -> None:
+        """Add the seconds since the last lap to timings_s[name]."""
+        now = time.perf_counter()
+        self.timings_s[name] = self.timings_s.get(name, 0.0) + now - self._t_lap
+        self._t_lap = now
 
     def _start(self) -> None:
         from cbtrace.store.snapshot import Snapshotter
 
-        t0 = time.perf_counter()
+        self._t_lap = self._t_enter
+        self._lap("prepare")
         self._state_sha256 = state_digest(self.model)  # before the step changes any buffer
-        self.timings_s["state_digest"] = time.perf_counter() - t0
+        self._lap("state_digest")
         self._snap = Snapshotter(self.out / INPUTS,
                                  synthesize_above_bytes=self.cfg.synthesize_above_bytes,
                                  max_pending_bytes=self.cfg.max_pending_bytes)
@@ -173,30 +198,37 @@ class capture:
         for name, mod in module_tree.named_modules(self.model, remove_duplicate=False):
             self._names.setdefault(id(mod), []).append(name)
             self._selected[name] = selected(name, self.cfg)  # once: hooks only look it up
-        self._static = {id(m): _static_facts(m) for m in self.model.modules()}
+        self._static = _static_facts(self.model)
         self._flags = {n: m.training for n, m in module_tree.named_modules(self.model)}
         self._cuda = any(t.is_cuda for t in self.model.parameters()) or any(
             t.is_cuda for t in self.model.buffers())
+        if self._cuda:
+            self._stream = _stream_reader()
         seen = set()
         for name, mod in module_tree.named_modules(self.model, remove_duplicate=False):
             if id(mod) in seen or not any(self._selected[n] for n in self._names[id(mod)]):
                 continue
             seen.add(id(mod))
-            self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
+            names = self._names[id(mod)]
+            # a module of one path (selected, or it had no hooks) knows its fqn; a shared one
+            # finds it per call (_fqn). The partial adds no trace event (helper_thread.untraced)
+            pre = functools.partial(self._pre, names[0] if len(names) == 1 else None)
+            self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(mod.register_forward_hook(self._post, with_kwargs=True,
                                                            always_call=True))
         self._eager = module_tree.eager(self.model)  # compiled parts run eagerly: calls of their own
         self._eager.__enter__()
-        self._t0 = time.perf_counter()
+        self._lap("hooks_install")
+        self._t_step0 = self._t_lap  # capture_step_s: from here (profiler start) to hooks removed
         if self.cfg.trace:
             self._prof = torch.profiler.profile(activities=profiler_activities(), record_shapes=True,
                                                 with_stack=True)
-            t0 = time.perf_counter()
             with quiet_kineto():  # Kineto's USDT/STAGE log lines stay off the terminal
                 self._prof.__enter__()
-            self.timings_s["profiler_start"] = time.perf_counter() - t0
+            self._lap("profiler_start")
             # started after the profiler, so the profiler neither traces it nor records its ops
             self._helper = HelperThread()
+            self._lap("helper_start")
 
     def _undo_start(self) -> None:
         if self in _ACTIVE:
@@ -216,7 +248,8 @@ class capture:
             self._prof = None
 
     def __exit__(self, exc_type, exc, tb):
-        self.timings_s["step"] = time.perf_counter() - self._t0
+        self._t_lap = self._t0
+        self._lap("step")
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         helper_error = None
@@ -225,11 +258,11 @@ class capture:
                 self._stop_helper()
             except BaseException as e:  # a handed-over job failed: stop and write the run first
                 helper_error = e
+            self._lap("helper_drain")
             if self._prof is not None:
-                t0 = time.perf_counter()
                 with quiet_kineto():
                     self._prof.__exit__(exc_type, exc, tb)
-                self.timings_s["profiler_stop"] = time.perf_counter() - t0
+                self._lap("profiler_stop")
         finally:
             self._remove_hooks()
             self._leave_eager()
@@ -239,8 +272,10 @@ class capture:
                     continue
                 RANGE_EXIT(rf)
                 rec.capture_error = rec.capture_error or _short(exc)
-        self.step_s = time.perf_counter() - self._t0
+        self._lap("hooks_remove")
+        self.step_s = self._t_lap - self._t_step0
         self._finish(exc if exc is not None else helper_error)
+        self.timings_s["total"] = self._t_lap - self._t_enter  # the sum of the sequence
         if helper_error is not None and exc is None:
             raise helper_error
         return False
@@ -274,22 +309,23 @@ class capture:
                     return n
         return next((n for n in names if self._selected.get(n)), names[0])
 
-    def _pre(self, module, args, kwargs):
+    def _pre(self, fqn, module, args, kwargs):
         # Runs inside the traced step, where with_stack makes every Python call (built-ins too)
         # an event that costs time now, when the profiler stops and in the exported trace: the
-        # bookkeeping (fqn, parent, walking and planning the inputs, the record, allocating the
+        # bookkeeping (parent, walking and planning the inputs, the record, allocating the
         # copies) runs on the helper thread, which the profiler does not trace; this thread
-        # only makes the copies, and calls as few functions as it can.
-        with self._lock:  # hooks may fire on several threads (e.g. nn.DataParallel replicas)
-            pending = sys.exc_info()[1]  # an exception being handled around this call
-            names = self._names.get(id(module))
-            fqn = names[0] if names is not None and len(names) == 1 else self._fqn(module)
-            if not self._selected.get(fqn):  # a shared module reached through an unselected path
-                self._stack.append((None, module, None, pending))
-                return
-            grad = torch.is_grad_enabled()  # this thread's modes
+        # only makes the copies, and calls built-ins untraced (helper_thread.untraced).
+        self._acquire()  # hooks may fire on several threads (e.g. nn.DataParallel replicas)
+        try:
+            pending = _EXC_INFO()[1]  # an exception being handled around this call
+            if fqn is None:  # a shared module: the path it is called through
+                fqn = self._fqn(module)
+                if not self._selected.get(fqn):  # reached through an unselected path
+                    self._push((None, module, None, pending))
+                    return
+            grad = _GRAD_ENABLED()  # this thread's modes
             autocast = _autocast_dtype() if _ANY_AUTOCAST() else None
-            stream = torch.cuda.current_stream() if self._cuda else None
+            stream = self._stream() if self._stream is not None else None
             copy_range = RANGE_ENTER(f"cbtrace.copy::{fqn}", None)
             try:
                 rec, copies = self._helper.call(self._plan_call, module, fqn, args, kwargs,
@@ -301,11 +337,17 @@ class capture:
                     raise
             finally:
                 RANGE_EXIT(copy_range)
-            self._stack.append((rec, module, RANGE_ENTER(f"cbtrace::{fqn}", None), pending))
+            self._push((rec, module, RANGE_ENTER(f"cbtrace::{fqn}", None), pending))
+        finally:
+            self._release()
 
     def _plan_call(self, module, fqn, args, kwargs, grad, autocast, stream):
         """The call's record and its input copies to run (on the helper thread; kernels it
-        launches, e.g. statistics of synthesized inputs, go to the caller's stream)."""
+        launches, e.g. statistics of synthesized inputs, and the copies' buffers go to the
+        caller's stream)."""
+        if stream.__class__ is tuple:  # torch's raw (id, device index, device type)
+            stream = torch.cuda.Stream(stream_id=stream[0], device_index=stream[1],
+                                       device_type=stream[2])
         idx = self._counts.get(fqn, 0)
         self._counts[fqn] = idx + 1
         parent = next((f[_REC] for f in reversed(self._stack) if f[_REC] is not None), None)
@@ -325,26 +367,29 @@ class capture:
         return rec, copies
 
     def _post(self, module, args, kwargs, output):
-        with self._lock:
+        self._acquire()
+        try:
             if not self._stack or self._stack[-1][_MOD] is not module:
                 return  # hook of a call whose pre hook did not run (registered mid-call)
-            rec, _, rf, pending = self._stack.pop()
+            rec, _, rf, pending = self._pop()
             if rec is None:
                 return
             RANGE_EXIT(rf)
-            raised = sys.exc_info()[1]  # always_call hooks run inside torch's except block
+            raised = _EXC_INFO()[1]  # always_call hooks run inside torch's except block
             if raised is not None and raised is not pending:  # the call itself raised
                 rec.capture_error = _short(raised)
                 return
             if (output.__class__ is _TENSOR and output.layout is _STRIDED
                     and not output.is_nested):  # the common case: metadata now, JSON later
-                meta = (output.shape, output.stride(), output.storage_offset(), output.dtype,
+                meta = (output.shape, _STRIDE(output), _OFFSET(output), output.dtype,
                         output.device, output.requires_grad)
                 self._helper.submit(_set_tensor_meta, rec, meta)
             else:  # containers may change once the caller has them: read them now, off-trace
                 self._helper.call(_set_output_meta, rec, output)
-            if rec.grad_enabled:
-                self._watch_grads(rec, output)
+            if rec.grad_enabled:  # on the helper: register_hook's Python is ~10 trace events
+                self._helper.call(self._watch_grads, rec, output)
+        finally:
+            self._release()
 
     def _watch_grads(self, rec, output) -> None:
         """Hooks on the call's outputs that require grad: the gradients that reach them in the
@@ -377,7 +422,6 @@ class capture:
 
         t = self.timings_s
         shards.PHASE_S.clear()
-        t0 = time.perf_counter()
         # The inputs are written by a pool of threads while this one exports the trace and
         # writes the modules table (both mostly outside the GIL, so they overlap).
         with ThreadPoolExecutor(1, thread_name_prefix="cbtrace-inputs") as bg:
@@ -400,12 +444,11 @@ class capture:
                     e.add_note(f"writing the inputs failed too: {_short(failed)}")
                 raise
             files = flushing.result()
-        t["inputs_and_trace"] = time.perf_counter() - t0
+        self._lap("inputs_and_trace")
         t.update({f"inputs_{k}_thread_s": v for k, v in shards.PHASE_S.items()})
-        t0 = time.perf_counter()
         manifest = self._manifest(files, exc)
         writer.write_manifest(self.out, manifest, known=self._snap.digests)
-        t["checksums_and_manifest"] = time.perf_counter() - t0
+        self._lap("checksums_and_manifest")
 
     def _manifest(self, files, exc) -> manifest_schema.Manifest:
         from cbtrace.cost.peaks import device_name
@@ -498,12 +541,32 @@ def merged_ref(refs: list) -> str:
                       separators=(",", ":"))
 
 
-def _static_facts(module) -> tuple[str, str, int, int]:
-    """(class name, class path, parameter bytes, buffer bytes), both recursive."""
-    cls = type(module)
-    return (cls.__name__, f"{cls.__module__}.{cls.__qualname__}",
-            sum(p.numel() * p.element_size() for p in module.parameters()),
-            sum(b.numel() * b.element_size() for b in module.buffers()))
+def _static_facts(model) -> dict[int, tuple[str, str, int, int]]:
+    """id(module) -> (class name, class path, parameter bytes, buffer bytes) of every module,
+    the bytes recursive with each tensor counted once, as ``module.parameters()`` sums them;
+    in one walk up the tree (a parameters() walk per module was 50 ms for dlrm:large's 1,022
+    modules on a 2-core CPU)."""
+    facts, sizes = {}, {}  # sizes: id(module) -> ({id: bytes} of its params, of its buffers)
+
+    def walk(m):
+        if id(m) in sizes:  # a shared module: done already
+            return sizes[id(m)]
+        params = {id(p): p.numel() * p.element_size() for p in m._parameters.values()
+                  if p is not None}
+        bufs = {id(b): b.numel() * b.element_size() for b in m._buffers.values() if b is not None}
+        for child in m._modules.values():
+            if child is not None:
+                p, b = walk(child)
+                params.update(p)
+                bufs.update(b)
+        cls = type(m)
+        facts[id(m)] = (cls.__name__, f"{cls.__module__}.{cls.__qualname__}",
+                        sum(params.values()), sum(bufs.values()))
+        sizes[id(m)] = params, bufs
+        return params, bufs
+
+    walk(model)
+    return facts
 
 
 def _autocast_dtype() -> str | None:
@@ -533,6 +596,22 @@ def _input_meta(inputs_ref: str) -> tuple[str, str]:
     doc = json.loads(inputs_ref)
     walk([doc.get("args", []), doc.get("kwargs", {})])
     return json.dumps(metas), json.dumps([m["shape"] for m in metas])
+
+
+def _stream_reader():
+    """An untraced call giving the current CUDA stream as torch's raw (stream id, device index,
+    device type): torch.cuda.current_stream() is a few dozen traced Python and built-in calls
+    per hook (lazy-init checks, device index lookups, Stream.__new__; read from torch 2.13's
+    code, not yet counted in a GPU trace). Checked once against it; where the raw call differs
+    or is missing, that is what the hooks call instead."""
+    raw = getattr(torch._C, "_cuda_getCurrentStream", None)
+    s = torch.cuda.current_stream()
+    try:
+        if raw is not None and tuple(raw(-1)) == (s.stream_id, s.device_index, s.device_type):
+            return untraced(raw, -1)  # -1: the current device, as current_stream() reads it
+    except Exception:  # noqa: BLE001 - another torch: the public call still works
+        pass
+    return torch.cuda.current_stream
 
 
 def profiler_activities():
