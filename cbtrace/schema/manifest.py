@@ -104,7 +104,7 @@ class Manifest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     capture_step_s: float | None = None
     capture_timings_s: dict[str, float] = {}  # where capture time went
     state_sha256: str | None = None       # parameters and buffers before the step
-    #   (cbtrace.state.state_digest; "v3:..." samples the tensors above 64 KiB, "v2:..." above 4 MiB)
+    #   (cbtrace.state.state_digest; "v3:" samples tensors above 64 KiB, "v2:" above 4 MiB)
     training_flags: dict[str, bool] = {}  # module.training of every submodule, by fqn
     trace: str | None = None              # the capture's Kineto trace
     input_files: list[str] = []           # inputs/tensors-NNNNN.parquet shards
