@@ -77,17 +77,24 @@ def inner_ops(forest: Forest, roots: np.ndarray) -> np.ndarray:
     return out
 
 
+ACCUMULATE = ("aten::add", "aten::add_")  # the engine's sum of a tensor's gradients
+
+
 def engine_work(forest: Forest, bwd_root: np.ndarray) -> np.ndarray:
-    """Per host event: is it the autograd engine's own work inside a backward op, outside the
-    node's op ``X``? That is where a gradient is added into the buffer of a tensor that had
-    several consumers (a residual stream's ``x`` feeds a LayerNorm and the add after it: the
-    add runs in whichever consumer's backward finishes second, 9 us of every GPT-2 ln_1's 55)."""
+    """Per host event: is it the autograd engine adding a gradient into the buffer of a tensor
+    that had several consumers, inside a backward op but outside the node's op ``X``? (A
+    residual stream's ``x`` feeds a LayerNorm and the add after it: the add runs in whichever
+    consumer's backward finishes second, 9 us of every GPT-2 ln_1's 55.) Only the add: the
+    engine's other work there is the node's own (``validate_outputs`` sums a broadcast bias's
+    gradient down to its shape: a Linear's bias reduction)."""
     roots = np.flatnonzero(bwd_root == np.arange(len(forest)))
     inner = inner_ops(forest, roots)
     mark = np.zeros(len(forest), bool)
     mark[inner[inner >= 0]] = True
     with_inner = np.zeros(len(forest) + 1, bool)
     with_inner[roots[inner >= 0]] = True
-    inside = bwd_root >= 0
-    return inside & (bwd_root != np.arange(len(forest))) & with_inner[bwd_root] & (
-        forest.nearest(mark) < 0)
+    outside = ((bwd_root >= 0) & (bwd_root != np.arange(len(forest))) & with_inner[bwd_root]
+               & (forest.nearest(mark) < 0))
+    add = string_mask(forest.strings, ACCUMULATE.__contains__)[forest.name] if len(forest) \
+        else outside
+    return outside & (forest.nearest(outside & add) >= 0)
