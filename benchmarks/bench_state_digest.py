@@ -32,7 +32,8 @@ def main(argv=None):
     ap.add_argument("specs", nargs="*", default=["dlrm", "dlrm:large", "nanogpt"])
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
-    print(f"{'model':10} {'params MB':>10} {'whole s':>8} {'v2 s':>8} {'sampled s':>9} {'ratio':>6}")
+    print(f"{'model':10} {'params MB':>10} {'whole s':>8} {'v2 s':>8} {'sampled s':>9} "
+          f"{'ratio':>6}")
     for spec in a.specs:
         model, _ = resolve(spec, seed=0, options={}).model_and_batch(a.device, torch.bfloat16)
         mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e6

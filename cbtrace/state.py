@@ -1,11 +1,11 @@
 """A model's state: its digest, and the guard that undoes whatever a call changes in it.
 
 Neither replay nor a warm-up step may change the model: parameters, buffers, grads, RNG state
-and train/eval flags come back as they were (``StateGuard``). A one-time host copy of every parameter is taken when replay starts; after each call the
-parameters' version counters tell whether anything was written in place, and only those are
-restored (a per-call clone of a 3 GB embedding table would dominate replay time). Buffers are
-restored after every call unconditionally: BatchNorm updates its running stats without bumping
-their version counter.
+and train/eval flags come back as they were (``StateGuard``). A one-time host copy of every
+parameter is taken when replay starts; after each call the parameters' version counters tell
+whether anything was written in place, and only those are restored (a per-call clone of a 3 GB
+embedding table would dominate replay time). Buffers are restored after every call
+unconditionally: BatchNorm updates its running stats without bumping their version counter.
 """
 from __future__ import annotations
 

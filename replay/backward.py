@@ -67,8 +67,8 @@ def _gradients(c: CallUnderTest, outs) -> tuple[list, str]:
     """The captured gradients of the outputs, else random ones like them."""
     grads = c.grads
     if grads is not None:
-        if len(grads) == len(outs) and all(
-                g is None or (g.shape == o.shape and g.dtype == o.dtype) for g, o in zip(grads, outs)):
+        if len(grads) == len(outs) and all(g is None or (g.shape == o.shape and g.dtype == o.dtype)
+                                           for g, o in zip(grads, outs)):
             full = [g if g is not None else torch.zeros_like(o) for g, o in zip(grads, outs)]
             return full, "captured" if all(g is not None for g in grads) else "captured, partly"
     gen = torch.Generator(device=c.device).manual_seed(0)
@@ -82,17 +82,18 @@ class _FreshBackward:
     the base a captured non-leaf input was rebuilt over: ``store.autograd_shape``). In the step
     an input's gradient flows on to its producer; here it lands in a leaf, and accumulating
     into the last run's would add a kernel the size of the input that the step never ran.
-    ``retain``: keep the forward's saved tensors for another backward over them."""
+    ``retain``: keep the forward's saved tensors for another backward over them; ``leaves``:
+    the inputs' leaves when they are not copy i's (a staged slot's own)."""
 
     def __init__(self, c: CallUnderTest, grads):
         self.c, self.grads = c, grads
         self._leaves: dict[int, list] = {}  # copy -> its inputs' leaves, found once
 
-    def __call__(self, outs, i: int = 0, retain: bool = False) -> None:
+    def __call__(self, outs, i: int = 0, retain: bool = False, leaves=None) -> None:
         c = self.c
         for p in c.module.parameters():
             p.grad = None  # the engine's StateGuard puts the caller's back after the call
-        for t in self.leaves(i % c.n_copies):
+        for t in self.leaves(i % c.n_copies) if leaves is None else leaves:
             t.grad = None
         torch.autograd.backward(outs, self.grads, retain_graph=retain)
 
@@ -125,13 +126,15 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
     def stage(j: int) -> None:
         on = getattr(c.run, "on", None)
         if on is None:
-            slots[j] = _grad_outputs(c.run(j % n))
+            slots[j] = _grad_outputs(c.run(j % n)), None
         else:  # its own autograd leaves: their nodes made now, on the capture stream
-            slots[j] = _grad_outputs(on(_fresh_autograd(c.run.copies[j % n]), j % n))
+            fresh = _fresh_autograd(c.run.copies[j % n])
+            slots[j] = _grad_outputs(on(fresh, j % n)), _input_leaves(fresh)
 
     def bwd(i: int) -> None:
         if i in slots:
-            backward(slots[i], i, retain=True)
+            outs, leaves = slots[i]
+            backward(outs, i, retain=True, leaves=leaves)
             return
         if last.get("i") != i % n or last.get("capturing") != capturing():
             forward(i)

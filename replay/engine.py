@@ -282,10 +282,10 @@ class TrainingFlags:
         self.flags, self._subs = flags or {}, {}
 
     def apply(self, module, rec) -> None:
-        subs = self._subs.get(rec.fqn)
+        subs = self._subs.get((rec.fqn, id(module)))  # a module swapped in: walked again
         if subs is None:
             prefix = f"{rec.fqn}." if rec.fqn else ""
-            subs = self._subs[rec.fqn] = [
+            subs = self._subs[(rec.fqn, id(module))] = [
                 (sub, bool(self.flags[f"{prefix}{name}"]))
                 for name, sub in module_tree.named_modules(module)
                 if name and f"{prefix}{name}" in self.flags]

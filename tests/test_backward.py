@@ -149,66 +149,100 @@ def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_pat
     bwd.unstage()
 
 
-def test_every_module_of_a_train_capture_gets_its_backward_in_situ(tmp_path):
-    """Each module's backward ops are found by the number of the op inside evaluate_function;
-    in a capture's with_stack trace the Python frames of cbtrace's gradient hooks come first
-    there, and every LayerNorm and GELU backward was left unattributed. Their host time does
-    not include those hooks' input copies."""
-    from cbtrace.attribution.attribute import attribute_file
-    from cbtrace.rundir.read import find_trace, load_run
+class _Res(nn.Module):
+    """x feeds a LayerNorm and the residual add after it: two consumers of x."""
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 8)).train()
-    with cbtrace.capture(model, tmp_path / "r"):
-        model(torch.randn(16, 32)).pow(2).mean().backward()
-    manifest, _ = load_run(tmp_path / "r")
-    t = attribute_file(find_trace(tmp_path / "r", manifest))
-    bwd = t[(t["phase"] == "bwd") & (t["depth"] >= 0)].set_index("fqn")
-    assert {"", "0", "1", "2", "3"} <= set(bwd.index), sorted(bwd.index)
-    kids = bwd.loc[["0", "1", "2", "3"], "cpu_ms"]
-    assert (kids > 0).all() and kids.sum() <= bwd.loc["", "cpu_ms"] * 1.001, bwd["cpu_ms"]
-    assert bwd.loc["2", "cpu_ms"] < 5 * bwd.loc["3", "cpu_ms"], bwd["cpu_ms"]  # no hook copies
+    def __init__(self):
+        super().__init__()
+        self.ln, self.lin = nn.LayerNorm(64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return x + self.lin(self.ln(x))
 
 
-def test_gradient_accumulation_of_a_residual_goes_to_the_module_that_used_it_twice(tmp_path):
-    """x feeds a LayerNorm and the residual add after it: the engine adds the two gradients of
-    x inside the LayerNorm's backward op, outside its node. That add belongs to the module
-    whose forward used x twice (the block), not to the LayerNorm: replayed alone, a LayerNorm
-    has no second consumer (GPT-2's ln_1 read -17 % against in situ on the H200 with it)."""
+def _attributed(model, x, run):
+    """Capture a train step of ``model`` (with its trace) and attribute it: the forest, names,
+    labels, backward roots, engine-add mask, owner keys and the attribution table's bwd rows."""
+    from types import SimpleNamespace
+
     import numpy as np
 
     from cbtrace.attribution import backward as bw
     from cbtrace.attribution import forest as fm
     from cbtrace.attribution import identity, insitu, loader
+    from cbtrace.attribution.attribute import attribute_file
     from cbtrace.rundir.read import find_trace, load_run
 
-    class Res(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln, self.lin = nn.LayerNorm(64), nn.Linear(64, 64)
-
-        def forward(self, x):
-            return x + self.lin(self.ln(x))
-
-    model = nn.Sequential(nn.Linear(32, 64), Res(), nn.Linear(64, 8)).train()
-    with cbtrace.capture(model, tmp_path / "r"):
-        model(torch.randn(16, 32)).pow(2).mean().backward()
-    manifest, _ = load_run(tmp_path / "r")
-    f = fm.build(loader.load(find_trace(tmp_path / "r", manifest)))
+    with cbtrace.capture(model, run):
+        model(x).pow(2).mean().backward()
+    trace = find_trace(run, load_run(run)[0])
+    f = fm.build(loader.load(trace))
     lab, is_copy, labels = identity.labels(f, identity.choose_source(f))
     module_of, copy_of = f.nearest(lab >= 0), f.outermost(is_copy)
     roots = bw.backward_roots(f)
     owner = bw.backward_owner(f, roots, bw.forward_owner_by_seq(f, module_of, roots, copy_of))
-    key = insitu.owners(f, module_of, copy_of, roots, owner, bw.engine_work(f, roots))
-    names = np.array([f.strings[c] for c in f.name])
-    in_ln = roots >= 0
-    in_ln[in_ln] = np.char.find(names[roots[in_ln]].astype(str), "LayerNormBackward") >= 0
-    adds = np.flatnonzero(in_ln & (names == "aten::add"))
-    assert len(adds) == 1, names[in_ln]
-    k = key[adds[0]]
-    assert k % 5 == insitu.BWD and labels[lab[k // 5 - 1]] == "1"  # the Res block
-    norm = np.flatnonzero(in_ln & (names == "aten::native_layer_norm_backward"))
-    assert len(norm) and all(labels[lab[key[j] // 5 - 1]] == "1.ln" for j in norm)
+    engine = bw.engine_work(f, roots)
+    t = attribute_file(trace)
+    return SimpleNamespace(
+        f=f, names=np.array([f.strings[c] for c in f.name], dtype=object), lab=lab,
+        labels=labels, roots=roots, engine=engine, is_copy=is_copy & (copy_of == np.arange(len(f))),
+        key=insitu.owners(f, module_of, copy_of, roots, owner, engine),
+        bwd=t[(t["phase"] == "bwd") & (t["depth"] >= 0)].set_index("fqn"))
+
+
+def _owner(a, j) -> str:
+    from cbtrace.attribution import insitu
+
+    assert a.key[j] % 5 == insitu.BWD
+    return a.labels[a.lab[a.key[j] // 5 - 1]]
+
+
+def _root_of(a, op: str) -> int:
+    """The evaluate_function root of the backward node ``op``."""
+    import numpy as np
+
+    (j,) = np.flatnonzero(a.names == f"autograd::engine::evaluate_function: {op}")
+    return j
+
+
+def test_every_module_of_a_train_capture_gets_its_backward_in_situ(tmp_path):
+    """Each module's backward ops are found by the number of the op inside evaluate_function;
+    in a capture's with_stack trace the Python frames of cbtrace's gradient hooks come first
+    there, and every LayerNorm and GELU backward was left unattributed. A backward's host time
+    does not include those hooks' input copies."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 8)).train()
+    a = _attributed(model, torch.randn(16, 32), tmp_path / "r")
+    assert {"", "0", "1", "2", "3"} <= set(a.bwd.index), sorted(a.bwd.index)
+    root = _root_of(a, "GeluBackward0")
+    copies = np.flatnonzero(a.is_copy & (a.roots == root))
+    assert len(copies)  # the gradient hook's copy of the GELU's output gradient
+    want = (a.f.dur[root] - a.f.dur[copies].sum()) / 1e3
+    assert a.bwd.loc["2", "cpu_ms"] == pytest.approx(want, rel=1e-9)
+
+
+def test_gradient_accumulation_of_a_residual_goes_to_the_module_that_used_it_twice(tmp_path):
+    """x feeds a LayerNorm and the residual add after it: the engine adds the two gradients of
+    x inside the LayerNorm's backward op, outside its node. That add, device and host time,
+    belongs to the module whose forward used x twice (the block), not to the LayerNorm:
+    replayed alone, a LayerNorm has no second consumer (GPT-2's ln_1 read -17 % against in
+    situ on the H200 with it)."""
+    import numpy as np
+
+    model = nn.Sequential(nn.Linear(32, 64), _Res(), nn.Linear(64, 8)).train()
+    a = _attributed(model, torch.randn(16, 32), tmp_path / "r")
+    root = _root_of(a, "NativeLayerNormBackward0")
+    inside = a.roots == root
+    adds = np.flatnonzero(inside & (a.names == "aten::add"))
+    assert len(adds) == 1 and a.engine[adds[0]], a.names[inside]
+    assert _owner(a, adds[0]) == "1"  # the block
+    norm = np.flatnonzero(inside & (a.names == "aten::native_layer_norm_backward"))
+    assert len(norm) and all(_owner(a, j) == "1.ln" for j in norm)
+    copies = np.flatnonzero(a.is_copy & inside)
+    want = (a.f.dur[root] - a.f.dur[copies].sum() - a.f.dur[adds[0]]) / 1e3
+    assert a.bwd.loc["1.ln", "cpu_ms"] == pytest.approx(want, rel=1e-9)
 
 
 def test_a_linears_bias_reduction_stays_with_the_linear(tmp_path):
@@ -217,23 +251,8 @@ def test_a_linears_bias_reduction_stays_with_the_linear(tmp_path):
     gradients (GPT-2's Linears read +25 % against in situ on the H200 when it moved)."""
     import numpy as np
 
-    from cbtrace.attribution import backward as bw
-    from cbtrace.attribution import forest as fm
-    from cbtrace.attribution import identity, insitu, loader
-    from cbtrace.rundir.read import find_trace, load_run
-
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).train()
-    with cbtrace.capture(model, tmp_path / "r"):
-        model(torch.randn(4, 16, 32)).pow(2).mean().backward()  # 3-D: the bias is broadcast
-    manifest, _ = load_run(tmp_path / "r")
-    f = fm.build(loader.load(find_trace(tmp_path / "r", manifest)))
-    lab, is_copy, labels = identity.labels(f, identity.choose_source(f))
-    module_of, copy_of = f.nearest(lab >= 0), f.outermost(is_copy)
-    roots = bw.backward_roots(f)
-    owner = bw.backward_owner(f, roots, bw.forward_owner_by_seq(f, module_of, roots, copy_of))
-    key = insitu.owners(f, module_of, copy_of, roots, owner, bw.engine_work(f, roots))
-    names = [f.strings[c] for c in f.name]
-    sums = [j for j in np.flatnonzero(roots >= 0) if names[j] == "aten::sum"]
-    assert sums, "no bias reduction in the backward"
-    assert {labels[lab[key[j] // 5 - 1]] for j in sums} <= {"0", "2"}
-    assert all(key[j] % 5 == insitu.BWD for j in sums)
+    a = _attributed(model, torch.randn(4, 16, 32), tmp_path / "r")  # 3-D: the bias is broadcast
+    sums = np.flatnonzero((a.roots >= 0) & (a.names == "aten::sum"))
+    assert len(sums), "no bias reduction in the backward"
+    assert {_owner(a, j) for j in sums} <= {"0", "2"}

@@ -100,12 +100,18 @@ def test_hook_bookkeeping_stays_out_of_the_trace(tmp_path):
 def test_timings_account_for_the_whole_capture(tmp_path):
     from cbtrace.capture.recorder import TIMINGS_IN_SEQUENCE
 
+    import time
+
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    t0 = time.perf_counter()
     with cbtrace.capture(model, tmp_path / "r") as cap:
         model(torch.randn(2, 4))
+    wall = time.perf_counter() - t0
     t = cap.timings_s
     assert set(TIMINGS_IN_SEQUENCE) <= set(t)
     assert sum(t[k] for k in TIMINGS_IN_SEQUENCE) == pytest.approx(t["total"], rel=1e-9)
+    assert min(t[k] for k in TIMINGS_IN_SEQUENCE) >= 0
+    assert 0.8 * wall <= t["total"] <= wall  # the laps cover the capture as seen from outside
     stored = read_manifest(cap.out).capture_timings_s  # all but what follows its own writing
     assert set(stored) == set(t) - {"checksums_and_manifest", "total"}
 

@@ -34,8 +34,10 @@ def _key(kind, ident):
 
 def owners(forest: Forest, module_of, copy_of, roots, b_owner, engine=None) -> np.ndarray:
     """Owner key per host event (see the module docstring). ``engine`` (backward.engine_work):
-    events of the autograd engine's own inside a backward op, which belong to the parent of
-    the op's module (where the tensor whose gradients it adds had its several consumers)."""
+    gradient adds of the autograd engine inside a backward op, which go to the parent of the
+    op's module: where a residual stream's two consumers meet. Where a tensor's consumers sit
+    further apart (a LayerNorm output feeding parallel attention and MLP blocks) they meet
+    higher up, and the add lands below that (the trace does not say which consumer came first)."""
     step = forest.step_of_host
     rs = np.maximum(roots, 0)
     bo = b_owner[rs]
@@ -62,9 +64,10 @@ def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = 
     roots = backward.backward_roots(forest)
     b_owner = backward.backward_owner(
         forest, roots, backward.forward_owner_by_seq(forest, module_of, roots, copy_of))
-    key = owners(forest, module_of, copy_of, roots, b_owner, backward.engine_work(forest, roots))
+    engine = backward.engine_work(forest, roots)
+    key = owners(forest, module_of, copy_of, roots, b_owner, engine)
     copy_root = is_copy & (copy_of == np.arange(len(forest)))  # outermost cbtrace.copy ranges
-    b = _Buckets(forest, key, roots, copy_root, module_of, copy_of, costs)
+    b = _Buckets(forest, key, roots, copy_root, module_of, copy_of, costs, engine)
     m_cols, m_figs = _module_rows(forest, b, lab, labels, module_of, copy_root, source,
                                   class_map)
     u_cols, u_figs = _unattributed_rows(forest, b, every_step)
@@ -115,7 +118,8 @@ class _Buckets:
     """Per owner key: host time, device time and span, kernels, FLOPs, bytes, ops without
     a formula, FLOPs and bytes per dtype (``acc``, aligned with the sorted ``keys``)."""
 
-    def __init__(self, forest: Forest, key, roots, copy_root, module_of, copy_of, costs):
+    def __init__(self, forest: Forest, key, roots, copy_root, module_of, copy_of, costs,
+                 engine=None):
         s, n, ar = forest.strings, len(forest), np.arange(len(forest))
         is_op = string_mask(s, _OPS.__contains__)[forest.cat] if n else np.zeros(0, bool)
         aten = string_mask(s, lambda x: x.startswith("aten::"))[forest.name] if n else is_op
@@ -124,8 +128,11 @@ class _Buckets:
         # host time: backward roots, overhead ranges, top-level ops outside every module
         top_op = is_op & ~forest.strict_any(is_op) & (roots < 0) & (copy_of < 0) & (module_of < 0)
         cpu_at = np.flatnonzero((roots == ar) | copy_root | top_op)
-        # a backward op's host time less the input copies of cbtrace's gradient hooks in it
-        nest = np.flatnonzero(copy_root & (roots >= 0) & (roots != ar))
+        # a backward op's host time less the input copies of cbtrace's gradient hooks in it and
+        # the engine's gradient adds (those count for the module that owns them: the parent)
+        eng = np.zeros(n, bool) if engine is None else engine
+        adds = np.flatnonzero(eng & ~forest.strict_any(eng))
+        nest = np.r_[np.flatnonzero(copy_root & (roots >= 0) & (roots != ar)), adds]
         # device time: the launcher's owner, else unattributed in the step of the event
         la = forest.launcher
         d_key = np.where(la >= 0, key[np.maximum(la, 0)] if n else 0,
@@ -136,12 +143,14 @@ class _Buckets:
         nof_at = np.flatnonzero(is_op & aten & ~forest.subtree_any(forest.cost >= 0) & ~f_anc
                                 & ~forest.strict_any(aten))
         self.keys, inv = np.unique(np.r_[key[cpu_at], d_key, key[cost_at], key[nof_at],
-                                         key[roots[nest]]], return_inverse=True)
-        i_cpu, i_dev, i_cost, i_nof, i_nest = np.split(
-            inv.ravel(), np.cumsum([len(cpu_at), len(d_key), len(cost_at), len(nof_at)]))
+                                         key[roots[nest]], key[adds]], return_inverse=True)
+        i_cpu, i_dev, i_cost, i_nof, i_nest, i_add = np.split(
+            inv.ravel(), np.cumsum([len(cpu_at), len(d_key), len(cost_at), len(nof_at),
+                                    len(nest)]))
         nb, d_ts, d_dur = len(self.keys), forest.d_ts, forest.d_dur
         acc = {"cpu": np.bincount(i_cpu, forest.dur[cpu_at], nb)
-               - np.bincount(i_nest, forest.dur[nest], nb),
+               - np.bincount(i_nest, forest.dur[nest], nb)
+               + np.bincount(i_add, forest.dur[adds], nb),
                "gpu": np.bincount(i_dev, d_dur, nb),
                "comm": np.bincount(i_dev, np.where(forest.d_comm, d_dur, 0.0), nb),
                "comm_exp": np.bincount(i_dev, forest.d_exposed, nb),

@@ -78,8 +78,8 @@ class ModuleRecord:
     isolated_ms_p10: float | None = column(REPLAY, "ms", "10th percentile", default=None)
     isolated_ms_p90: float | None = column(REPLAY, "ms", "90th percentile", default=None)
     runs: int | None = column(REPLAY, doc="number of timed samples", default=None)
-    timed_ms: float | None = column(REPLAY, "ms", "time inside the timer's events over all runs "
-                                    "(K calls per graph replay): the replay's timed work",
+    timed_ms: float | None = column(REPLAY, "ms", "the timed work over all runs: the sum of the "
+                                    "samples times the calls each covers (K per graph replay)",
                                     default=None)
     noisy: bool = column(REPLAY, doc="the samples say the machine was busy (waits off the CPU, "
                                      "a wide spread, or a child slower than its parent)",

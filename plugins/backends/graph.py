@@ -37,8 +37,9 @@ def capture(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*empty.*")  # a call that launches nothing
-            # A fresh capture stream each time: a failed capture may leave the allocator routing
-            # that stream's allocations to the dead graph's pool; keep it off the shared default.
+            # Never the default stream (capture refuses it); a failed capture may leave the
+            # allocator routing that stream's allocations to the dead graph's pool, and the
+            # timer gives up on the call then, so one side stream serves all of a call's captures.
             with capturing(g, stream or torch.cuda.Stream()), watch_capture_checks(asked):
                 for j in range(k):
                     if touch is not None:
@@ -65,16 +66,28 @@ def staged(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.C
     such as the forward whose backward the call is) has it run eagerly for every slot on the
     capture stream, so that only the call itself is in the graph: work an op does on its
     forward's stream (autograd's backward) then lands in the capture. Slots staged before are
-    released first: autograd nodes they hold would keep the stream of an earlier capture."""
+    released first (their memory); all k slots are alive at once, so running out of memory
+    while staging them asks for another timer, as a failed capture does."""
     stream = stream or torch.cuda.Stream()
     stage = getattr(call, "stage", None)
     if stage is not None:
         call.unstage()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for j in range(k):
-                stage(j)
+        try:
+            with torch.cuda.stream(stream):
+                for j in range(k):
+                    stage(j)
+        except torch.OutOfMemoryError as e:
+            call.unstage()
+            raise TimerUnavailable(f"staging {k} forwards ran out of memory "
+                                   f"({_first_line(e)})") from e
     return capture(call, n_copies, k, touch, stream)
+
+
+def slots_that_fit(device, per_slot_bytes: int, share: float = 0.5) -> int:
+    """How many staged slots of ``per_slot_bytes`` fit in ``share`` of free device memory."""
+    free = torch.cuda.mem_get_info(device)[0]
+    return max(1, int(share * free) // max(per_slot_bytes, 1))
 
 
 def replay_ms(g: torch.cuda.CUDAGraph) -> float:
@@ -103,12 +116,16 @@ class GraphTimer(CudaTimer):
                 # K from the call's device time where the plan measured it, else from one call
                 # captured first: capturing K = 20 straight away ran a 1 ms GEMM 40 times back
                 # to back before sampling, and the lowered SM clock read lm_head 17 % slow.
-                expected = getattr(call, "expected_ms", None)
+                expected, k_max = getattr(call, "expected_ms", None), cfg.graph_k
                 if not expected:
+                    before = torch.cuda.memory_allocated(device)
                     graphs.append(staged(call, n_copies, 1, touch, stream))
+                    if hasattr(call, "stage"):  # K slots live at once: K of these must fit
+                        per_slot = torch.cuda.memory_allocated(device) - before
+                        k_max = min(k_max, slots_that_fit(device, per_slot))
                     graphs[0].replay()  # warm replay: first launch uploads the graph
                     expected = replay_ms(graphs[0])
-                k = graph_calls(per_call_ms=expected, k_max=cfg.graph_k,
+                k = graph_calls(per_call_ms=expected, k_max=k_max,
                                 max_replay_ms=cfg.graph_max_ms)
                 if not graphs or k > 1:
                     graphs.append(staged(call, n_copies, k, touch, stream))
