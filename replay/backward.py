@@ -5,8 +5,8 @@ work (grad-input where an input required grad, grad-weight for parameters), and 
 forward runs untimed before it. The graph timer stages one forward per captured slot, eagerly on
 the capture stream, and captures only the K backwards (``retain_graph``: each replay runs them
 again over the same saved tensors); the events timer runs the forward as its untimed ``touch``,
-queued before the start event. (A graph of K forward+backward pairs less a graph of K forwards
-read GPT-2's backward 10-30 % slow on the H200.) Gradients
+queued before the start event. Nothing is subtracted (a graph of K forward+backward pairs less a
+graph of K forwards was the method before). Gradients
 come from the capture (``grads_ref``: ``cbtrace capture --step train``), else random ones of
 the outputs' shape and dtype (``grad_source``). Parameters' ``.grad`` come back as they were
 (the engine's StateGuard). The forward's saved tensors, the backward's peak memory and the
@@ -112,7 +112,7 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
     capture or outside one); without either (a warm-up call) bwd runs the forward itself."""
     n = c.n_copies
     last: dict = {}
-    slots: dict[int, list] = {}
+    slots: dict[int, tuple] = {}  # slot -> (outputs, the slot's own input leaves)
 
     def capturing() -> bool:
         # the C check, not torch.cuda.is_current_stream_capturing: the graph timer watches that

@@ -97,9 +97,8 @@ def replay(run, model=None, device=None, **options):
             if cid in done:
                 continue
             rec = by_id[cid]
-            t1 = time.perf_counter()
-            read = ahead.take(cid)  # waits only when the read-ahead is slower than the timing
-            timings["load"] = timings.get("load", 0.0) + time.perf_counter() - t1
+            with phase(timings, "load"):
+                read = ahead.take(cid)  # waits only when the read-ahead is slower than the timing
             row = replay_one(model, rec, run, device, cfg, plan, guard, budget,
                              flags, timings, read=read)
             row["call_id"] = cid
@@ -156,7 +155,7 @@ def replay(run, model=None, device=None, **options):
 
 
 @contextlib.contextmanager
-def phase(timings: dict, name: str):
+def phase(timings: dict | None, name: str):
     """Add the seconds the block takes to ``timings[name]``."""
     t0 = time.perf_counter()
     try:
@@ -314,13 +313,12 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
                     f"budget {limit / 2**20:.0f} MiB")
     try:
         with timed(guard.call(), timings, "state_guard"), time_limit(cfg.timeout_s):
-            t0 = time.perf_counter()
-            args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device,
-                                            chunks_read=read[0])
-            grads = (load_call_inputs(run, rec.grads_ref, device=device, chunks_read=read[1])[0]
-                     if cfg.backward and rec.grads_ref else None)
-            if timings is not None:
-                timings["load"] = timings.get("load", 0.0) + time.perf_counter() - t0
+            with phase(timings, "load"):
+                args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device,
+                                                chunks_read=read[0])
+                grads = (load_call_inputs(run, rec.grads_ref, device=device,
+                                          chunks_read=read[1])[0]
+                         if cfg.backward and rec.grads_ref else None)
             (flags or TrainingFlags(None)).apply(module, rec)
             return measure_call(module, rec, args, kwargs, device, cfg, plan, grads, timings)
     except CallTimeout as e:

@@ -9,6 +9,8 @@ resolved as ``cbtrace capture --model`` resolves it, with the run's options and 
 """
 from __future__ import annotations
 
+import time
+
 from cbtrace.errors import CbtraceError, ReplayError
 
 HOW = ("pass --model SPEC to name the model (cbtrace.replay: model= or model_spec=), or "
@@ -27,8 +29,6 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
         run: the run directory, named in errors.
         timings: gets the seconds of "rebuild" and "verify_state" (the digest check).
     """
-    import time
-
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.model.spec import is_registered, resolve
     from cbtrace.state import same_state

@@ -37,9 +37,8 @@ def capture(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*empty.*")  # a call that launches nothing
-            # Never the default stream (capture refuses it); a failed capture may leave the
-            # allocator routing that stream's allocations to the dead graph's pool, and the
-            # timer gives up on the call then, so one side stream serves all of a call's captures.
+            # a side stream (capture refuses the default one): the caller's, shared by all of a
+            # call's captures, else a fresh one
             with capturing(g, stream or torch.cuda.Stream()), watch_capture_checks(asked):
                 for j in range(k):
                     if touch is not None:
