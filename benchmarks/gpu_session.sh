@@ -8,7 +8,8 @@
 # modes: bench_modes_gpu.py (eager vs compile vs cudagraph per module, whole-model compile);
 # nproc: bench_nproc.py (torchrun --nproc 1 against in-process replay);
 # probe-backward: probe_backward.py (a train step's backward kernels in situ vs replayed, three
-# backward timing methods); overhead: probe_replay_overhead.py (replay wall under cProfile).
+# backward timing methods); overhead: probe_replay_overhead.py (replay wall in laps; cProfile too
+# with OVERHEAD_CPROFILE=1).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -38,7 +39,7 @@ probe-backward)
   timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_backward.py /tmp/probe 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -40 ;;
 overhead)
   for M in ${OVERHEAD_MODELS:-nanogpt}; do
-    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probe_replay_overhead.py /tmp/overhead $M 40 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_$M.log
+    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probe_replay_overhead.py /tmp/overhead $M --top 40 ${OVERHEAD_CPROFILE:+--cprofile} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_$M.log
     head -${OVERHEAD_LINES:-30} $OUT/overhead_$M.log
   done ;;
 esac

@@ -225,6 +225,37 @@ def test_collect_honours_min_and_max_runs():
     assert len(collect(sleeper(0.005, []), TimingConfig(budget_s=0, min_runs=4))) == 4
 
 
+def test_converged_within_a_share_of_the_median_or_under_the_jitter_floor():
+    steady = [1.0, 1.002, 0.998, 1.001, 0.999] * 2
+    assert stats.converged(steady, 0.01) and not stats.converged(steady, 0.001)
+    empty = [6.2e-5, 1.1e-4, 8e-5, 9e-5, 7e-5] * 2   # an empty graph's replays: +-40 % of ~0
+    assert not stats.converged(empty, 0.01)
+    assert stats.converged(empty, 0.01, floor_ms=stats.EVENT_JITTER_MS / 20)
+    assert not stats.converged([0.0] * 10, 0.01)       # zero median and no floor: never
+    assert stats.converged([0.0] * 10, 0.01, floor_ms=1e-6)
+
+
+def jittery(values: list[float], log: list):
+    """A sample() returning values in turn, logging how many runs each round asked for."""
+    def sample(first, n):
+        log.append(n)
+        return [values[(first + i) % len(values)] for i in range(n)]
+    return sample
+
+
+def test_collect_stops_at_min_runs_once_converged_else_spends_the_budget():
+    empty = [6.2e-5, 1.1e-4, 8e-5, 9e-5, 7e-5]
+    cfg = TimingConfig(budget_s=0.05, min_runs=10, converge_spread=0.01, max_runs=10_000)
+    log = []
+    assert len(collect(jittery(empty, log), cfg, floor_ms=stats.EVENT_JITTER_MS / 20)) == 10
+    assert log == [10]
+    log = []
+    assert len(collect(jittery(empty, log), cfg)) > 10 and len(log) > 1   # no floor: budget
+    log = []
+    off = TimingConfig(budget_s=0.05, min_runs=10, converge_spread=0.0, max_runs=10_000)
+    assert len(collect(jittery(empty, log), off, floor_ms=1.0)) > 10      # converge off: budget
+
+
 # ---- cpu timer -----------------------------------------------------------------------------
 
 def test_cpu_timer_rotates_copies_and_summarises():

@@ -18,7 +18,7 @@ from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_n
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher, spin
 from .sampling import collect, timing_from_samples, warm_toucher, warm_until_settled
-from .stats import graph_calls
+from .stats import EVENT_JITTER_MS, graph_calls
 
 
 def _first_line(e: BaseException) -> str:
@@ -139,7 +139,7 @@ class GraphTimer(CudaTimer):
                 flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
                 sampler = self._sampler(g, t, k, device, cfg, flusher)
                 settle = warm_until_settled(sampler, cfg)
-                samples = collect(sampler, cfg)
+                samples = collect(sampler, cfg, floor_ms=EVENT_JITTER_MS / k)
             finally:
                 for x in graphs:
                     if x is not None:
