@@ -38,6 +38,7 @@ class CallUnderTest:
     grads: tuple | None = None     # the gradients its outputs got in the step (grads_ref)
     row: dict = dataclasses.field(default_factory=dict)  # what the plan's steps measured so far
     value_free: bool = False       # OpCount: its time cannot depend on values (replay.reuse)
+    outputs: object = None         # HostIssue's last run's, for OutputCheck (no run of its own)
 
 
 def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest:

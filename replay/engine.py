@@ -76,7 +76,7 @@ def replay(run, model=None, device=None, **options):
     kept = set(done)
     if w is not None:
         shard.barrier()  # rank 0 cleared old rows before any rank writes new ones
-    with phase(outside, "state_copy"):  # StateGuard: a host copy of every parameter
+    with phase(outside, "state_copy"):  # StateGuard: a copy of every parameter
         guard = StateGuard(model)
     plan = default_plan(cfg, device, registry.backends())
     flags = TrainingFlags(manifest.training_flags)
@@ -89,7 +89,7 @@ def replay(run, model=None, device=None, **options):
     bar = Progress("replay", len(order), len(done), show=cfg.progress)
     timings: dict[str, float] = {}  # seconds per phase of a call's replay, summed
     ahead = ReadAhead(run, [c for c in order if c not in done], by_id, cfg.backward,
-                      enabled=device.type == "cuda")
+                      enabled=device.type == "cuda", pin=device.type == "cuda")
     t0 = time.perf_counter()
     outside["setup"] = t0 - t_setup - outside["state_copy"]
     try:

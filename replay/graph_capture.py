@@ -32,9 +32,11 @@ def capturing(g: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None):
             g.capture_end()
 
 
-def side_stream_warmup(call, n_copies: int, runs: int) -> None:
-    """Warm up on a side stream before capture, as the torch.cuda.graphs docs require."""
-    side = torch.cuda.Stream()
+def side_stream_warmup(call, n_copies: int, runs: int, stream=None) -> None:
+    """Warm up on a side stream before capture, as the torch.cuda.graphs docs require: on the
+    stream that will capture when given (what torch keeps per stream, such as cuBLAS's
+    workspace, is then made outside the capture), else on a fresh one."""
+    side = stream or torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(max(runs, 1)):

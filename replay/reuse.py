@@ -1,4 +1,5 @@
-"""What replay can reuse between calls that are the same work: the profiled pass.
+"""What replay can reuse between calls that are the same work: the counted cost and the
+profiled pass.
 
 Two calls are the same work when their module's class, parameters and buffers (names, shapes,
 dtypes), their inputs' metadata and their modes (train/eval, grad, autocast) are equal —
@@ -6,10 +7,15 @@ dtypes), their inputs' metadata and their modes (train/eval, grad, autocast) are
 out the same: a call whose cost depends on its values (an MoE's routing, embedding ids, a mask)
 shows it there and is profiled on its own. The 12 blocks of GPT-2 small are profiled once; the
 profiled pass (torch.profiler's start and stop) was a third of a call's replay wall.
+
+The count itself (``CountCache``) is reused only where it cannot differ: the same ``call_key``
+(the signature and every argument as captured but the tensors' data: non-tensor arguments by
+value, no objects whose state the key would not see) and a first count that was ``value_free``.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 
 
 def signature(module, rec) -> str:
@@ -23,6 +29,59 @@ def signature(module, rec) -> str:
 
 
 COST_KEYS = ("flops", "flops_executed", "bytes", "unknown_ops", "compute_dtype")
+
+# serializers whose nodes hold the whole value (or a tensor's metadata): an argument of any other
+# kind (a dataclass, a transformers Cache, a KeyedJaggedTensor) is an object with state of its own
+PLAIN = frozenset({"tensor", "none", "ellipsis", "bool", "int", "float", "complex", "str", "bytes",
+                   "torch_enum", "device", "size", "slice", "enum", "tuple", "list", "dict"})
+
+
+def call_key(module, rec) -> str | None:
+    """``signature``, the plain attributes of the module and its submodules (``eps``,
+    ``is_causal``, ``n_head``: settings two modules of one class may differ in), and the call's
+    captured arguments with each tensor's data reference left out; None when an argument is
+    not PLAIN (or the reference cannot be read)."""
+    try:
+        doc = json.loads(rec.inputs_ref or "")
+        tree = _without_data([doc["args"], doc["kwargs"]])
+    except (ValueError, TypeError, KeyError, _NotPlain):
+        return None
+    h = hashlib.sha256(signature(module, rec).encode())
+    h.update(json.dumps(tree, sort_keys=True).encode())
+    for name, m in module.named_modules():
+        attrs = sorted((k, repr(v)) for k, v in vars(m).items()
+                       if not k.startswith("_") and isinstance(v, (bool, int, float, str,
+                                                                   type(None))))
+        h.update(f"{name}:{type(m).__qualname__}:{attrs}".encode())
+    return h.hexdigest()
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def _without_data(node):
+    if isinstance(node, list):
+        return [_without_data(n) for n in node]
+    if isinstance(node, dict):
+        if "t" in node and node["t"] not in PLAIN:
+            raise _NotPlain(node["t"])
+        return {k: _without_data(v) for k, v in node.items() if not (k == "c" and "t" in node)}
+    return node
+
+
+class CountCache:
+    """call_key -> the counted cost of the first value-free call with that key."""
+
+    def __init__(self):
+        self._seen: dict[str, dict] = {}
+
+    def get(self, key) -> dict | None:
+        return self._seen.get(key) if key is not None else None
+
+    def put(self, key, fields: dict, value_free: bool) -> None:
+        if key is not None and value_free:
+            self._seen.setdefault(key, dict(fields))
 
 
 class ProfileCache:

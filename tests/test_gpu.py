@@ -91,3 +91,24 @@ def test_dlrm_capture_replay_cuda(tmp_path):
     bags = df[df["module_type"] == "EmbeddingBag"]
     assert (bags["bytes"] > 0).all() and (bags["flops"] > 0).all()
     assert find_trace(cap.out) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("share", [0.2, 0.0])  # copies on the GPU; none fits: on the host
+def test_state_guard_undoes_writes_from_its_gpu_or_host_copies(monkeypatch, share):
+    from cbtrace import state
+
+    monkeypatch.setattr(state, "DEVICE_COPY_SHARE", share)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).cuda()
+    before = state_fingerprint(model)
+    guard = state.StateGuard(model)
+    assert {saved.device.type for *_, saved, _, _ in guard.params} == (
+        {"cuda"} if share else {"cpu"})
+    with guard.call(), torch.no_grad():
+        model[0].weight.add_(1)                         # written in place
+        model[1].weight.data = model[1].weight * 2      # storage swapped
+    assert state_fingerprint(model) == before
+    with guard.call(), torch.no_grad():                 # and again, from the same copies
+        model[0].weight.mul_(3)
+    assert state_fingerprint(model) == before

@@ -71,3 +71,63 @@ def test_failed_read_ahead_leaves_the_error_to_the_call(tmp_path):
                     enabled=False)
     assert off.take(rec.call_id) == (None, None)
     off.close()
+
+
+def _captured(tmp_path, n=12):
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)])
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(torch.randn(2, 8))
+    _, df = load_run(tmp_path / "r")
+    recs = {r.call_id: r for r in frame_to_records(df)}
+    return recs, bfs_order({c: r.parent_call_id for c, r in recs.items()})
+
+
+def test_read_ahead_keeps_several_calls_queued_and_skips_a_call_taken_early(tmp_path, monkeypatch):
+    from cbtrace.replay import prefetch
+
+    recs, order = _captured(tmp_path)
+    monkeypatch.setattr(prefetch, "MAX_CALLS", 4)
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
+    try:
+        assert list(ahead._pending) == order[:4]                   # queued at once, in order
+        assert ahead.take(order[0])[0] is not None
+        assert list(ahead._pending) == order[1:5]                  # one taken, one more queued
+        assert ahead.take(order[6])[0] is None                     # not queued yet: loads itself
+        assert order[6] not in ahead._pending and ahead._next == 7  # the queue moved past it
+        for cid in order[1:5] + order[7:]:
+            assert ahead.take(cid)[0] is not None
+        assert ahead.take(order[5])[0] is None                     # skipped over: loads itself
+        assert not ahead._pending
+    finally:
+        ahead.close()
+
+
+def test_read_ahead_stops_queueing_at_the_byte_limit(tmp_path, monkeypatch):
+    from cbtrace.replay import prefetch
+
+    recs, order = _captured(tmp_path)
+    per_call = int(recs[order[1]].input_bytes)
+    monkeypatch.setattr(prefetch, "MAX_BYTES", 2 * per_call + 1)  # three calls of 64 B fit
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
+    try:
+        assert list(ahead._pending) == order[:3]
+    finally:
+        ahead.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_read_ahead_loads_the_same_tensors_on_the_gpu(tmp_path):
+    recs, order = _captured(tmp_path)
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True, pin=True)
+    try:
+        for cid in order:
+            inputs, _ = ahead.take(cid)
+            assert all(c.pinned and c.data.is_pinned() for c in inputs.values())
+            got = load_call_inputs(tmp_path / "r", recs[cid].inputs_ref, device="cuda",
+                                   chunks_read=inputs)
+            want = load_call_inputs(tmp_path / "r", recs[cid].inputs_ref)
+            for a, b in zip(_flat(*got), _flat(*want), strict=True):
+                assert a.is_cuda and torch.equal(a.cpu(), b)
+    finally:
+        ahead.close()

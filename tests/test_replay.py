@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import cbtrace
+from cbtrace import module_tree
 from cbtrace.rundir.read import read_manifest, read_modules
 from cbtrace.rundir.files import sha256_file
 from cbtrace.capture.from_spec import capture_model
@@ -362,6 +363,70 @@ def test_calls_of_the_same_work_reuse_one_profiled_pass_value_dependent_ones_do_
     assert df.loc["m.1", "kernel_count"] == df.loc["m.0", "kernel_count"]
     assert df.loc["m.2", "flops"] != df.loc["m.3", "flops"]  # routing: other work...
     assert "profiled as" not in str(df.loc["m.3", "timer_notes"])  # ...profiled on its own
+
+
+def test_a_call_of_the_same_key_as_a_value_free_one_takes_its_count(tmp_path, monkeypatch):
+    """nanogpt:tiny's two blocks (and their parts) are counted once; the figures are those of
+    a replay that counts every call."""
+    from cbtrace.cost import opcount
+    from cbtrace.replay.reuse import CountCache
+
+    cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
+    entered = []
+    enter = opcount.OpCounter.__enter__
+    monkeypatch.setattr(opcount.OpCounter, "__enter__", lambda self: entered.append(1) or
+                        enter(self))
+    cached = cbtrace.replay(cap.out, model=cap.model, **FAST).set_index("fqn")
+    n_cached = len(entered)
+    monkeypatch.setattr(CountCache, "get", lambda self, key: None)
+    every = cbtrace.replay(cap.out, model=cap.model, **FAST).set_index("fqn")
+    assert len(entered) - n_cached == len(every)           # one count per call without it
+    assert n_cached <= len(every) - 10                     # block 1 and its 9 parts: reused
+    cols = ["flops", "flops_executed", "bytes", "unknown_ops", "compute_dtype"]
+    assert cached[cols].equals(every.loc[cached.index, cols])
+
+
+class Eps(nn.Module):
+    def __init__(self, eps=1e-5):
+        super().__init__()
+        self.lin, self.eps = nn.Linear(16, 16), eps
+
+    def forward(self, x, dim=-1, extra=None):
+        return torch.softmax(self.lin(x) + self.eps, dim=dim)
+
+
+def test_the_count_key_sees_settings_arguments_and_objects(tmp_path):
+    import dataclasses
+
+    from cbtrace.replay.reuse import call_key
+    from cbtrace.rundir.read import load_run
+    from cbtrace.schema.modules import frame_to_records
+
+    @dataclasses.dataclass
+    class Box:
+        v: int
+
+    model = nn.ModuleList([Eps(), Eps(), Eps(eps=1e-3), Eps()])
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return (self.m[0](x) + self.m[1](x) + self.m[2](x) + self.m[1](x, dim=0)
+                    + self.m[3](x, extra=Box(1)))
+
+    root = Root()
+    with cbtrace.capture(root, tmp_path / "r", trace=False):
+        root(torch.randn(4, 16))
+    recs = [r for r in frame_to_records(load_run(tmp_path / "r")[1]) if r.fqn.count(".") == 1]
+    keys = {(r.fqn, r.call_index): call_key(module_tree.get_submodule(root, r.fqn), r)
+            for r in recs}
+    assert keys[("m.0", 0)] == keys[("m.1", 0)]           # the same work
+    assert keys[("m.2", 0)] != keys[("m.0", 0)]           # another eps
+    assert keys[("m.1", 1)] != keys[("m.1", 0)]           # another dim
+    assert keys[("m.3", 0)] is None                       # an object argument: never reused
 
 
 def test_the_large_recsys_preset_is_a_thousand_calls():

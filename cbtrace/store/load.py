@@ -87,8 +87,10 @@ class _TensorLoader:
                 del self._read_ahead[str(cid)]
             else:
                 ahead = HostChunk(*self._read(cid))
-            raw = torch.from_numpy(ahead.raw)
-            raw = raw.to(dev) if dev.type != "cpu" else raw
+            raw = ahead.data
+            # from pinned memory the copy is asynchronous (ordered on the current stream, and
+            # the pinned block is not reused before it is done: torch's host allocator)
+            raw = raw.to(dev, non_blocking=ahead.pinned) if dev.type != "cpu" else raw
             self._storages[key] = (raw.untyped_storage(), ahead.shift)
         return self._storages[key]
 
@@ -139,20 +141,21 @@ class _TensorLoader:
 
 
 class HostChunk:
-    """A data chunk's bytes in one host buffer, after a pad that aligns its storage: ``raw``
-    (numpy uint8) and ``shift`` (the byte offset of raw[0] in the captured storage)."""
+    """A data chunk's bytes in one host buffer, after a pad that aligns its storage: ``data``
+    (a uint8 tensor, in pinned memory when ``pin``) and ``shift`` (the byte offset of data[0]
+    in the captured storage)."""
 
-    __slots__ = ("raw", "shift")
+    __slots__ = ("data", "shift", "pinned")
 
-    def __init__(self, lo: int, nbytes: int, parts: list):
-        import numpy as np
-
+    def __init__(self, lo: int, nbytes: int, parts: list, pin: bool = False):
         pad = _pad(lo)
-        self.raw, self.shift = np.empty(pad + nbytes, np.uint8), lo - pad
-        self.raw[:pad] = 0
+        self.data = torch.empty(pad + nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.shift, self.pinned = lo - pad, pin
+        raw = self.data.numpy()  # numpy copies release the GIL
+        raw[:pad] = 0
         pos = pad
         for p in parts:
-            self.raw[pos:pos + p.nbytes] = p
+            raw[pos:pos + p.nbytes] = p
             pos += p.nbytes
 
 
@@ -171,10 +174,11 @@ def _parse_ref(run_dir, inputs_ref: str) -> dict:
     return doc
 
 
-def read_call_chunks(run_dir: Path, inputs_ref: str) -> dict:
+def read_call_chunks(run_dir: Path, inputs_ref: str, pin: bool = False) -> dict:
     """Every chunk of one call's inputs read from its shard and checksummed, for
-    ``load_call_inputs(..., chunks_read=)``: the slow, torch-free half of loading (Parquet
-    reads and CRCs release the GIL), so replay runs it on a thread while another call is timed."""
+    ``load_call_inputs(..., chunks_read=)``: the slow half of loading (Parquet reads, CRCs and
+    copies, which release the GIL), so replay runs it on a thread while another call is timed;
+    ``pin``: data chunks in pinned host memory, whose copies to a GPU need not wait."""
     doc = _parse_ref(run_dir, inputs_ref)
     loader = _TensorLoader(Path(run_dir) / "inputs", doc["chunks"], None)
     out = {}
@@ -182,7 +186,8 @@ def read_call_chunks(run_dir: Path, inputs_ref: str) -> dict:
         got = loader._read(int(cid))
         # data chunks assembled here too (numpy copies release the GIL): a GPT-2 replay spent
         # 0.6 s of its 1.7 s of loading on the replay thread doing it, on the H200 host
-        out[cid] = HostChunk(*got) if isinstance(entry, list) and entry[-1] == "d" else got
+        out[cid] = (HostChunk(*got, pin=pin) if isinstance(entry, list) and entry[-1] == "d"
+                    else got)
     return out
 
 

@@ -67,7 +67,7 @@ class EventsTimer(CudaTimer):
     def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
         device = self._device(device)
         with torch.cuda.device(device):
-            warm = max(cfg.warmup_runs, 1)
+            warm = max(cfg.warmup_runs, 3)  # the host time's median needs a few
             host_ms = host_enqueue_ms(call, n_copies, warm)
             spin_ms = spin_for(host_ms=host_ms, lo_ms=cfg.spin_min_ms, hi_ms=cfg.spin_max_ms)
             flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)

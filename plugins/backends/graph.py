@@ -109,8 +109,8 @@ class GraphTimer(CudaTimer):
         touch = None if hasattr(call, "stage") else warm_toucher(call, cfg)
         graphs = []
         with torch.cuda.device(device):
-            side_stream_warmup(call, n_copies, cfg.warmup_runs)
             stream = torch.cuda.Stream()  # every capture of this call: staged nodes keep it
+            side_stream_warmup(call, n_copies, cfg.warmup_runs, stream)
             try:
                 # K from the call's device time where the plan measured it, else from one call
                 # captured first: capturing K = 20 straight away ran a 1 ms GEMM 40 times back
