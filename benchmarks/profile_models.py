@@ -6,9 +6,12 @@ the capture ran, as `cbtrace profile` does (the variant +rebuild rebuilds it fro
 timings_s inside the per-call loop, outside_s the rest), one line per model (calls, ok /
 skipped / error, share of calls with in-situ >= 10 us that read within +-5 % of in situ, the
 root's error, replay wall, the part outside the loop and duty cycle) and its error table by
-module class. Writes OUT_DIR/<model>_modules.csv. Usage:
+module class. A variant (NAME+VARIANT, after NAME) replays the same capture with other
+settings (VARIANTS: each shortcut turned off, or an option turned on) and is compared call by
+call with NAME's default replay. Writes OUT_DIR/<model>_modules.csv. Usage:
 
     python benchmarks/profile_models.py OUT_DIR nanogpt dlrm [...]   (names from MODELS)
+    python benchmarks/profile_models.py OUT_DIR nanogpt nanogpt+every nanogpt+full
 """
 import sys
 import time
@@ -34,7 +37,22 @@ MODELS = {
 # NAME+VARIANT[+...]: the same model replayed with other settings, side by side in one table
 VARIANTS = {"warm": {"warm_inputs": True},        # inputs rewritten in place before each call
             "reuse": {"reuse_timing": True},       # --reuse-timing
+            "every": {"reuse_counts": False},      # --count-every-call: no count/profile reuse
+            "full": {"converge_spread": 0.0},      # no early stop: every call spends its budget
             "rebuild": {}}                         # the model rebuilt from its spec
+
+
+def against(df, base) -> dict:
+    """How a variant's per-call figures compare with its model's default replay (same
+    capture): |isolated_ms| differences, and the counted and profiled figures alike."""
+    both = df.merge(base, on="call_id", suffixes=("", "_base"))
+    both = both[(both["status"] == "ok") & (both["status_base"] == "ok")]
+    diff = (100 * (both["isolated_ms"] / both["isolated_ms_base"] - 1)).abs()
+    big = both["insitu_ms"] >= MIN_MS
+    same = {c: (both[c] == both[f"{c}_base"]).mean() for c in ("flops", "bytes", "kernel_count")}
+    return {"calls": len(both), "|d iso|% median": diff.median(),
+            "|d iso|% p90": diff.quantile(0.9), "|d iso|% max (>=10us)": diff[big].max(),
+            **{f"same {c}": v for c, v in same.items()}}
 
 
 def summary(name, df, wall_s, outside_s):
@@ -81,6 +99,7 @@ def main(out_dir, names):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows, captured = [], {}  # a variant replays its model's capture again (same in-situ step)
+    bases, compared = {}, []  # model -> its default replay's table; variant rows against it
     live = {}  # the last captured model only (GPU memory); an earlier one's variants rebuild
     for name in names:
         base, *variants = name.split("+")
@@ -105,6 +124,10 @@ def main(out_dir, names):
             print(f"\n== {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         df.to_csv(out / f"{name}_modules.csv", index=False)
+        if not variants:
+            bases[base] = df
+        elif base in bases:
+            compared.append({"variant": name, **against(df, bases[base])})
         info = read_manifest(run).replay
         loop_s, outside_s = sum(info.timings_s.values()), sum(info.outside_s.values())
         rows.append(summary(name, df, wall, outside_s))
@@ -129,6 +152,9 @@ def main(out_dir, names):
               flush=True)
     print("\n== models")
     print(pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    if compared:
+        print("\n== variants against their model's default replay (per call)")
+        print(pd.DataFrame(compared).to_string(index=False, float_format=lambda x: f"{x:.3g}"))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ class ReplayConfig:
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,
     the rest copy the first's time (``replay.reuse.TimingReuse``). Off by default."""
+    reuse_counts: bool = True
+    """Take the FLOP count and the profiled pass (kernel count, device time) of an earlier call
+    that is the same work (``replay.reuse``); False: count and profile every call."""
     warm_inputs: bool = False
     """Time each call on inputs just rewritten in place (x * 1), as if its producer had just
     left them in L2; never with ``cold``. Off by default: on the H200 it overshoots (NanoGPT

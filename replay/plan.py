@@ -30,8 +30,9 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
     chain = timers.chain(cfg.timer, device, backends)
     # FLOPs first: a call of the same work as one profiled before reuses its profiled pass;
     # the pass's device time then sizes the graph timer's K without a trial capture
-    steps: list[Step] = [OpCount()] if cfg.count_flops else []
-    steps += [ProfilerPass(cfg.profile_runs, ProfileCache() if cfg.count_flops else None),
+    reuse = cfg.count_flops and cfg.reuse_counts
+    steps: list[Step] = [OpCount(reuse)] if cfg.count_flops else []
+    steps += [ProfilerPass(cfg.profile_runs, ProfileCache() if reuse else None),
               Timed(chain, backends, cfg), HostIssue(), OutputCheck()]
     if cfg.modes:  # the same call compiled / from a CUDA graph (replay/modes.py)
         from cbtrace.replay.modes import mode_steps

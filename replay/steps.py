@@ -123,17 +123,17 @@ class OpCount:
 
     name = "count"
 
-    def __init__(self):
+    def __init__(self, reuse: bool = True):
         from cbtrace.replay.reuse import CountCache
 
-        self.cache = CountCache()
+        self.cache = CountCache() if reuse else None
 
     def run(self, c: CallUnderTest) -> dict:
         from cbtrace.cost.opcount import OpCounter
         from cbtrace.replay.reuse import call_key, value_free
 
-        key = call_key(c.module, c.rec)
-        hit = self.cache.get(key)
+        key = call_key(c.module, c.rec) if self.cache is not None else None
+        hit = self.cache.get(key) if key is not None else None
         if hit is not None:
             c.value_free = True
             return dict(hit)
@@ -144,7 +144,8 @@ class OpCount:
         c.value_free = value_free(c.rec.input_meta, oc.op_names())
         fields = dict(flops=cost.flops, flops_executed=cost.flops_executed, bytes=cost.bytes,
                       unknown_ops=cost.unknown_ops, compute_dtype=cost.compute_dtype)
-        self.cache.put(key, fields, c.value_free)
+        if key is not None:
+            self.cache.put(key, fields, c.value_free)
         return fields
 
 

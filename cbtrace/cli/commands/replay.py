@@ -37,13 +37,17 @@ from cbtrace.replay.config import ReplayConfig
 @click.option("--reuse-timing", is_flag=True,
               help="time once the calls that are the same work and cannot depend on values "
                    "(e.g. 12 identical blocks): the second of each group checks the first")
+@click.option("--count-every-call", is_flag=True,
+              help="count FLOPs and run the profiled pass for every call, not once per kind of "
+                   "work (a call of the same module, shapes and arguments takes the first's)")
 @click.option("--nproc", type=click.IntRange(min=1), default=None, metavar="N",
               help="shard the calls over N processes (one GPU each) by starting torchrun's "
                    "elastic agent; the same as torchrun --nproc-per-node N -m cbtrace.replay RUN")
 @click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, model_spec, trust,
-            timeout_s, modes, compile_mode, backward, reuse_timing, nproc, strict, top):
+            timeout_s, modes, compile_mode, backward, reuse_timing, count_every_call, nproc,
+            strict, top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
     Writes the results into RUN/modules.parquet and prints the slowest modules. The model is
@@ -61,7 +65,7 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
     opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold,
                 model_spec=model_spec, trust=trust, timeout_s=timeout_s,
                 modes=parse_modes(modes), compile_mode=compile_mode, backward=backward,
-                reuse_timing=reuse_timing)
+                reuse_timing=reuse_timing, reuse_counts=not count_every_call)
     if budget_s is not None:
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
     df = cbtrace.replay(run, device=device, **opts)
