@@ -143,6 +143,10 @@ def main(out_dir, names):
               f"{root['device_ms']:.4g} ms, host issue {root['host_ms']:.4g} ms, kernels "
               f"{root['kernel_count']}, timer {root['timer']} ({root['timer_notes']}); "
               f"fallback: {str(root['timer_fallback'])[:200]}")
+        timers = df["timer"].value_counts().to_dict()
+        fell = df["timer_fallback"].dropna()
+        print(f"\n== {name}: timers {timers}; fallbacks {len(fell)}"
+              + "".join(f"\n   {n} x {why[:240]}" for why, n in fell.value_counts().head(4).items()))
         errors = df[df["status"] != "ok"][["fqn", "status", "status_reason"]]
         print(f"\n== {name}: error table (calls with in-situ >= {MIN_MS * 1e3:.0f} us)")
         print(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
