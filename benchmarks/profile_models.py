@@ -39,6 +39,7 @@ VARIANTS = {"warm": {"warm_inputs": True},        # inputs rewritten in place be
             "reuse": {"reuse_timing": True},       # --reuse-timing
             "every": {"reuse_counts": False},      # --count-every-call: no count/profile reuse
             "full": {"converge_spread": 0.0},      # no early stop: every call spends its budget
+            "again": {},                           # the default again: run-to-run noise
             "rebuild": {}}                         # the model rebuilt from its spec
 
 
