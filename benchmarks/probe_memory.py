@@ -1,0 +1,90 @@
+"""GPU memory across a whole-tree replay, call by call, under variants that each undo one
+replay mechanism: where free device memory goes when calls start being skipped for it.
+
+Captures SPEC (train step: forward and backward) once, then replays it with the capture's model
+once per variant, recording after every call the driver's free memory and torch's allocated and
+reserved bytes; prints per variant the calls skipped and the memory at the 10th, middle and last
+call. Usage: python benchmarks/probe_memory.py OUT_DIR [VARIANT ...]
+"""
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+GIB = 2**30
+
+
+@contextlib.contextmanager
+def patched(owner, name, value):
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def variants():
+    from cbtrace import state
+    from cbtrace.plugins.backends import graph
+    from cbtrace.replay import engine, steps
+
+    fresh = graph.side_stream_warmup
+
+    def warm_fresh(call, n, runs, stream=None):
+        return fresh(call, n, runs)
+
+    issue = steps.HostIssue.run
+
+    def issue_drop(self, c):
+        out = issue(self, c)
+        c.outputs = None
+        return out
+
+    ahead = engine.ReadAhead
+
+    def no_ahead(*a, **k):
+        return ahead(*a, **{**k, "enabled": False, "pin": False})
+
+    return {
+        "default": contextlib.nullcontext,
+        "warm-fresh-stream": lambda: patched(graph, "side_stream_warmup", warm_fresh),
+        "no-kept-outputs": lambda: patched(steps.HostIssue, "run", issue_drop),
+        "no-read-ahead": lambda: patched(engine, "ReadAhead", no_ahead),
+        "host-state-copy": lambda: patched(state, "DEVICE_COPY_SHARE", 0.0),
+    }
+
+
+def main(out_dir, names):
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.replay import engine
+
+    cap = capture_model("nanogpt", Path(out_dir) / "mem", device="cuda", dtype="bf16",
+                        options={"batch_size": 8}, step="train")
+    table = variants()
+    one = engine.replay_one
+    for name in names or list(table):
+        log = []
+
+        def logged(*a, **k):
+            row = one(*a, **k)
+            free = torch.cuda.mem_get_info()[0]
+            log.append((row.get("status"), free, torch.cuda.memory_allocated(),
+                        torch.cuda.memory_reserved()))
+            return row
+
+        torch.cuda.empty_cache()
+        with table[name](), patched(engine, "replay_one", logged):
+            engine.replay(cap.out, model=cap.model, backward=True, progress=False)
+        skipped = sum(s != "ok" for s, *_ in log)
+        marks = [9, len(log) // 2, len(log) - 1]
+        cells = "  ".join(f"#{i}: free {log[i][1] / GIB:6.1f} alloc {log[i][2] / GIB:5.1f} "
+                          f"reserved {log[i][3] / GIB:6.1f}" for i in marks)
+        print(f"{name:<18} skipped {skipped:3d}  {cells}  (GiB)", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2:])
