@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from cbtrace import module_tree
+from cbtrace.device import free_memory
 
 
 DEVICE_COPY_SHARE = 0.2
@@ -31,7 +32,7 @@ def saved_copies(tensors: list) -> list:
         nbytes = t.numel() * t.element_size()
         if t.is_cuda:
             if t.device not in left:
-                left[t.device] = DEVICE_COPY_SHARE * torch.cuda.mem_get_info(t.device)[0]
+                left[t.device] = DEVICE_COPY_SHARE * free_memory(t.device)
             if nbytes <= left[t.device]:
                 left[t.device] -= nbytes
                 out.append(t.clone())

@@ -368,8 +368,10 @@ def _device_name(device) -> str:
 
 
 def _free_memory(device) -> int | None:
+    from cbtrace.device import free_memory
+
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return free_memory(device)
     return None
 
 

@@ -112,3 +112,16 @@ def test_state_guard_undoes_writes_from_its_gpu_or_host_copies(monkeypatch, shar
     with guard.call(), torch.no_grad():                 # and again, from the same copies
         model[0].weight.mul_(3)
     assert state_fingerprint(model) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_free_memory_counts_what_torch_holds_unused():
+    from cbtrace.device import free_memory
+
+    dev = torch.device("cuda")
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # 1 GiB, then cached, not used
+    before = free_memory(dev)
+    del x
+    assert torch.cuda.mem_get_info(dev)[0] < before + (1 << 20)   # the driver does not see it
+    assert free_memory(dev) >= before + (1 << 30) - (1 << 20)     # torch can hand it out

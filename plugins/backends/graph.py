@@ -11,6 +11,7 @@ import warnings
 
 import torch
 
+from cbtrace.device import free_memory
 from cbtrace.replay.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing,
                                           root_cause, side_stream_warmup, watch_capture_checks)
 from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
@@ -85,7 +86,7 @@ def staged(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.C
 
 def slots_that_fit(device, per_slot_bytes: int, share: float = 0.5) -> int:
     """How many staged slots of ``per_slot_bytes`` fit in ``share`` of free device memory."""
-    free = torch.cuda.mem_get_info(device)[0]
+    free = free_memory(device)
     return max(1, int(share * free) // max(per_slot_bytes, 1))
 
 
