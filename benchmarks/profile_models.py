@@ -124,7 +124,7 @@ def main(out_dir, names):
         except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
             print(f"\n== {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
-        df.to_csv(out / f"{name}_modules.csv", index=False)
+        df.to_csv(out / f"{name.replace('+', '_')}_modules.csv", index=False)
         if not variants:
             bases[base] = df
         elif base in bases:
