@@ -33,7 +33,7 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
     reuse = cfg.count_flops and cfg.reuse_counts
     steps: list[Step] = [OpCount(reuse)] if cfg.count_flops else []
     steps += [ProfilerPass(cfg.profile_runs, ProfileCache() if reuse else None),
-              Timed(chain, backends, cfg), HostIssue(), OutputCheck()]
+              Timed(chain, backends, cfg), HostIssue(cfg.host_runs), OutputCheck()]
     if cfg.modes:  # the same call compiled / from a CUDA graph (replay/modes.py)
         from cbtrace.replay.modes import mode_steps
 

@@ -99,8 +99,6 @@ class HostIssue:
 
     name = "host_issue"
 
-    # the median of 5: 10 took 0.35 s of a 3.5 s GPT-2 replay on the H200 (the root alone
-    # issues for 8.5 ms a run), and host issue varies little from run to run
     def __init__(self, reps: int = 5):
         self.reps = reps
 
