@@ -47,8 +47,10 @@ CASES = {  # name: (spec, device, dtype, provider options)
     "bert-base": (f"{ZOO}:hf_bert", "cuda", "bf16", REAL),
     "vit-b16": (f"{ZOO}:timm_vit_b16", "cuda", "bf16", REAL),
     "resnet50": (f"{ZOO}:tv_resnet50", "cuda", "bf16", REAL),
+    "gpt2-compiled": (f"{ZOO}:compiled_nanogpt", "cuda", "bf16", REAL),
 }
-GPU_DEFAULT = ["nanogpt", "dlrm", "dlrm-large", "llama-0.5b", "bert-base", "vit-b16", "resnet50"]
+GPU_DEFAULT = ["nanogpt", "dlrm", "dlrm-large", "llama-0.5b", "bert-base", "vit-b16", "resnet50",
+               "gpt2-compiled"]
 REPEATS = int(os.environ.get("CBTRACE_BENCH_REPEATS", 5))  # the median of this many of each
 DISK_PROBE_MB = 512  # bytes written (with fsync) to measure disk bandwidth
 
