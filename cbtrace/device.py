@@ -34,13 +34,21 @@ def resolve_device(device=None, *, default: str = "auto"):
     return dev
 
 
-def free_memory(device) -> int:
-    """Bytes a CUDA device can still give torch: the driver's free memory and the blocks torch
-    holds but does not use (its allocator returns those to the driver when an allocation would
-    fail). The driver's figure alone shrinks as replay's CUDA graphs leave their private pools
-    to torch's cache: on the H200 a GPT-2 train-step replay read 39 MiB free by its 100th call
-    and skipped the last 28 calls for it."""
+def free_memory(device, exact: bool = False) -> int:
+    """Bytes a CUDA device can still give torch: the driver's free memory and the whole blocks
+    torch caches but does not use (its allocator returns those to the driver when an allocation
+    would fail; free parts of split segments do not count). The driver's figure alone shrinks
+    as replay's CUDA graphs leave their private pools to torch's cache: on the H200 a GPT-2
+    train-step replay read 39 MiB free by its 100th call and skipped the last 28 calls for it.
+    Free blocks in the pool of a graph still alive (a compiled mode's) count too, though only
+    that graph can use them: ``exact`` hands every cached block back first (empty_cache) and
+    returns the driver's figure."""
     import torch
 
-    torch_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return torch.cuda.mem_get_info(device)[0] + max(torch_free, 0)
+    if exact:
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    stats = torch.cuda.memory_stats(device)
+    cached = (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+              - stats.get("inactive_split_bytes.all.current", 0))
+    return torch.cuda.mem_get_info(device)[0] + max(cached, 0)

@@ -24,20 +24,24 @@ DEVICE_COPY_SHARE = 0.2
 
 def saved_copies(tensors: list) -> list:
     """A copy of each tensor: on its GPU while they fit in DEVICE_COPY_SHARE of its free
-    memory (counted from the first), else on the host."""
+    memory (counted from the first), else on the host; one copy of a tensor listed twice (a
+    tied weight)."""
     left: dict = {}
-    out = []
+    out, seen = [], {}
     for t in tensors:
-        t = t.detach()
+        if id(t) in seen:
+            out.append(seen[id(t)])
+            continue
+        key, t = id(t), t.detach()
         nbytes = t.numel() * t.element_size()
         if t.is_cuda:
             if t.device not in left:
                 left[t.device] = DEVICE_COPY_SHARE * free_memory(t.device)
             if nbytes <= left[t.device]:
                 left[t.device] -= nbytes
-                out.append(t.clone())
+                out.append(seen.setdefault(key, t.clone()))
                 continue
-        out.append(t.to("cpu", copy=True))
+        out.append(seen.setdefault(key, t.to("cpu", copy=True)))
     return out
 
 
@@ -46,7 +50,9 @@ class StateGuard:
         self.model = model
         owned = [(m, n, p) for m in model.modules() for n, p in m._parameters.items()
                  if p is not None]
-        # (owner module, name, original object, its copy, data_ptr, version) per parameter
+        # (owner module, name, original object, its copy, data_ptr, version) per parameter;
+        # the device it lives on, by id (a .data swap may move it)
+        self._devices = {id(p): p.device for _, _, p in owned}
         self.params = [(m, n, p, saved, p.data_ptr(), p._version)
                        for (m, n, p), saved in zip(owned, saved_copies([p for _, _, p in owned]))]
         self.buffers = [(m, n, b, b.detach().clone())
@@ -84,17 +90,24 @@ class StateGuard:
                     m._buffers[name] = orig
                     self.restored.append(name)
                 orig.copy_(saved)
-            for i, (m, name, orig, saved, ptr, version) in enumerate(self.params):
+            done = set()  # a tied weight (two entries, one tensor) is restored once
+            for m, name, orig, saved, ptr, version in self.params:
                 if m._parameters.get(name) is not orig:  # a new Parameter was assigned
                     m._parameters[name] = orig
                     self.restored.append(name)
+                if id(orig) in done:
+                    continue
                 if orig.data_ptr() != ptr:  # .data swapped for another tensor
-                    orig.data = saved.to(orig.device, copy=True)
+                    orig.data = saved.to(self._devices[id(orig)], copy=True)
                     self.restored.append(name)
+                    done.add(id(orig))
                 elif orig._version != version:  # written in place
                     orig.copy_(saved)
                     self.restored.append(name)
-                self.params[i] = (m, name, orig, saved, orig.data_ptr(), orig._version)
+                    done.add(id(orig))
+            if done:  # every entry of a restored tensor takes its new pointer and version
+                self.params = [(m, n, o, sv, o.data_ptr(), o._version)
+                               for m, n, o, sv, _, _ in self.params]
 
 
 def state_fingerprint(model: torch.nn.Module) -> str:

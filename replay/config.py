@@ -19,8 +19,10 @@ class ReplayConfig:
     """Stop timing a call early once p10..p90 of its samples is within this share of their
     median (its median would not move); 0: always spend the budget. Not in cold mode."""
     warmup_runs: int = 1
-    """Untimed calls before timing (graph timer: on its capture stream). The plan's count and
-    profile steps have run the call before; three took 0.22 s of a 5 s GPT-2 replay (H200)."""
+    """Untimed calls before timing (graph timer: on its capture stream, what capture needs made
+    outside it: lazy init, per-stream workspaces; a warm replay of the graph follows before any
+    timed one). Three took 0.22 s of a 5 s GPT-2 replay on the H200; with one, its error table
+    stayed within run-to-run noise (benchmarks/RESULTS.md, session 7)."""
     graph_k: int = 20
     """Calls captured in one CUDA graph by the graph timer."""
     cold: bool = False
@@ -86,6 +88,9 @@ class ReplayConfig:
             raise ValueError(f"modes: unknown {', '.join(unknown)} (modes: eager, "
                              f"{', '.join(MODES)})")
         self.modes = modes
+        if self.host_runs < 1 or self.profile_runs < 1:
+            raise ValueError(f"host_runs and profile_runs must be >= 1, got {self.host_runs}, "
+                             f"{self.profile_runs}")
         bad = {k: getattr(self, k) for k in ("budget_s", "cold_budget_s", "cold_warmup_s",
                                              "cold_settle_tol") if getattr(self, k) < 0}
         if bad:

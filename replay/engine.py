@@ -308,6 +308,8 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
         return dict(status="error", status_reason=f"module '{rec.fqn}' not found in the model")
     need = footprint_bytes(rec)
     limit = budget if budget is not None else _free_memory(device)
+    if budget is None and limit is not None and need > limit:  # the exact figure, near the edge
+        limit = _free_memory(device, exact=True)
     if limit is not None and need > limit:
         return dict(status="skipped", status_reason=f"footprint {need / 2**20:.0f} MiB > "
                     f"budget {limit / 2**20:.0f} MiB")
@@ -367,11 +369,11 @@ def _device_name(device) -> str:
     return device_name(device)
 
 
-def _free_memory(device) -> int | None:
+def _free_memory(device, exact: bool = False) -> int | None:
     from cbtrace.device import free_memory
 
     if device.type == "cuda":
-        return free_memory(device)
+        return free_memory(device, exact)
     return None
 
 

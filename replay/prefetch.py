@@ -17,7 +17,8 @@ from pathlib import Path
 
 
 MAX_CALLS = 8          # calls read ahead at most
-MAX_BYTES = 512 << 20  # and at most this many of their input bytes (pinned host memory)
+MAX_BYTES = 512 << 20  # and at most this many of their bytes (pinned host memory; torch's
+#                        host allocator rounds each block up to a power of two and keeps it)
 
 
 class ReadAhead:
@@ -35,13 +36,33 @@ class ReadAhead:
             self._fill()
 
     def _fill(self) -> None:
-        """Queue calls in order until MAX_CALLS or MAX_BYTES are pending."""
-        while (self._next < len(self._order) and len(self._pending) < MAX_CALLS
-               and sum(b for _, b in self._pending.values()) < MAX_BYTES):
+        """Queue calls in order while at most MAX_CALLS and MAX_BYTES are pending (one call
+        at least, however large)."""
+        while self._next < len(self._order) and len(self._pending) < MAX_CALLS:
             rec = self.by_id[self._order[self._next]]
-            self._pending[rec.call_id] = (self._pool.submit(self._read, rec),
-                                          int(rec.input_bytes or 0))
+            nbytes = self._bytes(rec)
+            pending = sum(b for _, b in self._pending.values())
+            if self._pending and pending + nbytes > MAX_BYTES:
+                break
+            self._pending[rec.call_id] = (self._pool.submit(self._read, rec), nbytes)
             self._next += 1
+
+    def _bytes(self, rec) -> int:
+        """What a call's read-ahead holds: its inputs, and its output gradients when read."""
+        import json
+        import math
+
+        from cbtrace.cost.dtypes import itemsize
+
+        n = int(rec.input_bytes or 0)
+        if self.grads and rec.grads_ref:
+            try:
+                metas = json.loads(rec.output_meta or "[]")
+                n += sum(math.prod(m.get("shape", [])) * itemsize(m.get("dtype", "float32"))
+                         for m in metas if isinstance(m, dict))
+            except (ValueError, TypeError):
+                pass
+        return n
 
     def _read(self, rec):
         from cbtrace.store.load import read_call_chunks

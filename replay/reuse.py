@@ -9,13 +9,17 @@ shows it there and is profiled on its own. The 12 blocks of GPT-2 small are prof
 profiled pass (torch.profiler's start and stop) was a third of a call's replay wall.
 
 The count itself (``CountCache``) is reused only where it cannot differ: the same ``call_key``
-(the signature and every argument as captured but the tensors' data: non-tensor arguments by
-value, no objects whose state the key would not see) and a first count that was ``value_free``.
+(the signature, every setting of the module, and every argument as captured but the tensors'
+data; no objects, callables or hooks the key would not see into), a first count that was
+``value_free``, and a second count equal to the first.
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
+
+import torch
 
 
 def signature(module, rec) -> str:
@@ -37,23 +41,44 @@ PLAIN = frozenset({"tensor", "none", "ellipsis", "bool", "int", "float", "comple
 
 
 def call_key(module, rec) -> str | None:
-    """``signature``, the plain attributes of the module and its submodules (``eps``,
-    ``is_causal``, ``n_head``: settings two modules of one class may differ in), and the call's
-    captured arguments with each tensor's data reference left out; None when an argument is
-    not PLAIN (or the reference cannot be read)."""
+    """``signature``, every setting of the module and its submodules (``eps``, ``stride``,
+    ``is_causal``, ``n_head``: what two modules of one class may differ in), and the call's
+    captured arguments with each tensor's data reference left out. None where the key could
+    miss what decides the work: an argument that is not PLAIN, a module attribute that is not
+    a plain value (a callable, an object, an unregistered tensor), or a hook on a module."""
     try:
         doc = json.loads(rec.inputs_ref or "")
         tree = _without_data([doc["args"], doc["kwargs"]])
+        h = hashlib.sha256(signature(module, rec).encode())
+        h.update(json.dumps(tree, sort_keys=True).encode())
+        for name, m in module.named_modules(remove_duplicate=False):
+            if any(getattr(m, hooks) for hooks in HOOKS):
+                return None
+            attrs = sorted((k, _plain(v)) for k, v in vars(m).items() if k not in MODULE_SLOTS)
+            kind = f"{type(m).__module__}.{type(m).__qualname__}"
+            h.update(f"{name}:{kind}:{attrs}".encode())
     except (ValueError, TypeError, KeyError, _NotPlain):
         return None
-    h = hashlib.sha256(signature(module, rec).encode())
-    h.update(json.dumps(tree, sort_keys=True).encode())
-    for name, m in module.named_modules():
-        attrs = sorted((k, repr(v)) for k, v in vars(m).items()
-                       if not k.startswith("_") and isinstance(v, (bool, int, float, str,
-                                                                   type(None))))
-        h.update(f"{name}:{type(m).__qualname__}:{attrs}".encode())
     return h.hexdigest()
+
+
+# nn.Module's own bookkeeping in a module's __dict__ (parameters, buffers and submodules are in
+# the signature; the hooks make the key None)
+MODULE_SLOTS = frozenset(vars(torch.nn.Module()))
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _plain(v):
+    """A value's stand-in in the key; _NotPlain for what the key cannot see into."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype,
+                                   torch.device, torch.Size, enum.Enum)):
+        return repr(v)
+    if isinstance(v, (tuple, list, set, frozenset)):
+        items = [_plain(x) for x in v]
+        return f"{type(v).__name__}{sorted(items) if isinstance(v, (set, frozenset)) else items}"
+    if isinstance(v, dict):
+        return f"dict{sorted((_plain(k), _plain(x)) for k, x in v.items())}"
+    raise _NotPlain(type(v).__qualname__)
 
 
 class _NotPlain(Exception):
@@ -71,17 +96,27 @@ def _without_data(node):
 
 
 class CountCache:
-    """call_key -> the counted cost of the first value-free call with that key."""
+    """call_key -> the counted cost of the first value-free call with that key. As with
+    ``TimingReuse``, the second call of a key is counted too and must come out the same: the
+    rest take the count only then (a value the module branches on in Python, which no op name
+    shows, changes the second count)."""
 
     def __init__(self):
-        self._seen: dict[str, dict] = {}
+        self._seen: dict[str, dict] = {}  # key -> {"fields": ..., "verified": None|bool}
 
     def get(self, key) -> dict | None:
-        return self._seen.get(key) if key is not None else None
+        g = self._seen.get(key) if key is not None else None
+        return dict(g["fields"]) if g is not None and g["verified"] else None
 
     def put(self, key, fields: dict, value_free: bool) -> None:
-        if key is not None and value_free:
-            self._seen.setdefault(key, dict(fields))
+        if key is None:
+            return
+        g = self._seen.get(key)
+        if g is None:
+            if value_free:
+                self._seen[key] = {"fields": dict(fields), "verified": None}
+        elif g["verified"] is None:
+            g["verified"] = value_free and fields == g["fields"]
 
 
 class ProfileCache:
@@ -113,7 +148,9 @@ VALUE_OPS = frozenset(f"aten::{n}" for n in (
     "index_put", "index_put_", "index_copy", "masked_select", "masked_scatter", "nonzero",
     "topk", "sort", "argsort", "unique", "_unique2", "unique_dim", "unique_consecutive",
     "bincount", "histc", "multinomial", "repeat_interleave", "searchsorted", "bucketize",
-    "where"))
+    "where",
+    # a value read by the host (.item(), bool(t), torch.equal): Python may branch on it
+    "_local_scalar_dense", "is_nonzero", "equal"))
 VERIFY_TOL = 0.03  # the verification call must read within 3 % of the call it would copy
 
 

@@ -124,4 +124,8 @@ def test_free_memory_counts_what_torch_holds_unused():
     before = free_memory(dev)
     del x
     assert torch.cuda.mem_get_info(dev)[0] < before + (1 << 20)   # the driver does not see it
-    assert free_memory(dev) >= before + (1 << 30) - (1 << 20)     # torch can hand it out
+    counted = free_memory(dev)
+    assert counted >= before + (1 << 30) - (1 << 20)              # torch can hand it out
+    exact = free_memory(dev, exact=True)                          # handed back to the driver
+    assert abs(torch.cuda.mem_get_info(dev)[0] - exact) < (1 << 20)
+    assert exact >= before + (1 << 30) - (1 << 20)               # the 1 GiB really came back

@@ -107,10 +107,17 @@ def test_read_ahead_stops_queueing_at_the_byte_limit(tmp_path, monkeypatch):
 
     recs, order = _captured(tmp_path)
     per_call = int(recs[order[1]].input_bytes)
-    monkeypatch.setattr(prefetch, "MAX_BYTES", 2 * per_call + 1)  # three calls of 64 B fit
+    monkeypatch.setattr(prefetch, "MAX_BYTES", 3 * per_call)  # three calls of 64 B fit
     ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
     try:
         assert list(ahead._pending) == order[:3]
+    finally:
+        ahead.close()
+    monkeypatch.setattr(prefetch, "MAX_BYTES", per_call // 2)  # none fits: one at a time
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
+    try:
+        assert list(ahead._pending) == order[:1]
+        assert ahead.take(order[0])[0] is not None and list(ahead._pending) == order[1:2]
     finally:
         ahead.close()
 

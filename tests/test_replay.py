@@ -214,6 +214,23 @@ def test_reassigned_buffers_and_swapped_parameters_are_restored(tmp_path):
     assert model[0].n is buf
 
 
+def test_a_tied_weight_written_in_place_is_restored_once_then_left_alone():
+    from cbtrace.state import StateGuard
+
+    emb, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied, as GPT-2's wte and lm_head
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    before = state_fingerprint(model)
+    guard = StateGuard(model)
+    assert guard.params[0][3] is guard.params[1][3]        # one copy of the tied tensor
+    with guard.call(), torch.no_grad():
+        head.weight.mul_(2)
+    assert state_fingerprint(model) == before and guard.restored == ["weight"]
+    with guard.call():                                     # writes nothing: restores nothing
+        emb(torch.tensor([1, 2]))
+    assert guard.restored == ["weight"]
+
+
 def test_replay_again_clears_stale_figures_and_refuses_corrupt_inputs(tmp_path):
     from cbtrace.errors import ReplayError
 
@@ -365,25 +382,57 @@ def test_calls_of_the_same_work_reuse_one_profiled_pass_value_dependent_ones_do_
     assert "profiled as" not in str(df.loc["m.3", "timer_notes"])  # ...profiled on its own
 
 
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
 def test_a_call_of_the_same_key_as_a_value_free_one_takes_its_count(tmp_path, monkeypatch):
-    """nanogpt:tiny's two blocks (and their parts) are counted once; the figures are those of
-    a replay that counts every call."""
+    """Four blocks alike: each key is counted twice, the second as a check, and the rest take
+    it; the figures are those of a replay that counts every call. Block 0 and its first Linear
+    read the root's input, a leaf (blocks 1-3 read a non-leaf): keys of their own."""
     from cbtrace.cost import opcount
     from cbtrace.replay.reuse import CountCache
 
-    cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
+    model = nn.Sequential(*[Mlp() for _ in range(4)])
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(torch.randn(4, 16))
     entered = []
     enter = opcount.OpCounter.__enter__
     monkeypatch.setattr(opcount.OpCounter, "__enter__", lambda self: entered.append(1) or
                         enter(self))
-    cached = cbtrace.replay(cap.out, model=cap.model, **FAST).set_index("fqn")
+    cached = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("fqn")
     n_cached = len(entered)
     monkeypatch.setattr(CountCache, "get", lambda self, key: None)
-    every = cbtrace.replay(cap.out, model=cap.model, **FAST).set_index("fqn")
-    assert len(entered) - n_cached == len(every)           # one count per call without it
-    assert n_cached <= len(every) - 10                     # block 1 and its 9 parts: reused
+    every = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("fqn")
+    assert len(every) == 17 and len(entered) - n_cached == 17  # one count per call without it
+    # the root; block 0 and block 0's up: once each; blocks 1-3 and their ups: twice each
+    # (1 taken each); the 4 GELUs and 4 downs: twice each (2 taken each)
+    assert n_cached == 1 + 2 + 2 * 2 + 2 * 2
     cols = ["flops", "flops_executed", "bytes", "unknown_ops", "compute_dtype"]
     assert cached[cols].equals(every.loc[cached.index, cols])
+
+
+def test_a_count_is_reused_only_after_a_second_one_agrees():
+    from cbtrace.replay.reuse import CountCache
+
+    a, b = {"flops": 1}, {"flops": 2}
+    cache = CountCache()
+    cache.put("k", a, value_free=True)
+    assert cache.get("k") is None                  # one count: nothing to take yet
+    cache.put("k", a, value_free=True)
+    assert cache.get("k") == a                     # two alike: the rest take it
+    cache.put("j", a, value_free=True)
+    cache.put("j", b, value_free=True)             # the second differs: never reused
+    cache.put("j", a, value_free=True)
+    assert cache.get("j") is None
+    cache.put("v", a, value_free=False)            # value-dependent: never kept
+    cache.put("v", a, value_free=True)
+    assert cache.get("v") is None and cache.get(None) is None
 
 
 class Eps(nn.Module):
@@ -427,6 +476,49 @@ def test_the_count_key_sees_settings_arguments_and_objects(tmp_path):
     assert keys[("m.2", 0)] != keys[("m.0", 0)]           # another eps
     assert keys[("m.1", 1)] != keys[("m.1", 0)]           # another dim
     assert keys[("m.3", 0)] is None                       # an object argument: never reused
+
+
+def test_the_count_key_sees_tuple_and_private_settings_and_refuses_callables_and_hooks(
+        tmp_path):
+    from cbtrace.replay.reuse import call_key
+    from cbtrace.rundir.read import load_run
+    from cbtrace.schema.modules import frame_to_records
+
+    class Rep(nn.Module):
+        def __init__(self, rep=1, act=None):
+            super().__init__()
+            self.lin, self._rep = nn.Linear(8, 8), rep
+            if act is not None:
+                self.act = act
+
+        def forward(self, x):
+            for _ in range(self._rep):
+                x = self.lin(x)
+            return x
+
+    convs = [nn.Conv2d(4, 4, 3, stride=1), nn.Conv2d(4, 4, 3, stride=2),
+             nn.Conv2d(4, 4, 3, stride=1)]
+    reps = [Rep(), Rep(rep=3), Rep(act=torch.relu), Rep(), Rep()]
+    reps[4].register_forward_hook(lambda *a: None)
+    model = nn.ModuleList(convs + reps)
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, img, x):
+            return [c(img).sum() for c in convs] + [r(x).sum() for r in reps]
+
+    root = Root()
+    with cbtrace.capture(root, tmp_path / "r", trace=False):
+        root(torch.randn(1, 4, 16, 16), torch.randn(2, 8))
+    keys = {r.fqn: call_key(module_tree.get_submodule(root, r.fqn), r)
+            for r in frame_to_records(load_run(tmp_path / "r")[1]) if r.fqn.count(".") == 1}
+    assert keys["m.0"] == keys["m.2"] and keys["m.1"] != keys["m.0"]  # stride is a tuple
+    assert keys["m.4"] != keys["m.3"]                     # _rep, a private setting
+    assert keys["m.5"] is None                            # a callable attribute
+    assert keys["m.6"] == keys["m.3"] and keys["m.7"] is None  # a hook: never reused
 
 
 def test_the_large_recsys_preset_is_a_thousand_calls():

@@ -14,7 +14,7 @@ from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_n
 
 from .l2 import L2Flusher, spin
 from .sampling import collect, timing_from_samples, warm_toucher, warm_until_settled
-from .stats import EVENT_JITTER_MS, percentile, spin_for
+from .stats import percentile, spin_for
 
 
 def cuda_reason(device, timer: str) -> str | None:
@@ -89,7 +89,7 @@ class EventsTimer(CudaTimer):
                 return [start.elapsed_time(end) for start, end in pairs]
 
             settle = warm_until_settled(sample, cfg)
-            samples = collect(sample, cfg, floor_ms=EVENT_JITTER_MS)
+            samples = collect(sample, cfg)  # one call a sample: its own jitter is the call's spread
         notes = join_notes(f"spin={spin_ms:.3f}ms host={host_ms:.3f}ms", flusher.note, settle,
                            "warm inputs" if touch else None)
         return timing_from_samples(samples, self.name, notes)
