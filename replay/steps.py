@@ -123,8 +123,8 @@ class HostIssue:
 
 class OpCount:
     """FLOPs, bytes and compute dtype of one call with cbtrace's formulas (one untimed run);
-    a call with the same ``call_key`` as a value-free one counted before takes its count
-    (``replay.reuse``: GPT-2's 12 blocks and their parts are counted once)."""
+    a call with the same ``call_key`` as value-free ones counted before takes their count once
+    two agreed (``replay.reuse``: GPT-2's 12 blocks and their parts are counted twice)."""
 
     name = "count"
 
