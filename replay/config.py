@@ -44,8 +44,9 @@ class ReplayConfig:
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,
     the rest copy the first's time (``replay.reuse.TimingReuse``). Off by default."""
     reuse_counts: bool = True
-    """Take the FLOP count and the profiled pass (kernel count, device time) of an earlier call
-    that is the same work (``replay.reuse``); False: count and profile every call."""
+    """Take the FLOP count and the profiled pass (kernel count, device time) of earlier calls
+    that are the same work, once two of them agree (``replay.reuse``); False: count and profile
+    every call."""
     warm_inputs: bool = False
     """Time each call on inputs just rewritten in place (x * 1), as if its producer had just
     left them in L2; never with ``cold``. Off by default: on the H200 it overshoots (NanoGPT

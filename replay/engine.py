@@ -336,18 +336,10 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
 
 def footprint_bytes(rec) -> int:
     """Rough peak need: params + buffers + inputs and outputs for the rotating copies + 1."""
-    import json
+    from cbtrace.cost.dtypes import meta_bytes
 
-    out = sum(_meta_bytes(m) for m in json.loads(rec.output_meta or "[]"))
+    out = meta_bytes(rec.output_meta)
     return int(rec.param_bytes + rec.buffer_bytes + 3 * (rec.input_bytes + out))
-
-
-def _meta_bytes(m) -> int:
-    import math
-
-    from cbtrace.cost.dtypes import itemsize
-
-    return math.prod(m.get("shape", [])) * itemsize(m.get("dtype", "float32"))
 
 
 def replay_device(device, manifest, model) -> torch.device:

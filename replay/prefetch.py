@@ -28,7 +28,7 @@ class ReadAhead:
     def __init__(self, run: Path, order: list[int], by_id: dict, grads: bool, enabled: bool,
                  pin: bool = False):
         self.run, self.by_id, self.grads, self.pin = Path(run), by_id, grads, pin
-        self._order, self._pos = list(order), {c: i for i, c in enumerate(order)}
+        self._order = list(order)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cbtrace-read") if enabled else None
         self._pending: dict[int, tuple[Future, int]] = {}  # cid -> (read, its input bytes)
         self._next = 0  # index in order of the next call to queue
@@ -49,20 +49,10 @@ class ReadAhead:
 
     def _bytes(self, rec) -> int:
         """What a call's read-ahead holds: its inputs, and its output gradients when read."""
-        import json
-        import math
+        from cbtrace.cost.dtypes import meta_bytes
 
-        from cbtrace.cost.dtypes import itemsize
-
-        n = int(rec.input_bytes or 0)
-        if self.grads and rec.grads_ref:
-            try:
-                metas = json.loads(rec.output_meta or "[]")
-                n += sum(math.prod(m.get("shape", [])) * itemsize(m.get("dtype", "float32"))
-                         for m in metas if isinstance(m, dict))
-            except (ValueError, TypeError):
-                pass
-        return n
+        grads = meta_bytes(rec.output_meta) if self.grads and rec.grads_ref else 0
+        return int(rec.input_bytes or 0) + grads
 
     def _read(self, rec):
         from cbtrace.store.load import read_call_chunks
@@ -74,12 +64,11 @@ class ReadAhead:
         return inputs, grads
 
     def take(self, cid: int) -> tuple:
-        """The read-ahead for ``cid`` (waiting for it); calls after it are queued behind. A call
-        taken before its turn moves the queue past it; calls it skipped load on their own."""
+        """The read-ahead for ``cid`` (waiting for it), calls being taken in ``order``; calls
+        after it are queued behind. A call not queued (yet) loads on its own."""
         if self._pool is None:
             return None, None
         fut, _ = self._pending.pop(cid, (None, 0))
-        self._next = max(self._next, self._pos.get(cid, -1) + 1)  # one taken early: skip it
         self._fill()
         if fut is None:
             return None, None

@@ -151,3 +151,11 @@ def test_attribution_takes_the_dtype_with_most_flops(tmp_path):
     assert rows["block"].flops == 2 * 64 * 256 * 256 + 7 * 64 * 256
     assert rows["block"].compute_dtype == "bfloat16"
     assert rows["emb"].flops == 0 and rows["emb"].compute_dtype == "bfloat16"  # by bytes
+
+
+def test_meta_bytes_sums_the_tensors_a_record_describes():
+    from cbtrace.cost.dtypes import meta_bytes
+
+    metas = '[{"shape": [8, 1024, 768], "dtype": "bfloat16"}, {"shape": [4], "dtype": "int64"}]'
+    assert meta_bytes(metas) == 8 * 1024 * 768 * 2 + 4 * 8
+    assert meta_bytes("[]") == meta_bytes(None) == meta_bytes("not json") == 0

@@ -107,6 +107,20 @@ def itemsize(dtype) -> int:
     return row.itemsize if row else 4
 
 
+def meta_bytes(metas_json: str | None) -> int:
+    """Bytes of the tensors a record's ``input_meta`` / ``output_meta`` (a JSON list of
+    {shape, dtype, ...}) describes; 0 for what does not parse."""
+    import json
+    import math
+
+    try:
+        metas = json.loads(metas_json or "[]")
+        return sum(math.prod(m.get("shape", [])) * itemsize(m.get("dtype", "float32"))
+                   for m in metas if isinstance(m, dict))
+    except (ValueError, TypeError, AttributeError):
+        return 0
+
+
 def is_floating(dtype) -> bool:
     """True for float, half, bfloat16, fp8 and tf32 spellings; False for others and unknown ones."""
     row = lookup(dtype)
