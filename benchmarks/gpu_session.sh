@@ -9,7 +9,8 @@
 # nproc: bench_nproc.py (torchrun --nproc 1 against in-process replay);
 # probe-backward: probe_backward.py (a train step's backward kernels in situ vs replayed, three
 # backward timing methods); overhead: probe_replay_overhead.py (replay wall in laps; cProfile too
-# with OVERHEAD_CPROFILE=1); memory: probe_memory.py (GPU memory call by call in a train replay).
+# with OVERHEAD_CPROFILE=1); capture-probe: probe_capture_step.py (a captured step's cost above
+# the floor, by variant; PROBE_CASE); memory: probe_memory.py (GPU memory call by call in a train replay).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -39,6 +40,8 @@ probe-backward)
   timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_backward.py /tmp/probe 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -40 ;;
 memory)
   timeout ${MEMORY_TIMEOUT:-300} python3 $R/benchmarks/probe_memory.py /tmp/pmem ${MEMORY_VARIANTS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |F.linear" | tee $OUT/probe_memory.log | tail -8 ;;
+capture-probe)
+  CBTRACE_BENCH_DIR=/tmp timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_capture_step.py ${PROBE_CASE:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_capture_step.log | tail -10 ;;
 overhead)
   for M in ${OVERHEAD_MODELS:-nanogpt}; do
     timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probe_replay_overhead.py /tmp/overhead $M --top 40 ${OVERHEAD_CPROFILE:+--cprofile} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_$M.log

@@ -1,0 +1,103 @@
+"""Where a captured step's time goes above the floor (bench_capture.py's range-only hooks).
+
+Each variant captures the same step (median of REPEATS steps, ``timings_s['step']``):
+``capture`` as shipped; ``inline``: the hook bookkeeping on the step's own thread (no helper
+thread: planning traced, no hand-off); ``no-copy``: the input copies not run (the run is wrong;
+the cost of launching them); ``no-trace``: trace=False (the hooks without the profiler). Beside
+them the plain profiled step and the floor, and the helper thread's round trip measured alone
+(a call that does nothing, handed over and waited for, without a profiler).
+
+Run: python benchmarks/probe_capture_step.py [CASE]   (a bench_capture.py case; default
+dlrm-large on a GPU, dlrm-large-cpu without)
+"""
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_capture as bc  # noqa: E402
+
+REPEATS = int(os.environ.get("CBTRACE_BENCH_REPEATS", 5))
+
+
+def step_s(provider, model, batch, device, work, **cfg) -> float:
+    import cbtrace
+
+    run = Path(tempfile.mkdtemp(dir=work)) / "run"
+    with cbtrace.capture(model, run, **cfg) as cap:
+        provider.run(model, batch)
+        bc.sync(device)
+    return cap.timings_s["step"], len(cap.records)
+
+
+def round_trip_us(n: int = 2000) -> float:
+    from cbtrace.capture.helper_thread import HelperThread
+
+    h = HelperThread()
+    noop = functools.partial(int)
+    for _ in range(100):
+        h.call(noop)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        h.call(noop)
+    dt = time.perf_counter() - t0
+    h.close()
+    return dt / n * 1e6
+
+
+def main(name: str) -> None:
+    from cbtrace.capture import helper_thread, recorder
+    from cbtrace.cost.dtypes import torch_dtype
+    from cbtrace.model.spec import resolve
+
+    spec, device, dtype, options = bc.CASES[name]
+    work = Path(tempfile.mkdtemp(dir=os.environ.get("CBTRACE_BENCH_DIR")))
+    provider = resolve(spec, options=options)
+    model, batch = provider.model_and_batch(device, torch_dtype(dtype) if dtype else None)
+    model.eval()
+    real_helper, real_copies = recorder.HelperThread, recorder.run_copies
+    variants = {
+        "capture": ({}, None),
+        "inline": ({}, "inline"),
+        "no-copy": ({}, "no-copy"),
+        "no-trace": ({"trace": False}, None),
+    }
+    rows = {}
+    with torch.no_grad():
+        for _ in range(2):
+            provider.run(model, batch)
+        bc.sync(device)
+        step_s(provider, model, batch, device, work)  # one-time costs
+        for _ in range(REPEATS):
+            for label, hooks in (("plain", False), ("floor", True)):
+                d = Path(tempfile.mkdtemp(dir=work))
+                _, phases = bc.plain_profiled_step(provider, model, batch, device, d, hooks=hooks)
+                rows.setdefault(label, []).append(phases["step"])
+            for label, (cfg, patch) in variants.items():
+                recorder.HelperThread = (helper_thread.InlineHelper if patch == "inline"
+                                         else real_helper)
+                recorder.run_copies = (functools.partial(len) if patch == "no-copy"
+                                       else real_copies)
+                try:
+                    t, calls = step_s(provider, model, batch, device, work, **cfg)
+                finally:
+                    recorder.HelperThread, recorder.run_copies = real_helper, real_copies
+                rows.setdefault(label, []).append(t)
+    rt = round_trip_us()
+    floor = statistics.median(rows["floor"])
+    print(f"{name}: {calls} calls; helper round trip {rt:.1f} us (no profiler)")
+    print(f"{'variant':<10}{'step s':>9}{'- floor s':>11}{'us/call':>9}")
+    for label, ts in rows.items():
+        s = statistics.median(ts)
+        print(f"{label:<10}{s:>9.3f}{s - floor:>11.3f}{(s - floor) / calls * 1e6:>9.0f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else
+         ("dlrm-large" if torch.cuda.is_available() else "dlrm-large-cpu"))
