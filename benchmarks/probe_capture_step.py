@@ -5,7 +5,8 @@ Each variant captures the same step (median of REPEATS steps, ``timings_s['step'
 thread: planning traced, no hand-off); ``no-copy``: the input copies not run (the run is wrong;
 the cost of launching them); ``no-trace``: trace=False (the hooks without the profiler). Beside
 them the plain profiled step and the floor, and the helper thread's round trip measured alone
-(a call that does nothing, handed over and waited for, without a profiler).
+(a call that does nothing, handed over and waited for, without a profiler), and one capture
+with clocks around the hand-off and its trace's events counted by thread.
 
 Run: python benchmarks/probe_capture_step.py [CASE]   (a bench_capture.py case; default
 dlrm-large on a GPU, dlrm-large-cpu without)
@@ -34,6 +35,61 @@ def step_s(provider, model, batch, device, work, **cfg) -> float:
         provider.run(model, batch)
         bc.sync(device)
     return cap.timings_s["step"], len(cap.records)
+
+
+def laps(provider, model, batch, device, work) -> str:
+    """One more capture with clocks around the hand-off: the step thread's wait in
+    ``HelperThread.call``, the job's own time on the helper, the copies; and the trace's events
+    by thread (whether the helper's work reaches the trace)."""
+    import collections
+    import gzip
+    import json
+
+    import cbtrace
+    from cbtrace.capture import helper_thread, recorder
+
+    clock = functools.partial(time.perf_counter)
+    acc = collections.Counter()
+    real_call, real_copies = helper_thread.HelperThread.call, recorder.run_copies
+
+    def call(self, fn, *args):
+        def timed(*a):
+            t = clock()
+            try:
+                return fn(*a)
+            finally:
+                acc["job_s"] += clock() - t
+        t = clock()
+        try:
+            return real_call(self, timed, *args)
+        finally:
+            acc["call_s"] += clock() - t
+            acc["calls"] += 1
+
+    def copies(c):
+        t = clock()
+        real_copies(c)
+        acc["copies_s"] += clock() - t
+        acc["copies"] += len(c)
+
+    helper_thread.HelperThread.call, recorder.run_copies = call, copies
+    try:
+        run = Path(tempfile.mkdtemp(dir=work)) / "run"
+        with cbtrace.capture(model, run) as cap:
+            provider.run(model, batch)
+            bc.sync(device)
+    finally:
+        helper_thread.HelperThread.call, recorder.run_copies = real_call, real_copies
+    with gzip.open(cap.trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    by = collections.Counter((e.get("tid"), e.get("cat")) for e in events if e.get("ph") == "X")
+    n = acc["calls"]
+    lines = [f"laps: step {cap.timings_s['step']:.3f} s; {n} helper calls: wait "
+             f"{acc['call_s'] / n * 1e6:.0f} us each, job on the helper {acc['job_s'] / n * 1e6:.0f}"
+             f" us; {acc['copies']} copies, {acc['copies_s'] / max(n, 1) * 1e6:.0f} us a call",
+             "trace events by (tid, cat): " + ", ".join(
+                 f"{k[0]}/{k[1]}: {v}" for k, v in by.most_common(8))]
+    return "\n".join(lines)
 
 
 def round_trip_us(n: int = 2000) -> float:
@@ -89,6 +145,7 @@ def main(name: str) -> None:
                 finally:
                     recorder.HelperThread, recorder.run_copies = real_helper, real_copies
                 rows.setdefault(label, []).append(t)
+        lap_lines = laps(provider, model, batch, device, work)
     rt = round_trip_us()
     floor = statistics.median(rows["floor"])
     print(f"{name}: {calls} calls; helper round trip {rt:.1f} us (no profiler)")
@@ -96,6 +153,7 @@ def main(name: str) -> None:
     for label, ts in rows.items():
         s = statistics.median(ts)
         print(f"{label:<10}{s:>9.3f}{s - floor:>11.3f}{(s - floor) / calls * 1e6:>9.0f}")
+    print(lap_lines)
 
 
 if __name__ == "__main__":
