@@ -92,6 +92,27 @@ def laps(provider, model, batch, device, work) -> str:
     return "\n".join(lines)
 
 
+def hook_profile(provider, model, batch, device, work, top: int = 25) -> str:
+    """cProfile of a capture's step without the profiler (trace=False: the hooks' bookkeeping
+    runs inline): where the hooks' own Python time goes, device ops included."""
+    import cProfile
+    import io
+    import pstats
+
+    import cbtrace
+
+    run = Path(tempfile.mkdtemp(dir=work)) / "run"
+    prof = cProfile.Profile()
+    with cbtrace.capture(model, run, trace=False):
+        prof.enable()
+        provider.run(model, batch)
+        bc.sync(device)
+        prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 def round_trip_us(n: int = 2000) -> float:
     from cbtrace.capture.helper_thread import HelperThread
 
@@ -146,6 +167,8 @@ def main(name: str) -> None:
                     recorder.HelperThread, recorder.run_copies = real_helper, real_copies
                 rows.setdefault(label, []).append(t)
         lap_lines = laps(provider, model, batch, device, work)
+        if os.environ.get("PROBE_CPROFILE"):
+            print(hook_profile(provider, model, batch, device, work))
     rt = round_trip_us()
     floor = statistics.median(rows["floor"])
     print(f"{name}: {calls} calls; helper round trip {rt:.1f} us (no profiler)")
