@@ -89,7 +89,7 @@ def replay(run, model=None, device=None, **options):
     bar = Progress("replay", len(order), len(done), show=cfg.progress)
     timings: dict[str, float] = {}  # seconds per phase of a call's replay, summed
     ahead = ReadAhead(run, [c for c in order if c not in done], by_id, cfg.backward,
-                      enabled=device.type == "cuda", pin=device.type == "cuda")
+                      enabled=device.type == "cuda", pin=device.type == "cuda", device=device)
     t0 = time.perf_counter()
     outside["setup"] = t0 - t_setup - outside["state_copy"]
     try:
@@ -101,6 +101,7 @@ def replay(run, model=None, device=None, **options):
                 read = ahead.take(cid)  # waits only when the read-ahead is slower than the timing
             row = replay_one(model, rec, run, device, cfg, plan, guard, budget,
                              flags, timings, read=read)
+            ahead.issued(cid)  # its input copies are queued: their pinned bytes reused once done
             row["call_id"] = cid
             row["settings"] = settings
             row["rank"] = 0 if w is None else w.rank

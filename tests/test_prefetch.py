@@ -1,9 +1,14 @@
 """Read-ahead of captured inputs (replay/prefetch.py): what a call loads from chunks read on the
 worker thread is what it loads from the shards itself, aliasing included; a read-ahead that
-fails leaves the call to load (and report) on its own."""
+fails leaves the call to load (and report) on its own. Its ring's bytes are reused only once
+the copies out of them are done (CPU stand-ins for the pinned ring and the CUDA events here),
+and on a GPU the worker makes no CUDA call that would break a graph capture elsewhere."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
+from concurrent import futures
 
 import pytest
 import torch
@@ -11,7 +16,7 @@ import torch
 import cbtrace
 from cbtrace.calltree import bfs_order
 from cbtrace.errors import SerializationError
-from cbtrace.replay.prefetch import ReadAhead
+from cbtrace.replay.prefetch import ReadAhead, _Ring
 from cbtrace.rundir.read import load_run
 from cbtrace.schema.modules import frame_to_records
 from cbtrace.store.load import load_call_inputs
@@ -134,4 +139,236 @@ def test_pinned_read_ahead_loads_the_same_tensors_on_the_gpu(tmp_path):
             for a, b in zip(_flat(*got), _flat(*want), strict=True):
                 assert a.is_cuda and torch.equal(a.cpu(), b)
     finally:
+        ahead.close()
+
+
+class _Event:
+    """A CPU stand-in for a CUDA event: done when the test says so, or once waited for."""
+
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def _hooks(done: bool = True):
+    """``alloc`` and ``mark`` for a ReadAhead with a pageable ring, and what they made."""
+    made = {"rings": [], "events": []}
+
+    def alloc(nbytes):
+        made["rings"].append(torch.zeros(nbytes, dtype=torch.uint8))
+        return made["rings"][-1]
+
+    def mark():
+        made["events"].append(_Event(done))
+        return made["events"][-1]
+
+    return alloc, mark, made
+
+
+def _offset(ring, chunk) -> int | None:
+    """Where a HostChunk's bytes start in the ring, or None when they are elsewhere."""
+    at = chunk.data.data_ptr() - ring.data_ptr()
+    return at if 0 <= at < ring.numel() else None
+
+
+def _same(run, ref, chunks):
+    got = load_call_inputs(run, ref, chunks_read=chunks)
+    want = load_call_inputs(run, ref)
+    for a, b in zip(_flat(*got), _flat(*want), strict=True):
+        assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+        assert a.storage_offset() == b.storage_offset()
+
+
+def test_ring_is_reused_in_order_once_freed():
+    ring = _Ring(100)
+    a, b = ring.claim(40), ring.claim(40)
+    assert (a[0], b[0]) == (0, 40) and ring._fit(40) is None  # 20 left at the end
+    ring.free(b)                      # freed out of order: reused only once a is
+    assert ring._fit(40) is None
+    ring.free(a)
+    c, d = ring.claim(60), ring.claim(30)
+    ring.free(c)
+    e = ring.claim(50)                # wraps to the start, before d
+    assert (c[0], d[0], e[0]) == (0, 60, 0)
+    assert ring._fit(20) is None and ring._fit(10) == 50  # only between e and d
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ring.claim(40)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # waits for room, holding no lock
+    ring.free(d)
+    waiter.join(10)
+    assert got and got[0][0] == 50
+    ring.close()
+    assert ring.claim(100) is None
+
+
+def _train_capture(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(torch.randn(4, 8, requires_grad=True)).pow(2).mean().backward()
+    _, df = load_run(tmp_path / "r")
+    recs = {r.call_id: r for r in frame_to_records(df)}
+    return recs, bfs_order({c: r.parent_call_id for c, r in recs.items()})
+
+
+@pytest.mark.parametrize("grads", [False, True])
+def test_ring_read_ahead_loads_what_the_shards_hold(tmp_path, grads):
+    if grads:
+        recs, order = _train_capture(tmp_path)
+        assert all(r.grads_ref for r in recs.values())
+    else:
+        model = Pair()
+        with cbtrace.capture(model, tmp_path / "r", trace=False):
+            model(torch.randint(0, 50, (4, 8)), torch.randn(4, 8, 32))
+        _, df = load_run(tmp_path / "r")
+        recs = {r.call_id: r for r in frame_to_records(df)}
+        order = bfs_order({c: r.parent_call_id for c, r in recs.items()})
+    alloc, mark, made = _hooks()
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=grads, enabled=True, alloc=alloc,
+                      mark=mark)
+    try:
+        (ring,) = made["rings"]
+        for cid in order:
+            inputs, grad_chunks = ahead.take(cid)
+            assert (grad_chunks is not None) == grads
+            chunks = [*inputs.values(), *(grad_chunks or {}).values()]
+            assert all(_offset(ring, c) is not None and c.data.untyped_storage().nbytes()
+                       == c.data.nbytes for c in chunks)  # its own storage, inside the ring
+            _same(tmp_path / "r", recs[cid].inputs_ref, inputs)
+            if grads:
+                _same(tmp_path / "r", recs[cid].grads_ref, grad_chunks)
+            ahead.issued(cid)
+    finally:
+        ahead.close()
+    assert len(made["events"]) == len(order)
+
+
+def test_ring_bytes_are_not_reused_before_the_copies_out_of_them_are_done(tmp_path,
+                                                                         monkeypatch):
+    from cbtrace.replay import prefetch
+
+    recs, order = _captured(tmp_path)  # one 64 B chunk a call: 4 KiB of the ring each
+    monkeypatch.setattr(prefetch, "MAX_BYTES", 2 * 4096)  # the ring holds two calls
+    alloc, mark, made = _hooks(done=False)
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True, alloc=alloc,
+                      mark=mark)
+    c0, c1, c2 = order[:3]
+    try:
+        (ring,) = made["rings"]
+        assert ring.numel() == 2 * 4096
+        first = ahead.take(c0)[0]
+        kept = {k: c.data.clone() for k, c in first.items()}
+        assert [_offset(ring, c) for c in first.values()] == [0]
+        ahead.issued(c0)                                  # its copies are not done
+        ahead._pending[c1].read.result(timeout=10)
+        assert [_offset(ring, c) for c in ahead.take(c1)[0].values()] == [4096]
+        waiting = ahead._pending[c2].read
+        assert not futures.wait([waiting], timeout=0.3).done  # no room for c2 ...
+        assert all(torch.equal(c.data, kept[k]) for k, c in first.items())  # ... nor reuse
+        made["events"][0].done = True                     # c0's copies are done
+        third = ahead.take(c2)[0]
+        assert [_offset(ring, c) for c in third.values()] == [0]  # c0's bytes, now free
+        _same(tmp_path / "r", recs[c2].inputs_ref, third)
+        ahead.issued(c2)
+        for cid in order[3:]:                             # waits for each call's copies
+            _same(tmp_path / "r", recs[cid].inputs_ref, ahead.take(cid)[0])
+            ahead.issued(cid)
+    finally:
+        ahead.close()
+
+
+def test_a_call_larger_than_the_ring_is_read_ahead_outside_it(tmp_path, monkeypatch):
+    from cbtrace.replay import prefetch
+
+    model = Pair()
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(torch.randint(0, 50, (4, 8)), torch.randn(4, 8, 32))
+    _, df = load_run(tmp_path / "r")
+    recs = {r.call_id: r for r in frame_to_records(df)}
+    order = bfs_order({c: r.parent_call_id for c, r in recs.items()})
+    monkeypatch.setattr(prefetch, "MAX_BYTES", 4096)  # the root's two chunks need 8 KiB
+    alloc, mark, made = _hooks()
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True, alloc=alloc,
+                      mark=mark)
+    try:
+        (ring,) = made["rings"]
+        for cid in order:
+            inputs, _ = ahead.take(cid)
+            where = {_offset(ring, c) for c in inputs.values()}
+            assert where == ({None} if recs[cid].fqn == "" else {0}), (recs[cid].fqn, where)
+            _same(tmp_path / "r", recs[cid].inputs_ref, inputs)
+            ahead.issued(cid)
+    finally:
+        ahead.close()
+
+
+def test_close_stops_a_read_waiting_for_ring_bytes(tmp_path, monkeypatch):
+    from cbtrace.replay import prefetch
+
+    recs, order = _captured(tmp_path)
+    monkeypatch.setattr(prefetch, "MAX_BYTES", 4096)  # one call at a time
+    alloc, mark, _ = _hooks(done=False)
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True, alloc=alloc,
+                      mark=mark)
+    assert ahead.take(order[0])[0] is not None  # holds the ring: order[1] waits for it
+    closing = threading.Thread(target=ahead.close)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_read_ahead_leaves_a_global_graph_capture_valid(tmp_path, monkeypatch):
+    """The main thread captures a CUDA graph in torch's default ("global") mode while the worker
+    reads every call into pinned memory: the capture stays valid, as the worker makes no CUDA
+    call. Pinned allocations on the worker (cudaHostAlloc, cudaEventQuery) invalidated such
+    captures."""
+    from cbtrace.replay import prefetch
+    from cbtrace.store import load
+
+    recs, order = _captured(tmp_path)
+    monkeypatch.setattr(prefetch, "MAX_CALLS", len(order))  # all queued, all read meanwhile
+    go, read = threading.Event(), []
+    plain = load.read_call_chunks
+
+    def gated(*args, **kwargs):  # the reads start once the capture has begun
+        go.wait(30)
+        out = plain(*args, **kwargs)
+        read.append(out)
+        return out
+
+    monkeypatch.setattr(load, "read_call_chunks", gated)
+    x = torch.randn(4096, device="cuda")
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True, pin=True,
+                      device=torch.device("cuda"))
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):  # capture_error_mode: torch's default, "global"
+            y = x * 2
+            go.set()
+            deadline = time.monotonic() + 30
+            while len(read) < len(order) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            y = y + 1
+        assert len(read) == len(order)
+        g.replay()
+        torch.testing.assert_close(y, x * 2 + 1)
+        for cid in order:
+            inputs, _ = ahead.take(cid)
+            assert all(c.pinned and c.data.is_pinned() for c in inputs.values())
+            got = load_call_inputs(tmp_path / "r", recs[cid].inputs_ref, device="cuda",
+                                   chunks_read=inputs)
+            ahead.issued(cid)
+            want = load_call_inputs(tmp_path / "r", recs[cid].inputs_ref)
+            for a, b in zip(_flat(*got), _flat(*want), strict=True):
+                assert a.is_cuda and torch.equal(a.cpu(), b)
+    finally:
+        go.set()
         ahead.close()

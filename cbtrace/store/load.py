@@ -142,14 +142,25 @@ class _TensorLoader:
 
 class HostChunk:
     """A data chunk's bytes in one host buffer, after a pad that aligns its storage: ``data``
-    (a uint8 tensor, in pinned memory when ``pin``) and ``shift`` (the byte offset of data[0]
-    in the captured storage)."""
+    (a uint8 tensor whose storage is exactly these bytes), ``shift`` (the byte offset of data[0]
+    in the captured storage) and ``pinned`` (data is in pinned memory: its copy to a GPU need not
+    wait).
+
+    The buffer is ``out`` when given (a uint8 numpy array of ``host_size(lo, nbytes)`` bytes or
+    more, e.g. a slice of a pinned ring: its owner keeps it unchanged until the copies out of
+    it are done), and ``pin`` then only says whether it is pinned. Else it is a fresh tensor,
+    pinned when ``pin``: torch's caching host allocator makes CUDA calls for that (cudaHostAlloc,
+    cudaEventQuery), so only the thread that issues the device work may ask for it."""
 
     __slots__ = ("data", "shift", "pinned")
 
-    def __init__(self, lo: int, nbytes: int, parts: list, pin: bool = False):
+    def __init__(self, lo: int, nbytes: int, parts: list, pin: bool = False, out=None):
         pad = _pad(lo)
-        self.data = torch.empty(pad + nbytes, dtype=torch.uint8, pin_memory=pin)
+        if out is None:
+            self.data = torch.empty(pad + nbytes, dtype=torch.uint8, pin_memory=pin)
+        else:
+            assert out.nbytes >= pad + nbytes, (out.nbytes, pad + nbytes)
+            self.data = torch.from_numpy(out[:pad + nbytes])  # no copy, no CUDA call
         self.shift, self.pinned = lo - pad, pin
         raw = self.data.numpy()  # numpy copies release the GIL
         raw[:pad] = 0
@@ -157,6 +168,17 @@ class HostChunk:
         for p in parts:
             raw[pos:pos + p.nbytes] = p
             pos += p.nbytes
+
+
+def host_size(lo: int, nbytes: int) -> int:
+    """Bytes a data chunk takes in a shared host buffer: its pad and bytes, to a page boundary
+    (where a buffer of its own would start)."""
+    return -(-(_pad(lo) + nbytes) // PAGE) * PAGE
+
+
+def _is_data(entry) -> bool:
+    """A ``chunks`` entry (shard, row, nparts, lo, nbytes, kind) of a data chunk."""
+    return isinstance(entry, list) and len(entry) == 6 and entry[-1] == "d"
 
 
 def _parse_ref(run_dir, inputs_ref: str) -> dict:
@@ -174,20 +196,39 @@ def _parse_ref(run_dir, inputs_ref: str) -> dict:
     return doc
 
 
-def read_call_chunks(run_dir: Path, inputs_ref: str, pin: bool = False) -> dict:
+def host_bytes(run_dir: Path, inputs_ref: str) -> int:
+    """What ``read_call_chunks(..., into=)`` takes of ``into`` for this ``inputs_ref``."""
+    doc = _parse_ref(run_dir, inputs_ref)
+    try:
+        return sum(host_size(int(e[3]), int(e[4])) for e in doc["chunks"].values()
+                   if _is_data(e))
+    except (TypeError, ValueError):
+        raise SerializationError(f"{run_dir}: inputs_ref lists a malformed chunk") from None
+
+
+def read_call_chunks(run_dir: Path, inputs_ref: str, pin: bool = False, into=None) -> dict:
     """Every chunk of one call's inputs read from its shard and checksummed, for
     ``load_call_inputs(..., chunks_read=)``: the slow half of loading (Parquet reads, CRCs and
-    copies, which release the GIL), so replay runs it on a thread while another call is timed;
-    ``pin``: data chunks in pinned host memory, whose copies to a GPU need not wait."""
+    copies, which release the GIL), so replay runs it on a thread while another call is timed.
+    ``into``: a uint8 numpy array of ``host_bytes(run_dir, inputs_ref)`` bytes or more, where
+    the data chunks are placed one after another (``host_size`` each) instead of in fresh
+    tensors: with it no CUDA call is made, even when ``pin`` says it is pinned memory, whose
+    copies to a GPU need not wait. Without it ``pin`` allocates pinned memory (CUDA calls)."""
     doc = _parse_ref(run_dir, inputs_ref)
     loader = _TensorLoader(Path(run_dir) / "inputs", doc["chunks"], None)
-    out = {}
+    out, pos = {}, 0
     for cid, entry in doc["chunks"].items():
         got = loader._read(int(cid))
+        if not _is_data(entry):
+            out[cid] = got
+            continue
+        buf = None
+        if into is not None:
+            size = host_size(got[0], got[1])
+            buf, pos = into[pos:pos + size], pos + size
         # data chunks assembled here too (numpy copies release the GIL): a GPT-2 replay spent
         # 0.6 s of its 1.7 s of loading on the replay thread doing it, on the H200 host
-        out[cid] = (HostChunk(*got, pin=pin) if isinstance(entry, list) and entry[-1] == "d"
-                    else got)
+        out[cid] = HostChunk(*got, pin=pin, out=buf)
     return out
 
 
