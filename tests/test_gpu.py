@@ -133,3 +133,37 @@ def test_free_memory_counts_what_torch_holds_unused():
     exact = free_memory(dev, exact=True)                           # handed back to the driver
     assert abs(torch.cuda.mem_get_info(dev)[0] - exact) < mib
     assert exact >= base - mib, (base, exact)                     # the 1 GiB really came back
+
+
+def test_inputs_made_on_side_streams_are_captured_as_they_were(tmp_path):
+    """Modules called on two side streams, their inputs written there just before: each call's
+    stored inputs are the values it received (the copies follow the caller's stream), and the
+    caller's current stream is left as it was."""
+    class TwoStreams(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+            self.s1, self.s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def forward(self, x):
+            seen = {}
+            for name, s, lin in (("a", self.s1, self.a), ("b", self.s2, self.b)):
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    y = x * (2.0 if name == "a" else 3.0)  # made on this stream
+                    seen[name] = y.clone()
+                    lin(y)
+                    y.mul_(0)  # overwritten right after the call, on the same stream
+                torch.cuda.current_stream().wait_stream(s)
+            return seen
+
+    model = TwoStreams().cuda()
+    x = torch.randn(4096, 256, device="cuda")
+    before = torch.cuda.current_stream()
+    with cbtrace.capture(model, tmp_path / "r"):
+        seen = model(x)
+    assert torch.cuda.current_stream() == before
+    torch.cuda.synchronize()
+    for name in ("a", "b"):
+        args, _ = cbtrace.load_inputs(tmp_path / "r", name)
+        assert torch.equal(args[0], seen[name]), name

@@ -9,7 +9,6 @@ overhead, which attribution subtracts), then the call runs inside ``cbtrace::<fq
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import json
@@ -345,14 +344,12 @@ class capture:
         """The call's record and its input copies to run (on the helper thread; kernels it
         launches, e.g. statistics of synthesized inputs, and the copies' buffers go to the
         caller's stream)."""
-        if stream.__class__ is tuple:  # torch's raw (id, device index, device type)
-            stream = torch.cuda.Stream(stream_id=stream[0], device_index=stream[1],
-                                       device_type=stream[2])
+        if stream is not None:
+            _follow_stream(stream, self._stream)
         idx = self._counts.get(fqn, 0)
         self._counts[fqn] = idx + 1
         parent = next((f[_REC] for f in reversed(self._stack) if f[_REC] is not None), None)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            ref, copies = self._snap.plan(tuple(args), dict(kwargs))
+        ref, copies = self._snap.plan(tuple(args), dict(kwargs))
         mtype, mclass, pbytes, bbytes = self._static[id(module)]
         rec = ModuleRecord(
             fqn=fqn, call_index=idx, call_id=len(self.records),
@@ -612,6 +609,23 @@ def _stream_reader():
     except Exception:  # noqa: BLE001 - another torch: the public call still works
         pass
     return torch.cuda.current_stream
+
+
+def _follow_stream(stream, read) -> None:
+    """Make ``stream`` (the hook caller's current CUDA stream: torch's raw (id, device index,
+    device type) or a Stream) current on this thread too, where it is not already. The helper
+    thread keeps it until the caller's changes; on the caller's own thread (inline) it already
+    is. (A ``torch.cuda.stream`` context per call was a Stream built from the raw triple and the
+    context's enter and exit: a few dozen Python calls, which cost on the helper thread too
+    under Python 3.12, whose profiling instruments every thread's code.)"""
+    if stream.__class__ is not tuple:
+        stream = (stream.stream_id, stream.device_index, stream.device_type)
+    now = read()
+    if now.__class__ is not tuple:
+        now = (now.stream_id, now.device_index, now.device_type)
+    if tuple(now) != tuple(stream):  # sets the device too
+        torch._C._cuda_setStream(stream_id=stream[0], device_index=stream[1],
+                                 device_type=stream[2])
 
 
 def profiler_activities():
