@@ -27,6 +27,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name_of(dtype)
 
 
+# dtype -> name for every torch dtype, looked up once (capture names each input's dtype)
+_DTYPE_NAMES = {d: name_of(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
 def tensor_meta(t: torch.Tensor) -> dict:
     """Shape, dtype, strides, offset, device and requires_grad of a tensor (JSON-able)."""
     return meta_dict(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
@@ -40,11 +44,12 @@ def meta_dict(shape, stride, offset: int, dtype: torch.dtype, device, requires_g
 
 def span_bytes(shape, stride, offset: int, itemsize: int) -> tuple[int, int]:
     """[lo, hi) byte range of a storage that a strided tensor touches; empty if no elements."""
-    lo = offset * itemsize
-    if any(n == 0 for n in shape):
-        return lo, lo
-    last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
-    return lo, (last + 1) * itemsize
+    lo = last = offset * itemsize
+    for n, s in zip(shape, stride):  # a loop, not generators: capture plans every call's inputs
+        if n == 0:
+            return lo, lo
+        last += (n - 1) * s * itemsize
+    return lo, last + itemsize
 
 
 def _version(t: torch.Tensor):
@@ -152,18 +157,22 @@ class TensorStore:
                 node.clear()
                 node.update(unsupported(t, f"tensor: {e}"))
         for key, items in groups.items():
-            for cluster in _overlapping(items):
+            for cluster in (items,) if len(items) == 1 else _overlapping(items):
                 chunk = self._chunk_for(key, cluster, copies)
                 used[chunk.id] = chunk
                 for _, _, node, _, _ in cluster:
                     node["c"] = chunk.id
-        return used, sum(_union_bytes(s) for s in spans.values()), synthesized, copies
+        nbytes = 0
+        for s in spans.values():
+            nbytes += s[0][1] - s[0][0] if len(s) == 1 else _union_bytes(s)
+        return used, nbytes, synthesized, copies
 
     @staticmethod
     def _meta(t: torch.Tensor) -> dict:
-        node = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": list(t.stride()),
-                "off": t.storage_offset(), "dev": str(t.device), "rg": t.requires_grad, "c": None}
-        if is_non_leaf(t):
+        node = {"dtype": _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype), "shape": list(t.shape),
+                "stride": list(t.stride()), "off": t.storage_offset(), "dev": str(t.device),
+                "rg": t.requires_grad, "c": None}
+        if node["rg"] and is_non_leaf(t):  # (a call only for tensors that require grad)
             node["nl"] = 1  # made by an op: rebuilt as a view of a non-leaf (autograd_shape.py)
         if t.is_conj():
             node["conj"] = 1
@@ -179,10 +188,13 @@ class TensorStore:
 
     def _chunk_for(self, key, cluster, copies: list) -> Chunk:
         st = cluster[0][1]
-        lo = min(c[3] for c in cluster)
-        hi = max(c[4] for c in cluster)
-        versions = {_version(c[0]) for c in cluster}
-        version = versions.pop() if len(versions) == 1 else None
+        if len(cluster) == 1:  # the common case, without generators (one frame each)
+            lo, hi, version = cluster[0][3], cluster[0][4], _version(cluster[0][0])
+        else:
+            lo = min(c[3] for c in cluster)
+            hi = max(c[4] for c in cluster)
+            versions = {_version(c[0]) for c in cluster}
+            version = versions.pop() if len(versions) == 1 else None
         seen = self._seen.get(key)
         if seen is None or seen.storage() is not st:
             seen = self._seen[key] = _Seen(weakref.ref(st))
