@@ -130,9 +130,10 @@ def test_free_memory_counts_what_torch_holds_unused():
     assert driver <= base - gib + mib, (base, driver)             # the driver does not see it
     counted = free_memory(dev)
     assert counted >= base - mib, (base, driver, counted)          # torch can hand it out
-    exact = free_memory(dev, exact=True)                           # handed back to the driver
-    assert abs(torch.cuda.mem_get_info(dev)[0] - exact) < mib
-    assert exact >= base - mib, (base, exact)                     # the 1 GiB really came back
+    exact = free_memory(dev, exact=True)                           # the driver's figure after
+    assert abs(torch.cuda.mem_get_info(dev)[0] - exact) < mib     # empty_cache
+    # whether empty_cache hands the 1 GiB back is torch's: alone it did; after the whole GPU
+    # suite, on the H200, it kept it (exact was base - 1 GiB), so this test does not ask it
 
 
 def test_inputs_made_on_side_streams_are_captured_as_they_were(tmp_path):
