@@ -5,7 +5,8 @@ Each variant captures the same step (median of REPEATS steps, ``timings_s['step'
 thread: planning traced, no hand-off); ``no-copy``: the input copies not run (the run is wrong;
 the cost of launching them); ``no-trace``: trace=False (the hooks without the profiler). Beside
 them the plain profiled step and the floor, and the helper thread's round trip measured alone
-(a call that does nothing, handed over and waited for, without a profiler), and one capture
+(a call that does nothing, handed over and waited for, without a profiler), how much slower
+Python runs on a thread while another has a profile function, and one capture
 with clocks around the hand-off and its trace's events counted by thread.
 
 Run: python benchmarks/probe_capture_step.py [CASE]   (a bench_capture.py case; default
@@ -113,6 +114,37 @@ def hook_profile(provider, model, batch, device, work, top: int = 25) -> str:
     return out.getvalue()
 
 
+def other_thread_slowdown() -> float:
+    """How much slower Python runs on an unprofiled thread while this one has a profile
+    function (what torch's Python tracer sets under with_stack): 1.0 under Python 3.11; about
+    2 under 3.12, whose legacy profiling instruments the interpreter's code for every thread."""
+    import sys
+    import threading
+
+    def work():
+        def f(x):
+            return x + 1
+        t, s = time.perf_counter(), 0
+        for _ in range(500_000):
+            s = f(s)
+        return time.perf_counter() - t
+
+    def on_thread():
+        out = []
+        th = threading.Thread(target=lambda: out.append(work()))
+        th.start()
+        th.join()
+        return out[0]
+
+    plain = min(on_thread() for _ in range(3))
+    sys.setprofile(lambda *a: None)
+    try:
+        profiled = min(on_thread() for _ in range(3))
+    finally:
+        sys.setprofile(None)
+    return profiled / plain
+
+
 def round_trip_us(n: int = 2000) -> float:
     from cbtrace.capture.helper_thread import HelperThread
 
@@ -171,7 +203,8 @@ def main(name: str) -> None:
             print(hook_profile(provider, model, batch, device, work))
     rt = round_trip_us()
     floor = statistics.median(rows["floor"])
-    print(f"{name}: {calls} calls; helper round trip {rt:.1f} us (no profiler)")
+    print(f"{name}: {calls} calls; helper round trip {rt:.1f} us (no profiler); Python on an "
+          f"unprofiled thread {other_thread_slowdown():.2f}x slower while another is profiled")
     print(f"{'variant':<10}{'step s':>9}{'- floor s':>11}{'us/call':>9}")
     for label, ts in rows.items():
         s = statistics.median(ts)

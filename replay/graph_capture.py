@@ -21,9 +21,10 @@ def capturing(g: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None):
     two or three captures a timed call makes. As in torch, capture_end runs even when the body
     raises, and its 'invalidated' error then names the body's error as its context.
 
-    The capture forbids unsafe CUDA calls on this thread only ("thread_local"): replay's
-    read-ahead thread allocates pinned host memory meanwhile, and under torch's default
-    ("global") that invalidated 23 of 150 captures of a GPT-2 replay on the H200."""
+    The capture forbids unsafe CUDA calls on this thread only ("thread_local"): under torch's
+    default ("global"), calls from any other thread of the process invalidate it (the
+    read-ahead thread's pinned allocations, before it read into a ring allocated up front,
+    invalidated 23 of 150 captures of a GPT-2 replay on the H200)."""
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
         pooled = {} if pool is None else {"pool": pool}  # as torch.cuda.graph passes it
