@@ -149,17 +149,14 @@ def state_digest(model, sampled: bool = True, *, scheme: str = SAMPLED) -> str:
     import hashlib
 
     how = SCHEMES[scheme] if sampled else None
-    model = module_tree.unwrap(model)  # the same digest compiled, wrapped in DDP or not
-    entries = []  # (header, the blocks it reads: host arrays, or one device tensor) in order
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        header = f"{module_tree.user_name(name)}:{t.dtype}:{tuple(t.shape)}".encode()
-        entries.append((header, _digest_blocks(t.detach(), how) if t.numel() else []))
-    on_host = _to_host([src for _, src in entries if isinstance(src, torch.Tensor)])
     h = hashlib.sha256()
-    for header, src in entries:
-        h.update(header)
-        for block in ([on_host[id(src)]] if isinstance(src, torch.Tensor) else src):
-            h.update(block)
+    model = module_tree.unwrap(model)  # the same digest compiled, wrapped in DDP or not
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        name = module_tree.user_name(name)
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        if t.numel():
+            for block in _digest_blocks(t.detach(), how):
+                h.update(block)
     return (scheme if sampled else "") + h.hexdigest()
 
 
@@ -169,54 +166,22 @@ def same_state(model, digest: str) -> bool:
     return state_digest(model, sampled=scheme is not None, scheme=scheme or SAMPLED) == digest
 
 
-def _digest_blocks(t: torch.Tensor, how: tuple | None):
-    """What ``t``'s digest reads, in order: every byte (``how`` None), or the evenly spaced
-    blocks ``how`` = (above, blocks, block) says. A host tensor's are numpy views (no torch op:
-    on this 2-core CPU a 64 KiB as_strided reshape or cat took ~4 ms each under load, intra-op
-    threads waiting on each other); a device tensor's are gathered there into one uint8 tensor,
-    which ``_to_host`` copies with the others."""
+def _digest_blocks(t: torch.Tensor, how: tuple | None) -> list:
+    """The host byte arrays of ``t`` that its digest reads, in order: all (``how`` None), or
+    the evenly spaced blocks ``how`` = (above, blocks, block) says.
+
+    On the host the blocks are views (no torch op: on this 2-core CPU a 64 KiB as_strided
+    reshape or cat took ~4 ms each under load, intra-op threads waiting on each other); a
+    device tensor's blocks are gathered there and copied to the host once."""
     flat = t.contiguous().view(-1).view(torch.uint8)
     n = flat.numel()
-    whole = how is None or n <= how[0]
+    if how is None or n <= how[0]:
+        return [flat.cpu().numpy()]
+    _, blocks, block = how
+    step = (n - block) // (blocks - 1)
+    starts = [i * step for i in range(blocks - 1)] + [n - block]
     if flat.device.type == "cpu":
         arr = flat.numpy()
-        return [arr] if whole else [arr[s:s + block] for s, block in _block_starts(n, how)]
-    if whole:
-        return flat
-    _, blocks, block = how
-    step = (n - block) // (blocks - 1)
+        return [arr[s:s + block] for s in starts]
     sampled = flat.as_strided((blocks - 1, block), (step, 1))
-    return torch.cat([sampled.reshape(-1), flat[n - block:]])
-
-
-def _block_starts(n: int, how: tuple) -> list[tuple[int, int]]:
-    _, blocks, block = how
-    step = (n - block) // (blocks - 1)
-    return [(i * step, block) for i in range(blocks - 1)] + [(n - block, block)]
-
-
-TO_HOST_BATCH = 64 << 20  # device bytes gathered into one copy to the host
-
-
-def _to_host(pieces: list) -> dict:
-    """id(piece) -> its bytes on the host as a numpy array, for uint8 device tensors: small
-    pieces are concatenated on their device and copied in one transfer per ``TO_HOST_BATCH``
-    (dlrm:large's ~1,000 parameters, one synchronizing copy each, took 0.12-0.15 s of its
-    capture on the H200)."""
-    out, batches = {}, {}
-    for piece in pieces:
-        if piece.numel() >= TO_HOST_BATCH:
-            out[id(piece)] = piece.cpu().numpy()
-            continue
-        batch = batches.setdefault(piece.device, [[]])
-        if sum(p.numel() for p in batch[-1]) + piece.numel() > TO_HOST_BATCH:
-            batch.append([])
-        batch[-1].append(piece)
-    for batch_list in batches.values():
-        for batch in batch_list:
-            host = torch.cat(batch).cpu().numpy()
-            pos = 0
-            for piece in batch:
-                out[id(piece)] = host[pos:pos + piece.numel()]
-                pos += piece.numel()
-    return out
+    return [torch.cat([sampled.reshape(-1), flat[n - block:]]).cpu().numpy()]
