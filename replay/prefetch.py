@@ -130,6 +130,7 @@ class ReadAhead:
                  pin: bool = False, *, device=None, alloc=None, mark=None):
         self.run, self.by_id, self.grads, self.pin = Path(run), by_id, grads, pin
         self._order = list(order)
+        self._index = {c: i for i, c in enumerate(self._order)}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cbtrace-read") if enabled else None
         self._pending: dict[int, _Lease] = {}  # queued calls, in order
         self._taken: list[_Lease] = []  # taken calls still holding ring bytes, oldest first
@@ -212,18 +213,21 @@ class ReadAhead:
 
     def take(self, cid: int) -> tuple:
         """The read-ahead for ``cid`` (waiting for it), calls being taken in ``order``; calls
-        after it are queued behind, calls queued before it are dropped. A call not queued (yet)
-        loads on its own. The copies out of the calls taken before are queued by now."""
+        after it are queued behind, calls queued before it are dropped. A call not queued yet
+        loads on its own, and reading goes on after it. The copies out of the calls taken before
+        are queued by now."""
         if self._pool is None:
             return None, None
         for held in self._taken:
             if held.done is None:
                 held.done = self._mark()
-        while cid in self._pending and next(iter(self._pending)) != cid:
-            skipped = self._pending.pop(next(iter(self._pending)))
-            skipped.read.cancel()
-            skipped.done = _NOTHING_COPIED  # its ring bytes are free once its read ends
-            self._taken.append(skipped)
+        pos = self._index.get(cid)
+        beyond = cid not in self._pending and pos is not None and pos >= self._next
+        while self._pending and (beyond or (cid in self._pending
+                                            and next(iter(self._pending)) != cid)):
+            self._drop(next(iter(self._pending)))
+        if beyond:  # taken past the queued window: read on from the call after it
+            self._next = pos + 1
         self._retire(wait=False)
         lease = self._pending.pop(cid, None)
         self._fill()
@@ -240,6 +244,13 @@ class ReadAhead:
         elif lease.block is not None:
             self._taken.append(lease)
         return got or (None, None)
+
+    def _drop(self, cid: int) -> None:
+        """Drop a queued call taken past: its ring bytes are free once its read ends."""
+        skipped = self._pending.pop(cid)
+        skipped.read.cancel()
+        skipped.done = _NOTHING_COPIED
+        self._taken.append(skipped)
 
     def issued(self, cid: int) -> None:
         """Call ``cid``'s copies out of its read-ahead are queued (on the current stream): its

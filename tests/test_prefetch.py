@@ -323,6 +323,45 @@ def test_close_stops_a_read_waiting_for_ring_bytes(tmp_path, monkeypatch):
     assert not closing.is_alive()
 
 
+def test_a_call_taken_past_the_queue_loads_alone_and_reading_goes_on(tmp_path, monkeypatch):
+    from cbtrace.replay import prefetch
+
+    recs, order = _captured(tmp_path)
+    monkeypatch.setattr(prefetch, "MAX_CALLS", 2)  # order[0] and order[1] queued
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
+    try:
+        assert ahead.take(order[3]) == (None, None)  # not queued: loads on its own
+        for cid in order[4:]:                        # read ahead again from the next one
+            inputs, _ = ahead.take(cid)
+            assert inputs is not None, recs[cid].fqn
+            _same(tmp_path / "r", recs[cid].inputs_ref, inputs)
+    finally:
+        ahead.close()
+
+
+def test_host_tensors_loaded_from_the_ring_keep_their_values(tmp_path, monkeypatch):
+    """A tensor loaded on the host from ring bytes is a copy: the bytes are reused once freed."""
+    from cbtrace.replay import prefetch
+
+    recs, order = _captured(tmp_path)
+    monkeypatch.setattr(prefetch, "MAX_BYTES", 4096)  # one call's bytes: every call reuses them
+    alloc, mark, _ = _hooks()
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True, alloc=alloc,
+                      mark=mark)
+    try:
+        (x,), _ = load_call_inputs(tmp_path / "r", recs[order[1]].inputs_ref,
+                                   chunks_read=ahead.take(order[1])[0])
+        kept = x.clone()
+        ahead.issued(order[1])
+        for cid in order[2:5]:
+            load_call_inputs(tmp_path / "r", recs[cid].inputs_ref,
+                             chunks_read=ahead.take(cid)[0])
+            ahead.issued(cid)
+        assert torch.equal(x, kept)
+    finally:
+        ahead.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_read_ahead_leaves_a_global_graph_capture_valid(tmp_path, monkeypatch):

@@ -88,9 +88,13 @@ class _TensorLoader:
             else:
                 ahead = HostChunk(*self._read(cid))
             raw = ahead.data
-            # from pinned memory the copy is asynchronous (ordered on the current stream, and
-            # the pinned block is not reused before it is done: torch's host allocator)
-            raw = raw.to(dev, non_blocking=ahead.pinned) if dev.type != "cpu" else raw
+            # from pinned memory the copy is asynchronous (ordered on the current stream; a
+            # buffer is not reused before it is done: torch's host allocator, or the owner of a
+            # borrowed one); on the host, a borrowed buffer is copied out of
+            if dev.type != "cpu":
+                raw = raw.to(dev, non_blocking=ahead.pinned)
+            elif ahead.borrowed:
+                raw = raw.clone()
             self._storages[key] = (raw.untyped_storage(), ahead.shift)
         return self._storages[key]
 
@@ -152,7 +156,7 @@ class HostChunk:
     pinned when ``pin``: torch's caching host allocator makes CUDA calls for that (cudaHostAlloc,
     cudaEventQuery), so only the thread that issues the device work may ask for it."""
 
-    __slots__ = ("data", "shift", "pinned")
+    __slots__ = ("data", "shift", "pinned", "borrowed")
 
     def __init__(self, lo: int, nbytes: int, parts: list, pin: bool = False, out=None):
         pad = _pad(lo)
@@ -161,7 +165,9 @@ class HostChunk:
         else:
             assert out.nbytes >= pad + nbytes, (out.nbytes, pad + nbytes)
             self.data = torch.from_numpy(out[:pad + nbytes])  # no copy, no CUDA call
-        self.shift, self.pinned = lo - pad, pin
+        # ``borrowed``: the bytes are the owner's (reused once copied out): a host tensor made
+        # from them must copy them
+        self.shift, self.pinned, self.borrowed = lo - pad, pin, out is not None
         raw = self.data.numpy()  # numpy copies release the GIL
         raw[:pad] = 0
         pos = pad
