@@ -136,10 +136,20 @@ def test_free_memory_counts_what_torch_holds_unused():
     # suite, on the H200, it kept it (exact was base - 1 GiB), so this test does not ask it
 
 
-def test_inputs_made_on_side_streams_are_captured_as_they_were(tmp_path):
+def test_inputs_made_on_side_streams_are_captured_as_they_were(tmp_path, monkeypatch):
     """Modules called on two side streams, their inputs written there just before: each call's
-    stored inputs are the values it received (the copies follow the caller's stream), and the
-    caller's current stream is left as it was."""
+    stored inputs are the values it received, the copy buffers are planned (allocated) on the
+    caller's stream, not the helper thread's own, and the caller's stream is left as it was."""
+    from cbtrace.store import tensor_store
+
+    planned_on, buffer_like = [], tensor_store._buffer_like
+
+    def recording(src):
+        planned_on.append(torch.cuda.current_stream())
+        return buffer_like(src)
+
+    monkeypatch.setattr(tensor_store, "_buffer_like", recording)
+
     class TwoStreams(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -164,6 +174,8 @@ def test_inputs_made_on_side_streams_are_captured_as_they_were(tmp_path):
     with cbtrace.capture(model, tmp_path / "r"):
         seen = model(x)
     assert torch.cuda.current_stream() == before
+    # the root's input on the default stream, then a's and b's on their side streams
+    assert planned_on == [before, model.s1, model.s2], planned_on
     torch.cuda.synchronize()
     for name in ("a", "b"):
         args, _ = cbtrace.load_inputs(tmp_path / "r", name)

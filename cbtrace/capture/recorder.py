@@ -405,11 +405,19 @@ class capture:
         with self._lock:
             copy_range = RANGE_ENTER(f"cbtrace.copy::{rec.fqn}", None)
             try:
-                ref, copies = self._helper.call(self._snap.plan, (grad,), {})
+                stream = self._stream() if self._stream is not None else None  # autograd's
+                ref, copies = self._helper.call(self._plan_grad, grad, stream)
                 run_copies(copies)
                 self._grads[rec.call_id][k] = ref
             finally:
                 RANGE_EXIT(copy_range)
+
+    def _plan_grad(self, grad, stream):
+        """A gradient's inputs_ref and copies, planned on the stream the backward runs on (the
+        helper otherwise keeps the last forward call's)."""
+        if stream is not None:
+            _follow_stream(stream, self._stream)
+        return self._snap.plan((grad,), {})
 
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
