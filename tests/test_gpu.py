@@ -116,7 +116,7 @@ def test_state_guard_undoes_writes_from_its_gpu_or_host_copies(monkeypatch, shar
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_free_memory_counts_what_torch_holds_unused():
+def test_free_memory_counts_what_torch_holds_unused(monkeypatch):
     from cbtrace.device import free_memory
 
     dev, gib, mib = torch.device("cuda"), 1 << 30, 1 << 20
@@ -130,8 +130,10 @@ def test_free_memory_counts_what_torch_holds_unused():
     assert driver <= base - gib + mib, (base, driver)             # the driver does not see it
     counted = free_memory(dev)
     assert counted >= base - mib, (base, driver, counted)          # torch can hand it out
+    emptied, empty_cache = [], torch.cuda.empty_cache
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), empty_cache()))
     exact = free_memory(dev, exact=True)                           # the driver's figure after
-    assert abs(torch.cuda.mem_get_info(dev)[0] - exact) < mib     # empty_cache
+    assert emptied and abs(torch.cuda.mem_get_info(dev)[0] - exact) < mib  # empty_cache
     # whether empty_cache hands the 1 GiB back is torch's: alone it did; after the whole GPU
     # suite, on the H200, it kept it (exact was base - 1 GiB), so this test does not ask it
 
