@@ -28,6 +28,9 @@ from cbtrace.store.tensor_store import ShardPlan, TensorStore, run_copies, tenso
 __all__ = ["Snapshotter", "tensor_meta", "run_copies", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
+# an inputs_ref's JSON, compact and strict; built once (json.dumps with these arguments makes a
+# new encoder per call, and capture makes one reference per module call)
+_REF_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 # 32 MB: shards are written one per thread, so a capture of a few hundred MB needs several
 # (DLRM b8192's 240 MB went into two 128 MB shards, two writers: 0.22 s of a 0.30 s capture)
 SHARD_BYTES = 32 << 20
@@ -85,7 +88,7 @@ class Snapshotter:
         used, self.last_input_bytes, self.last_synthesized, copies = self._store.commit(pending)
         doc = {"v": FORMAT_VERSION, "args": arg_nodes, "kwargs": kw_nodes,
                "chunks": {str(i): c.ref() for i, c in sorted(used.items())}}
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False), copies
+        return _REF_JSON(doc), copies
 
     def flush(self) -> list[Path]:
         """Write every pending chunk; returns all shard files written so far."""

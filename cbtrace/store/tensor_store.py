@@ -203,9 +203,8 @@ class TensorStore:
                 if v == version and clo <= lo and hi <= chi:
                     return chunk
         lo -= lo % ALIGN
-        with torch.no_grad():
-            src = torch.empty(0, dtype=torch.uint8, device=cluster[0][0].device)
-            src.set_(st, lo, (hi - lo,), (1,))
+        src = torch.empty(0, dtype=torch.uint8, device=cluster[0][0].device)  # no grad: a
+        src.set_(st, lo, (hi - lo,), (1,))  # set_ records nothing (a no_grad context cost more)
         chunk = self.plan.add("d", hi - lo, lo, None)
         # reusable by later calls only once its copy exists (run_copies registers it)
         entry = (seen.chunks, (version, lo, hi, chunk)) if version is not None else None
