@@ -10,7 +10,8 @@ Python runs on a thread while another has a profile function, and one capture
 with clocks around the hand-off and its trace's events counted by thread.
 
 Run: python benchmarks/probe_capture_step.py [CASE]   (a bench_capture.py case; default
-dlrm-large on a GPU, dlrm-large-cpu without)
+dlrm-large on a GPU, dlrm-large-cpu without; PROBE_CPROFILE=1 adds a cProfile of the hooks
+without the profiler)
 """
 import functools
 import os
@@ -28,7 +29,8 @@ import bench_capture as bc  # noqa: E402
 REPEATS = int(os.environ.get("CBTRACE_BENCH_REPEATS", 5))
 
 
-def step_s(provider, model, batch, device, work, **cfg) -> float:
+def step_s(provider, model, batch, device, work, **cfg) -> tuple[float, int]:
+    """(the captured step's seconds, the calls recorded) of one capture."""
     import cbtrace
 
     run = Path(tempfile.mkdtemp(dir=work)) / "run"
