@@ -6,8 +6,8 @@ thread: planning traced, no hand-off); ``no-copy``: the input copies not run (th
 the cost of launching them); ``no-trace``: trace=False (the hooks without the profiler). Beside
 them the plain profiled step and the floor, and the helper thread's round trip measured alone
 (a call that does nothing, handed over and waited for, without a profiler), how much slower
-Python runs on a thread while another has a profile function, and one capture
-with clocks around the hand-off and its trace's events counted by thread.
+Python runs on a thread while another has a profile function, a capture's trace events by
+category, and one capture with clocks around the hand-off and its trace's events by thread.
 
 Run: python benchmarks/probe_capture_step.py [CASE]   (a bench_capture.py case; default
 dlrm-large on a GPU, dlrm-large-cpu without; PROBE_CPROFILE=1 adds a cProfile of the hooks
@@ -37,7 +37,24 @@ def step_s(provider, model, batch, device, work, **cfg) -> tuple[float, int]:
     with cbtrace.capture(model, run, **cfg) as cap:
         provider.run(model, batch)
         bc.sync(device)
+    global LAST_TRACE
+    LAST_TRACE = cap.trace_path
     return cap.timings_s["step"], len(cap.records)
+
+
+LAST_TRACE = None  # the trace of step_s's last capture
+
+
+def trace_events(path) -> str:
+    """A capture trace's complete events by category."""
+    import collections
+    import gzip
+    import json
+
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    by = collections.Counter(e.get("cat") for e in events if e.get("ph") == "X")
+    return ", ".join(f"{k}: {v}" for k, v in by.most_common(6))
 
 
 def laps(provider, model, batch, device, work) -> str:
@@ -200,6 +217,8 @@ def main(name: str) -> None:
                 finally:
                     recorder.HelperThread, recorder.run_copies = real_helper, real_copies
                 rows.setdefault(label, []).append(t)
+                if label == "capture":
+                    events = trace_events(LAST_TRACE)
         lap_lines = laps(provider, model, batch, device, work)
         if os.environ.get("PROBE_CPROFILE"):
             print(hook_profile(provider, model, batch, device, work))
@@ -211,6 +230,7 @@ def main(name: str) -> None:
     for label, ts in rows.items():
         s = statistics.median(ts)
         print(f"{label:<10}{s:>9.3f}{s - floor:>11.3f}{(s - floor) / calls * 1e6:>9.0f}")
+    print(f"a capture's trace (variant capture): {events}")
     print(lap_lines)
 
 
