@@ -36,13 +36,22 @@ def _flat(args, kwargs):
     return [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
 
 
-def test_read_ahead_loads_what_the_shards_hold(tmp_path):
+def _records(run):
+    """The run's records by call_id, and the call ids breadth-first (replay's order)."""
+    _, df = load_run(run)
+    recs = {r.call_id: r for r in frame_to_records(df)}
+    return recs, bfs_order({c: r.parent_call_id for c, r in recs.items()})
+
+
+def _captured_pair(tmp_path):
     model = Pair()
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randint(0, 50, (4, 8)), torch.randn(4, 8, 32))
-    _, df = load_run(tmp_path / "r")
-    recs = {r.call_id: r for r in frame_to_records(df)}
-    order = bfs_order({c: r.parent_call_id for c, r in recs.items()})
+    return _records(tmp_path / "r")
+
+
+def test_read_ahead_loads_what_the_shards_hold(tmp_path):
+    recs, order = _captured_pair(tmp_path)
     ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
     try:
         for cid in order:
@@ -82,9 +91,7 @@ def _captured(tmp_path, n=12):
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)])
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randn(2, 8))
-    _, df = load_run(tmp_path / "r")
-    recs = {r.call_id: r for r in frame_to_records(df)}
-    return recs, bfs_order({c: r.parent_call_id for c, r in recs.items()})
+    return _records(tmp_path / "r")
 
 
 def test_read_ahead_keeps_several_calls_queued(tmp_path, monkeypatch):
@@ -212,9 +219,7 @@ def _train_capture(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randn(4, 8, requires_grad=True)).pow(2).mean().backward()
-    _, df = load_run(tmp_path / "r")
-    recs = {r.call_id: r for r in frame_to_records(df)}
-    return recs, bfs_order({c: r.parent_call_id for c, r in recs.items()})
+    return _records(tmp_path / "r")
 
 
 @pytest.mark.parametrize("grads", [False, True])
@@ -223,12 +228,7 @@ def test_ring_read_ahead_loads_what_the_shards_hold(tmp_path, grads):
         recs, order = _train_capture(tmp_path)
         assert all(r.grads_ref for r in recs.values())
     else:
-        model = Pair()
-        with cbtrace.capture(model, tmp_path / "r", trace=False):
-            model(torch.randint(0, 50, (4, 8)), torch.randn(4, 8, 32))
-        _, df = load_run(tmp_path / "r")
-        recs = {r.call_id: r for r in frame_to_records(df)}
-        order = bfs_order({c: r.parent_call_id for c, r in recs.items()})
+        recs, order = _captured_pair(tmp_path)
     alloc, mark, made = _hooks()
     ahead = ReadAhead(tmp_path / "r", order, recs, grads=grads, enabled=True, alloc=alloc,
                       mark=mark)
@@ -286,12 +286,7 @@ def test_ring_bytes_are_not_reused_before_the_copies_out_of_them_are_done(tmp_pa
 def test_a_call_larger_than_the_ring_is_read_ahead_outside_it(tmp_path, monkeypatch):
     from cbtrace.replay import prefetch
 
-    model = Pair()
-    with cbtrace.capture(model, tmp_path / "r", trace=False):
-        model(torch.randint(0, 50, (4, 8)), torch.randn(4, 8, 32))
-    _, df = load_run(tmp_path / "r")
-    recs = {r.call_id: r for r in frame_to_records(df)}
-    order = bfs_order({c: r.parent_call_id for c, r in recs.items()})
+    recs, order = _captured_pair(tmp_path)
     monkeypatch.setattr(prefetch, "MAX_BYTES", 4096)  # the root's two chunks need 8 KiB
     alloc, mark, made = _hooks()
     ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True, alloc=alloc,
