@@ -13,6 +13,7 @@ call with NAME's default replay. Writes OUT_DIR/<model>_modules.csv. Usage:
     python benchmarks/profile_models.py OUT_DIR nanogpt dlrm [...]   (names from MODELS)
     python benchmarks/profile_models.py OUT_DIR nanogpt nanogpt+every nanogpt+full
 """
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -41,7 +42,21 @@ VARIANTS = {"warm": {"warm_inputs": True},        # inputs rewritten in place be
             "full": {"converge_spread": 0.0},      # no early stop: every call spends its budget
             "again": {},                           # the default again: run-to-run noise
             "host10": {"host_runs": 10},           # host issue: the median of 10 runs, not 5
+            "spin": {},                            # graph timer: a spin after the flush too
             "rebuild": {}}                         # the model rebuilt from its spec
+
+
+@contextlib.contextmanager
+def timer_settings(variants):
+    """The graph timer's module-level setting a variant turns on (+spin: SPIN_UNDER_FLUSH)."""
+    from cbtrace.plugins.backends import graph
+
+    before = graph.SPIN_UNDER_FLUSH
+    graph.SPIN_UNDER_FLUSH = "spin" in variants
+    try:
+        yield
+    finally:
+        graph.SPIN_UNDER_FLUSH = before
 
 
 def against(df, base) -> dict:
@@ -119,8 +134,9 @@ def main(out_dir, names):
             run = captured[base]
             model = None if "rebuild" in variants else live.get(base)
             t0 = time.perf_counter()
-            replay(run, model=model, model_spec=m["spec"], backward=step == "train",
-                   progress=False, **replay_opts)
+            with timer_settings(variants):
+                replay(run, model=model, model_spec=m["spec"], backward=step == "train",
+                       progress=False, **replay_opts)
             wall = time.perf_counter() - t0
             df = join_insitu(run)
         except Exception as e:  # noqa: BLE001 - one model failing must not hide the others

@@ -67,7 +67,7 @@ class TimingConfig:
     gap_s: float = 0.0
     """Extra spacing before each timed run/replay (s): a spin kernel on GPU, a sleep on CPU."""
     spin_min_ms: float = 0.05
-    """Shortest spin kernel queued before a start event, so the host enqueues the call (ms)."""
+    """Shortest spin before a start event, so the host enqueues the call (ms); graph: no flush."""
     spin_max_ms: float = 200.0
     """Longest such spin (ms): hides a whole model's host issue (a 0.5 B Llama's: 33 ms)."""
 

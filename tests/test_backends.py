@@ -88,6 +88,16 @@ def test_graph_calls_and_spin():
     assert stats.spin_for(host_ms=50, lo_ms=0.05, hi_ms=20) == 20
 
 
+
+def test_graph_timer_spins_only_without_a_flush_before_the_replay():
+    from cbtrace.plugins.backends import graph
+
+    cfg = TimingConfig(gap_s=0.001, spin_min_ms=0.05)
+    assert graph.gap_ms(cfg, flushing=True) == pytest.approx(1.0)    # the flush covers the launch
+    assert graph.gap_ms(cfg, flushing=False) == pytest.approx(1.05)
+    assert graph.gap_ms(TimingConfig(), flushing=True) == 0.0        # no spin kernel queued at all
+
+
 # ---- config and result ---------------------------------------------------------------------
 
 def test_config_is_keyword_only_and_validated():

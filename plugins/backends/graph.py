@@ -90,6 +90,22 @@ def slots_that_fit(device, per_slot_bytes: int, share: float = 0.5) -> int:
     return max(1, int(share * free) // max(per_slot_bytes, 1))
 
 
+# Whether a spin kernel is queued after the L2 flush too. The flush (a 256 MB memset: 94 us on
+# an H200) already keeps the GPU busy while the host records the start event and launches the
+# graph, as in ``triton.testing.do_bench`` (flush, then start); the spin (62 us) was dead time
+# on top, ~0.1 s of device time in a GPT-2-small replay's 1,575 timed replays. With no flush
+# (``flush_l2`` off or its buffer did not fit) the spin covers the launch. profile_models.py's
+# +spin variant sets this to compare.
+SPIN_UNDER_FLUSH = False
+
+
+def gap_ms(cfg: TimingConfig, flushing: bool) -> float:
+    """The spin queued before each timed replay (ms): ``cfg.gap_s``, and ``cfg.spin_min_ms``
+    when no flush precedes it (or ``SPIN_UNDER_FLUSH``)."""
+    spin_ms = cfg.spin_min_ms if SPIN_UNDER_FLUSH or not flushing else 0.0
+    return cfg.gap_s * 1e3 + spin_ms
+
+
 def replay_ms(g: torch.cuda.CUDAGraph) -> float:
     """One replay timed with events (after the caller's warm replay)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -155,10 +171,11 @@ class GraphTimer(CudaTimer):
         """Per-call times of replays of ``g`` (K calls), less the replay of ``touches`` (the
         same K input touches alone) taken just before each, when there is one."""
         stream = torch.cuda.current_stream(device)  # looked up once: ~30 us of Python a call
+        spin_ms = gap_ms(cfg, flusher.buf is not None)
 
         def replay(graph, start, end):
             flusher.flush()
-            spin(device, cfg.gap_s * 1e3 + cfg.spin_min_ms)  # covers the host's graph launch
+            spin(device, spin_ms)  # with no flush before it: covers the host's graph launch
             start.record(stream)
             graph.replay()
             end.record(stream)
