@@ -11,7 +11,8 @@
 # backward timing methods); overhead: probe_replay_overhead.py (replay wall in laps; cProfile too
 # with OVERHEAD_CPROFILE=1); capture-probe: probe_capture_step.py (a captured step's cost above
 # the floor, by variant; PROBE_CASE); plan-call: bench_plan_call.py (capture's planning alone, with
-# and without another thread profiled); memory: probe_memory.py (GPU memory call by call in a train replay).
+# and without another thread profiled); pinned: bench_pinned_ring.py (the read-ahead ring's first
+# pinned allocation, by way of allocating); memory: probe_memory.py (GPU memory call by call in a train replay).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -41,6 +42,8 @@ probe-backward)
   timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_backward.py /tmp/probe 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -40 ;;
 memory)
   timeout ${MEMORY_TIMEOUT:-300} python3 $R/benchmarks/probe_memory.py /tmp/pmem ${MEMORY_VARIANTS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |F.linear" | tee $OUT/probe_memory.log | tail -8 ;;
+pinned)
+  timeout 120 python3 $R/benchmarks/bench_pinned_ring.py 2>&1 | tee $OUT/bench_pinned_ring.log | tail -8 ;;
 plan-call)
   timeout 120 python3 $R/benchmarks/bench_plan_call.py 2>&1 | tee $OUT/bench_plan_call.log | tail -6 ;;
 capture-probe)
