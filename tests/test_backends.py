@@ -88,7 +88,6 @@ def test_graph_calls_and_spin():
     assert stats.spin_for(host_ms=50, lo_ms=0.05, hi_ms=20) == 20
 
 
-
 def test_graph_timer_spins_only_without_a_flush_before_the_replay():
     from cbtrace.plugins.backends import graph
 

@@ -93,7 +93,8 @@ def slots_that_fit(device, per_slot_bytes: int, share: float = 0.5) -> int:
 # Whether a spin kernel is queued after the L2 flush too. The flush (a 256 MB memset: 94 us on
 # an H200) already keeps the GPU busy while the host records the start event and launches the
 # graph, as in ``triton.testing.do_bench`` (flush, then start); the spin (62 us) was dead time
-# on top, ~0.1 s of device time in a GPT-2-small replay's 1,575 timed replays. With no flush
+# on top (~0.1 s by count over a GPT-2-small replay's timed replays; measured, within the
+# run-to-run noise of its wall, per-call figures unchanged: RESULTS.md session 9). With no flush
 # (``flush_l2`` off or its buffer did not fit) the spin covers the launch. profile_models.py's
 # +spin variant sets this to compare.
 SPIN_UNDER_FLUSH = False
