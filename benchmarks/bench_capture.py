@@ -21,6 +21,9 @@ calls inside the ``with``, constructing the capture object), then the parts of
 inputs_and_trace (which overlap) and the input writer threads' summed seconds; and the plain
 profiled step's own phases beside it.
 
+Every side profiles as the capture does by default, without ``with_stack``; a case named with
+``+stack`` (``dlrm-large+stack``) runs all three sides and the capture with it.
+
 Run: python benchmarks/bench_capture.py [CASE ...]   (default: nanogpt-tiny-cpu, and on a GPU
 nanogpt dlrm dlrm-large and the zoo's GPU models; CASES lists the names; the -cpu DLRM cases are
 the GPU cases' shapes scaled down to a 2-core CPU)
@@ -53,6 +56,13 @@ GPU_DEFAULT = ["nanogpt", "dlrm", "dlrm-large", "llama-0.5b", "bert-base", "vit-
                "gpt2-compiled"]
 REPEATS = int(os.environ.get("CBTRACE_BENCH_REPEATS", 5))  # the median of this many of each
 DISK_PROBE_MB = 512  # bytes written (with fsync) to measure disk bandwidth
+STACK = "+stack"  # a case name's suffix: every side profiled with with_stack=True
+
+
+def case(name: str) -> tuple:
+    """(spec, device, dtype, provider options, with_stack) of a case name."""
+    base = name.removesuffix(STACK)
+    return (*CASES[base], name != base)
 
 
 def disk_bandwidth(dirname) -> float:
@@ -75,7 +85,7 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def plain_profiled_step(provider, model, batch, device, out_dir, hooks=False):
+def plain_profiled_step(provider, model, batch, device, out_dir, hooks=False, with_stack=False):
     """A profiled step and its gzipped trace export: (seconds, their phases); ``hooks``: every
     module also gets the pre/post hooks a capture needs, doing nothing but open and close its
     two ranges (the floor of what any capture adds to the step, before copying or writing
@@ -98,7 +108,7 @@ def plain_profiled_step(provider, model, batch, device, out_dir, hooks=False):
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
     with torch.profiler.profile(activities=profiler_activities(), record_shapes=True,
-                                with_stack=True) as p:
+                                with_stack=with_stack) as p:
         laps.append(("start", time.perf_counter()))  # hooks (floor) and profiler start
         provider.run(model, batch)
         sync(device)
@@ -116,7 +126,8 @@ def plain_profiled_step(provider, model, batch, device, out_dir, hooks=False):
     return laps[-1][1] - t0, phases
 
 
-def captured_step(provider, model, batch, device, out_dir) -> tuple[float, int, dict]:
+def captured_step(provider, model, batch, device, out_dir, with_stack=False
+                  ) -> tuple[float, int, dict]:
     """(wall, stored input bytes, the capture's timings_s with ``other`` = wall - the parts
     that follow one another); timings_s as the capture object holds it, so it also has what
     the manifest cannot (checksums_and_manifest, total)."""
@@ -126,7 +137,7 @@ def captured_step(provider, model, batch, device, out_dir) -> tuple[float, int, 
     run = Path(out_dir) / "run"
     sync(device)
     t0 = time.perf_counter()
-    with cbtrace.capture(model, run) as cap:
+    with cbtrace.capture(model, run, with_stack=with_stack) as cap:
         provider.run(model, batch)
         sync(device)
     dt = time.perf_counter() - t0
@@ -156,7 +167,7 @@ def minimal_writes(run: Path, out_dir) -> float:
     return time.perf_counter() - t0
 
 
-def bench(spec, device, dtype, options, work):
+def bench(spec, device, dtype, options, work, with_stack=False):
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.model.spec import resolve
 
@@ -168,15 +179,17 @@ def bench(spec, device, dtype, options, work):
             provider.run(model, batch)
         sync(device)
         d = Path(tempfile.mkdtemp(dir=work))  # one-time costs, paid by neither side's repeats
-        plain_profiled_step(provider, model, batch, device, d)
-        first = captured_step(provider, model, batch, device, d)[0]
+        plain_profiled_step(provider, model, batch, device, d, with_stack=with_stack)
+        first = captured_step(provider, model, batch, device, d, with_stack)[0]
         shutil.rmtree(d)
         plain, floor, writes, cap, stored = [], [], [], [], 0
         for i in range(REPEATS):
             d = Path(tempfile.mkdtemp(dir=work))
-            plain.append(plain_profiled_step(provider, model, batch, device, d))
-            floor.append(plain_profiled_step(provider, model, batch, device, d, hooks=True))
-            t, stored, timings = captured_step(provider, model, batch, device, d)
+            plain.append(plain_profiled_step(provider, model, batch, device, d,
+                                             with_stack=with_stack))
+            floor.append(plain_profiled_step(provider, model, batch, device, d, hooks=True,
+                                             with_stack=with_stack))
+            t, stored, timings = captured_step(provider, model, batch, device, d, with_stack)
             cap.append((t, timings))
             writes.append(minimal_writes(d / "run", d))
             shutil.rmtree(d)
@@ -190,21 +203,21 @@ def main(names):
     bw = disk_bandwidth(work)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"device: {name}; disk write bandwidth {bw / 1e6:.0f} MB/s (fsync, {DISK_PROBE_MB} MB)")
-    print(f"{'model':<17}{'dev':<6}{'plain s':>9}{'floor s':>9}{'writes s':>9}{'capture s':>11}"
+    print(f"{'model':<23}{'dev':<6}{'plain s':>9}{'floor s':>9}{'writes s':>9}{'capture s':>11}"
           f"{'stored MB':>11}{'MB/s':>8}{'bound s':>9}{'floor/b':>8}{'(f+w)/b':>8}{'ratio':>7}"
           "  goal<=1.5")
     breakdown = []
     names = names or ["nanogpt-tiny-cpu"] + (GPU_DEFAULT if torch.cuda.is_available() else [])
     for name in names:
-        spec, device, dtype, options = CASES[name]
+        spec, device, dtype, options, with_stack = case(name)
         try:
             (plain, plain_phases), (floor, floor_phases), writes, (cap, timings), stored, first = \
-                bench(spec, device, dtype, options, work)
+                bench(spec, device, dtype, options, work, with_stack)
         except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
-            print(f"{name:<17}FAILED {type(e).__name__}: {str(e)[:200]}")
+            print(f"{name:<23}FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
         bound = plain + stored / bw
-        print(f"{name:<17}{device:<6}{plain:>9.3f}{floor:>9.3f}{writes:>9.3f}{cap:>11.3f}"
+        print(f"{name:<23}{device:<6}{plain:>9.3f}{floor:>9.3f}{writes:>9.3f}{cap:>11.3f}"
               f"{stored / 1e6:>11.1f}{stored / 1e6 / cap:>8.0f}{bound:>9.3f}{floor / bound:>8.2f}"
               f"{(floor + writes) / bound:>8.2f}{cap / bound:>7.2f}")
         breakdown.append((name, cap, timings, plain_phases, floor_phases, first))

@@ -8,6 +8,9 @@ them the plain profiled step and the floor, and the helper thread's round trip m
 (a call that does nothing, handed over and waited for, without a profiler), how much slower
 Python runs on a thread while another has a profile function, a capture's trace events by
 category, and one capture with clocks around the hand-off and its trace's events by thread.
+Profiling is without ``with_stack`` (capture's default) unless the case is named ``+stack``
+(bench_capture.case); ``inline`` then differs from ``capture`` only under ``+stack``, where the
+helper thread runs; the hand-off's clocks always come from a ``with_stack`` capture.
 
 Run: python benchmarks/probe_capture_step.py [CASE]   (a bench_capture.py case; default
 dlrm-large on a GPU, dlrm-large-cpu without; PROBE_CPROFILE=1 adds a cProfile of the hooks
@@ -58,7 +61,7 @@ def trace_events(path) -> str:
 
 
 def laps(provider, model, batch, device, work) -> str:
-    """One more capture with clocks around the hand-off: the step thread's wait in
+    """One more capture (with_stack: the helper's case) with clocks around the hand-off: the step thread's wait in
     ``HelperThread.call``, the job's own time on the helper, the copies; and the trace's events
     by thread (whether the helper's work reaches the trace)."""
     import collections
@@ -95,7 +98,7 @@ def laps(provider, model, batch, device, work) -> str:
     helper_thread.HelperThread.call, recorder.run_copies = call, copies
     try:
         run = Path(tempfile.mkdtemp(dir=work)) / "run"
-        with cbtrace.capture(model, run) as cap:
+        with cbtrace.capture(model, run, with_stack=True) as cap:  # the hand-off's case
             provider.run(model, batch)
             bc.sync(device)
     finally:
@@ -184,7 +187,7 @@ def main(name: str) -> None:
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.model.spec import resolve
 
-    spec, device, dtype, options = bc.CASES[name]
+    spec, device, dtype, options, stack = bc.case(name)
     work = Path(tempfile.mkdtemp(dir=os.environ.get("CBTRACE_BENCH_DIR")))
     provider = resolve(spec, options=options)
     model, batch = provider.model_and_batch(device, torch_dtype(dtype) if dtype else None)
@@ -201,11 +204,12 @@ def main(name: str) -> None:
         for _ in range(2):
             provider.run(model, batch)
         bc.sync(device)
-        step_s(provider, model, batch, device, work)  # one-time costs
+        step_s(provider, model, batch, device, work, with_stack=stack)  # one-time costs
         for _ in range(REPEATS):
             for label, hooks in (("plain", False), ("floor", True)):
                 d = Path(tempfile.mkdtemp(dir=work))
-                _, phases = bc.plain_profiled_step(provider, model, batch, device, d, hooks=hooks)
+                _, phases = bc.plain_profiled_step(provider, model, batch, device, d, hooks=hooks,
+                                                   with_stack=stack)
                 rows.setdefault(label, []).append(phases["step"])
             for label, (cfg, patch) in variants.items():
                 recorder.HelperThread = (helper_thread.InlineHelper if patch == "inline"
@@ -213,7 +217,8 @@ def main(name: str) -> None:
                 recorder.run_copies = (functools.partial(len) if patch == "no-copy"
                                        else real_copies)
                 try:
-                    t, calls = step_s(provider, model, batch, device, work, **cfg)
+                    t, calls = step_s(provider, model, batch, device, work, with_stack=stack,
+                                      **cfg)
                 finally:
                     recorder.HelperThread, recorder.run_copies = real_helper, real_copies
                 rows.setdefault(label, []).append(t)

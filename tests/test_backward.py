@@ -160,7 +160,7 @@ class _Res(nn.Module):
         return x + self.lin(self.ln(x))
 
 
-def _attributed(model, x, run):
+def _attributed(model, x, run, **capture_options):
     """Capture a train step of ``model`` (with its trace) and attribute it: the forest, names,
     labels, backward roots, engine-add mask, owner keys and the attribution table's bwd rows."""
     from types import SimpleNamespace
@@ -173,7 +173,7 @@ def _attributed(model, x, run):
     from cbtrace.attribution.attribute import attribute_file
     from cbtrace.rundir.read import find_trace, load_run
 
-    with cbtrace.capture(model, run):
+    with cbtrace.capture(model, run, **capture_options):
         model(x).pow(2).mean().backward()
     trace = find_trace(run, load_run(run)[0])
     f = fm.build(loader.load(trace))
@@ -205,7 +205,8 @@ def _root_of(a, op: str) -> int:
     return j
 
 
-def test_every_module_of_a_train_capture_gets_its_backward_in_situ(tmp_path):
+@pytest.mark.parametrize("with_stack", [False, True])
+def test_every_module_of_a_train_capture_gets_its_backward_in_situ(tmp_path, with_stack):
     """Each module's backward ops are found by the number of the op inside evaluate_function;
     in a capture's with_stack trace the Python frames of cbtrace's gradient hooks come first
     there, and every LayerNorm and GELU backward was left unattributed. A backward's host time
@@ -214,7 +215,7 @@ def test_every_module_of_a_train_capture_gets_its_backward_in_situ(tmp_path):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 8)).train()
-    a = _attributed(model, torch.randn(16, 32), tmp_path / "r")
+    a = _attributed(model, torch.randn(16, 32), tmp_path / "r", with_stack=with_stack)
     assert {"", "0", "1", "2", "3"} <= set(a.bwd.index), sorted(a.bwd.index)
     root = _root_of(a, "GeluBackward0")
     copies = np.flatnonzero(a.is_copy & (a.roots == root))

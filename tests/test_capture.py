@@ -67,8 +67,27 @@ def test_every_call_once_and_one_range_per_call(tmp_path, spec):
         assert sha256_file(cap.out / rel) == digest
 
 
-def test_hook_bookkeeping_stays_out_of_the_trace(tmp_path):
+def test_default_trace_has_no_python_frames_and_still_attributes(tmp_path):
+    """with_stack is off by default: no python_function event, the manifest says so, and every
+    call's range is in the trace for attribution; --with-stack turns the frames on."""
+    from cbtrace.attribution.join import insitu_for_run
+
     cap = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu")
+    with gzip.open(find_trace(cap.out)) as f:
+        events = json.load(f)["traceEvents"]
+    assert not [e for e in events if e.get("cat") == "python_function"]
+    assert read_manifest(cap.out).capture.with_stack is False
+    df = read_modules(cap.out)
+    assert trace_names(cap.out) == collections.Counter(f"cbtrace::{f}" for f in df["fqn"])
+    ins = insitu_for_run(cap.out, read_manifest(cap.out))
+    assert sorted(zip(ins["fqn"], ins["call_index"])) == sorted(zip(df["fqn"], df["call_index"]))
+    assert (ins["cpu_ms"] > 0).all()
+    stacked = capture_model("nanogpt:tiny", tmp_path / "stacked", device="cpu", with_stack=True)
+    assert read_manifest(stacked.out).capture.with_stack is True
+
+
+def test_hook_bookkeeping_stays_out_of_the_trace(tmp_path):
+    cap = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu", with_stack=True)
     with gzip.open(find_trace(cap.out)) as f:
         events = json.load(f)["traceEvents"]
     py = [e["name"] for e in events if e.get("cat") == "python_function"]

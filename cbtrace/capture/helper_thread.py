@@ -1,4 +1,5 @@
-"""Run capture's hook bookkeeping on a thread the profiler does not trace.
+"""Run capture's hook bookkeeping on a thread the profiler does not trace (``with_stack``
+captures only: without it no Python call is traced, and the bookkeeping runs inline).
 
 Under ``with_stack`` every Python call made on a profiled thread becomes a trace event: the
 bookkeeping in capture's hooks (walking and planning the inputs, building the record) made 90 %

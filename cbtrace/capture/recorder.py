@@ -51,6 +51,10 @@ class CaptureConfig:
     """Write captured inputs out early once this many bytes of copies are pending."""
     trace: bool = True
     """Run the step under torch.profiler and write its Kineto trace into the run directory."""
+    with_stack: bool = False
+    """Profile with ``with_stack=True``: Python frames in the trace. Off by default: attribution
+    reads the ``cbtrace::`` ranges, not frames, and the Python tracer made every Python call of
+    the step (the hooks' included) several times slower (benchmarks/RESULTS.md, session 10)."""
     worker_name: str | None = None
     """Trace file prefix (torch-tb-profiler naming); default: <hostname>_<pid>."""
     overwrite: bool = False
@@ -66,7 +70,7 @@ class CaptureConfig:
             include=list(self.include), exclude=list(self.exclude), max_depth=self.max_depth,
             synthesize_above_bytes=self.synthesize_above_bytes,
             max_pending_bytes=self.max_pending_bytes, trace=self.trace,
-            worker_name=self.worker_name)
+            with_stack=self.with_stack, worker_name=self.worker_name)
 
 
 def module_depth(fqn: str) -> int:
@@ -140,7 +144,7 @@ class capture:
         self._names: dict[int, list[str]] = {}
         self._selected: dict[str, bool] = {}
         self._prof = None
-        self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread while profiling)
+        self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread under with_stack)
         self._lock = threading.RLock()
         self._acquire, self._release = untraced(self._lock.acquire), untraced(self._lock.release)
         self._push, self._pop = untraced(self._stack.append), untraced(self._stack.pop)
@@ -221,11 +225,13 @@ class capture:
         self._t_step0 = self._t_lap  # capture_step_s: from here (profiler start) to hooks removed
         if self.cfg.trace:
             self._prof = torch.profiler.profile(activities=profiler_activities(), record_shapes=True,
-                                                with_stack=True)
+                                                with_stack=self.cfg.with_stack)
             with quiet_kineto():  # Kineto's USDT/STAGE log lines stay off the terminal
                 self._prof.__enter__()
             self._lap("profiler_start")
-            # started after the profiler, so the profiler neither traces it nor records its ops
+        if self.cfg.trace and self.cfg.with_stack:
+            # started after the profiler, so the profiler neither traces it nor records its ops;
+            # without with_stack no Python call is traced and the hand-off would only add its wait
             self._helper = HelperThread()
             self._lap("helper_start")
 
@@ -309,11 +315,11 @@ class capture:
         return next((n for n in names if self._selected.get(n)), names[0])
 
     def _pre(self, fqn, module, args, kwargs):
-        # Runs inside the traced step, where with_stack makes every Python call (built-ins too)
+        # Runs inside the profiled step. Under with_stack every Python call (built-ins too) is
         # an event that costs time now, when the profiler stops and in the exported trace: the
         # bookkeeping (parent, walking and planning the inputs, the record, allocating the
-        # copies) runs on the helper thread, which the profiler does not trace; this thread
-        # only makes the copies, and calls built-ins untraced (helper_thread.untraced).
+        # copies) then runs on the helper thread, which the profiler does not trace; this
+        # thread only makes the copies, and calls built-ins untraced (helper_thread.untraced).
         self._acquire()  # hooks may fire on several threads (e.g. nn.DataParallel replicas)
         try:
             pending = _EXC_INFO()[1]  # an exception being handled around this call

@@ -24,7 +24,8 @@ def parse_kv(items) -> dict:
 
 
 def model_options(f):
-    """--model/--device/--dtype/--step/--option/--include/--exclude/--max-depth/--seed."""
+    """--model/--device/--dtype/--step/--option/--include/--exclude/--max-depth/--with-stack/
+    --seed."""
     for deco in reversed([
         click.option("--model", "spec", required=True,
                      help="nanogpt[:tiny], dlrm[:tiny], torchrec[:tiny], pkg.module:fn or file.py:fn"),
@@ -40,6 +41,9 @@ def model_options(f):
                      help="deepest module level captured (0: the root only)"),
         click.option("--synthesize-above", "synthesize_above_bytes", type=int, default=None,
                      metavar="BYTES", help="store larger inputs as metadata only"),
+        click.option("--with-stack", is_flag=True,
+                     help="profile the captured step with Python frames (slower; attribution "
+                          "does not need them)"),
         click.option("--seed", type=int, default=0, show_default=True),
     ]):
         f = deco(f)

@@ -7,7 +7,7 @@ from cbtrace.cli.options import model_options, parse_kv
 @model_options
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="new run directory")
 def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthesize_above_bytes,
-            seed, out):
+            with_stack, seed, out):
     """Capture one step of a model into a run directory (inputs, module tree, Kineto trace).
 
     Example: cbtrace capture --model nanogpt:tiny --out runs/gpt
@@ -18,7 +18,8 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
 
     cap = capture_model(spec, Path(out), device=device, dtype=dtype, step=step, seed=seed,
                         options=parse_kv(opts), include=include, exclude=exclude,
-                        max_depth=max_depth, synthesize_above_bytes=synthesize_above_bytes)
+                        max_depth=max_depth, synthesize_above_bytes=synthesize_above_bytes,
+                        with_stack=with_stack)
     click.echo(f"captured {len(cap.records)} module calls in {cap.step_s:.3f} s -> {cap.out}")
     if cap.trace_path:
         click.echo(f"trace: {cap.trace_path}")

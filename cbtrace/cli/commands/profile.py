@@ -21,7 +21,7 @@ from cbtrace.replay.config import ReplayConfig
                    "(as cbtrace replay --reuse-timing)")
 @click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthesize_above_bytes,
-            seed, out, timer, cold, tb_logdir, timeout_s, reuse_timing, strict):
+            with_stack, seed, out, timer, cold, tb_logdir, timeout_s, reuse_timing, strict):
     """Capture, replay and attribute: isolated vs in-situ time per module.
 
     Adds insitu_ms and error_pct (isolated / in-situ - 1) to RUN/modules.parquet and prints the
@@ -41,7 +41,7 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
                                           reuse_timing=reuse_timing), device=device,
                  dtype=dtype, step=step, seed=seed, options=parse_kv(opts), include=include,
                  exclude=exclude, max_depth=max_depth,
-                 synthesize_above_bytes=synthesize_above_bytes)
+                 synthesize_above_bytes=synthesize_above_bytes, with_stack=with_stack)
     click.echo(summary_table(df))
     click.echo("\nisolation error by module class (error_pct = isolated / in-situ - 1, %):")
     click.echo(error_table(df).to_string(float_format=lambda x: f"{x:.1f}"))
