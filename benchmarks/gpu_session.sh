@@ -12,7 +12,8 @@
 # with OVERHEAD_CPROFILE=1); capture-probe: probe_capture_step.py (a captured step's cost above
 # the floor, by variant; PROBE_CASE); plan-call: bench_plan_call.py (capture's planning alone, with
 # and without another thread profiled); pinned: bench_pinned_ring.py (the read-ahead ring's first
-# pinned allocation, by way of allocating); memory: probe_memory.py (GPU memory call by call in a train replay).
+# pinned allocation, by way of allocating); digest: bench_state_digest.py on the GPU (the
+# per-tensor read against one copy per device); memory: probe_memory.py (GPU memory call by call in a train replay).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -42,6 +43,8 @@ probe-backward)
   timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_backward.py /tmp/probe 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -40 ;;
 memory)
   timeout ${MEMORY_TIMEOUT:-300} python3 $R/benchmarks/probe_memory.py /tmp/pmem ${MEMORY_VARIANTS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |F.linear" | tee $OUT/probe_memory.log | tail -8 ;;
+digest)
+  timeout 200 python3 $R/benchmarks/bench_state_digest.py --device cuda ${DIGEST_MODELS:-dlrm dlrm:large nanogpt} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_state_digest.log | tail -5 ;;
 pinned)
   timeout 120 python3 $R/benchmarks/bench_pinned_ring.py 2>&1 | tee $OUT/bench_pinned_ring.log | tail -8 ;;
 plan-call)

@@ -82,6 +82,12 @@ def test_default_trace_has_no_python_frames_and_still_attributes(tmp_path):
     ins = insitu_for_run(cap.out, read_manifest(cap.out))
     assert sorted(zip(ins["fqn"], ins["call_index"])) == sorted(zip(df["fqn"], df["call_index"]))
     assert (ins["cpu_ms"] > 0).all()
+    # planning runs with RecordFunction off: a copy range holds its copies and nothing else
+    spans = [(e["tid"], e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("name", "").startswith("cbtrace.copy::")]
+    inside = [e["name"] for e in events if e.get("cat") == "cpu_op" and any(
+        tid == e["tid"] and lo <= e["ts"] <= hi for tid, lo, hi in spans)]
+    assert inside and set(inside) == {"aten::copy_"}, collections.Counter(inside)
     stacked = capture_model("nanogpt:tiny", tmp_path / "stacked", device="cpu", with_stack=True)
     assert read_manifest(stacked.out).capture.with_stack is True
 
@@ -327,7 +333,7 @@ def test_failed_start_leaves_nothing_half_open(tmp_path, monkeypatch):
     monkeypatch.setattr(capture_mod, "HelperThread", broken)
     model = torch.nn.Linear(4, 4)
     with pytest.raises(RuntimeError, match="no thread"):
-        with cbtrace.capture(model, tmp_path / "a"):
+        with cbtrace.capture(model, tmp_path / "a", with_stack=True):  # starts the helper
             pass
     assert not capture_mod._ACTIVE and not model._forward_pre_hooks and not model._forward_hooks
     assert not torch.autograd.profiler._is_profiler_enabled

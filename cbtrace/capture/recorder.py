@@ -108,6 +108,10 @@ _ANY_AUTOCAST = untraced(getattr(torch._C, "_is_any_autocast_enabled", lambda: T
 _GRAD_ENABLED = untraced(torch.is_grad_enabled)
 _EXC_INFO = untraced(sys.exc_info)
 _STRIDE, _OFFSET = untraced(torch.Tensor.stride), untraced(torch.Tensor.storage_offset)
+# RecordFunction on this thread (at::enableRecordFunction, thread-local): off while a call's
+# copies are planned, so that the profiler neither records nor pays for the planning's ops (an
+# empty source, its set_, the buffer's empty_like: 4 of a call's 5 ops; the copy_ stays)
+_RECORD_OPS = untraced(torch._C._autograd._enable_record_function)
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
 # capture_timings_s entries that follow one another (the rest are parts of one of them, or
 # thread seconds): their sum plus what the caller's own code adds is the capture's wall
@@ -229,10 +233,10 @@ class capture:
             with quiet_kineto():  # Kineto's USDT/STAGE log lines stay off the terminal
                 self._prof.__enter__()
             self._lap("profiler_start")
-        if self.cfg.trace and self.cfg.with_stack:
-            # started after the profiler, so the profiler neither traces it nor records its ops;
-            # without with_stack no Python call is traced and the hand-off would only add its wait
-            self._helper = HelperThread()
+            if self.cfg.with_stack:
+                # started after the profiler, so the profiler neither traces it nor records its
+                # ops; without with_stack no Python call is traced: the hand-off would only wait
+                self._helper = HelperThread()
             self._lap("helper_start")
 
     def _undo_start(self) -> None:
@@ -352,6 +356,13 @@ class capture:
         caller's stream)."""
         if stream is not None:
             _follow_stream(stream, self._stream)
+        _RECORD_OPS(False)
+        try:
+            return self._record_call(module, fqn, args, kwargs, grad, autocast)
+        finally:
+            _RECORD_OPS(True)
+
+    def _record_call(self, module, fqn, args, kwargs, grad, autocast):
         idx = self._counts.get(fqn, 0)
         self._counts[fqn] = idx + 1
         parent = next((f[_REC] for f in reversed(self._stack) if f[_REC] is not None), None)
@@ -423,7 +434,11 @@ class capture:
         helper otherwise keeps the last forward call's)."""
         if stream is not None:
             _follow_stream(stream, self._stream)
-        return self._snap.plan((grad,), {})
+        _RECORD_OPS(False)
+        try:
+            return self._snap.plan((grad,), {})
+        finally:
+            _RECORD_OPS(True)
 
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
