@@ -12,8 +12,8 @@
 # with OVERHEAD_CPROFILE=1); capture-probe: probe_capture_step.py (a captured step's cost above
 # the floor, by variant; PROBE_CASE); plan-call: bench_plan_call.py (capture's planning alone, with
 # and without another thread profiled); pinned: bench_pinned_ring.py (the read-ahead ring's first
-# pinned allocation, by way of allocating); digest: bench_state_digest.py on the GPU (the
-# per-tensor read against one copy per device); memory: probe_memory.py (GPU memory call by call in a train replay).
+# pinned allocation, by way of allocating); digest: bench_state_digest.py on the GPU (whole
+# vs sampled state digests); memory: probe_memory.py (GPU memory call by call in a train replay).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp

@@ -151,13 +151,11 @@ def state_digest(model, sampled: bool = True, *, scheme: str = SAMPLED) -> str:
     how = SCHEMES[scheme] if sampled else None
     h = hashlib.sha256()
     model = module_tree.unwrap(model)  # the same digest compiled, wrapped in DDP or not
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    fetched = _fetch_sampled([t.detach() for _, t in named], how) if how else {}
-    for i, (name, t) in enumerate(named):
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         name = module_tree.user_name(name)
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         if t.numel():
-            for block in fetched[i] if i in fetched else _digest_blocks(t.detach(), how):
+            for block in _digest_blocks(t.detach(), how):
                 h.update(block)
     return (scheme if sampled else "") + h.hexdigest()
 
@@ -168,45 +166,13 @@ def same_state(model, digest: str) -> bool:
     return state_digest(model, sampled=scheme is not None, scheme=scheme or SAMPLED) == digest
 
 
-def _fetch_sampled(tensors: list, how: tuple) -> dict:
-    """Index -> [host bytes its sampled digest reads] for each non-empty device tensor, all of
-    one device gathered there and copied to the host at once: one sync per device instead of
-    one per tensor (dlrm:large has 801 on the GPU). The same bytes ``_digest_blocks`` reads."""
-    import numpy as np
-
-    by_device: dict = {}
-    for i, t in enumerate(tensors):
-        if t.device.type not in ("cpu", "meta") and t.numel():
-            by_device.setdefault(t.device, []).append(i)
-    out = {}
-    for idx in by_device.values():
-        pieces = [_device_sample(tensors[i], how) for i in idx]
-        host = torch.cat(pieces).cpu().numpy()
-        sizes = [p.numel() for p in pieces]
-        for i, hi, size in zip(idx, np.cumsum(sizes), sizes):
-            out[i] = [host[hi - size:hi]]
-    return out
-
-
-def _device_sample(t: torch.Tensor, how: tuple) -> torch.Tensor:
-    """A device tensor's digest bytes, gathered on its device (1-D uint8)."""
-    flat = t.contiguous().view(-1).view(torch.uint8)
-    n = flat.numel()
-    above, blocks, block = how
-    if n <= above:
-        return flat
-    step = (n - block) // (blocks - 1)
-    return torch.cat([flat.as_strided((blocks - 1, block), (step, 1)).reshape(-1),
-                      flat[n - block:]])
-
-
 def _digest_blocks(t: torch.Tensor, how: tuple | None) -> list:
     """The host byte arrays of ``t`` that its digest reads, in order: all (``how`` None), or
     the evenly spaced blocks ``how`` = (above, blocks, block) says.
 
     On the host the blocks are views (no torch op: on this 2-core CPU a 64 KiB as_strided
     reshape or cat took ~4 ms each under load, intra-op threads waiting on each other); a
-    device tensor's are read this way only whole (sampled: ``_fetch_sampled``)."""
+    device tensor's blocks are gathered there and copied to the host once."""
     flat = t.contiguous().view(-1).view(torch.uint8)
     n = flat.numel()
     if how is None or n <= how[0]:
@@ -214,5 +180,8 @@ def _digest_blocks(t: torch.Tensor, how: tuple | None) -> list:
     _, blocks, block = how
     step = (n - block) // (blocks - 1)
     starts = [i * step for i in range(blocks - 1)] + [n - block]
-    arr = flat.numpy()  # a device tensor's sampled bytes come from _fetch_sampled
-    return [arr[s:s + block] for s in starts]
+    if flat.device.type == "cpu":
+        arr = flat.numpy()
+        return [arr[s:s + block] for s in starts]
+    sampled = flat.as_strided((blocks - 1, block), (step, 1))
+    return [torch.cat([sampled.reshape(-1), flat[n - block:]]).cpu().numpy()]
