@@ -52,6 +52,22 @@ def test_unknown_model_is_one_line(tmp_path):
     assert len(lines) == 1 and "nosuch" in lines[0]
 
 
+def test_with_stack_flag_reaches_the_trace_and_the_manifest(tmp_path):
+    """cbtrace capture --with-stack: Python frames in the trace, the setting in the manifest."""
+    import gzip
+    import json
+
+    from cbtrace.rundir.read import find_trace, read_manifest
+
+    run = tmp_path / "r"
+    subprocess.run([sys.executable, "-m", "cbtrace", "capture", "--model", "nanogpt:tiny",
+                    "--device", "cpu", "--with-stack", "--out", str(run)], check=True,
+                   capture_output=True)
+    with gzip.open(find_trace(run)) as f:
+        cats = {e.get("cat") for e in json.load(f)["traceEvents"]}
+    assert "python_function" in cats and read_manifest(run).capture.with_stack is True
+
+
 def _one_line_error(args, cwd=None):
     out = subprocess.run([sys.executable, "-m", "cbtrace", *args], capture_output=True, text=True,
                          cwd=cwd)
