@@ -61,9 +61,9 @@ def trace_events(path) -> str:
 
 
 def laps(provider, model, batch, device, work) -> str:
-    """One more capture (with_stack: the helper's case) with clocks around the hand-off: the step thread's wait in
-    ``HelperThread.call``, the job's own time on the helper, the copies; and the trace's events
-    by thread (whether the helper's work reaches the trace)."""
+    """One more capture (with_stack: the helper's case) with clocks around the hand-off: the
+    step thread's wait in ``HelperThread.call``, the job's own time on the helper, the copies;
+    and the trace's events by thread (whether the helper's work reaches the trace)."""
     import collections
     import gzip
     import json
