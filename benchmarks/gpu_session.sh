@@ -13,7 +13,8 @@
 # the floor, by variant; PROBE_CASE); plan-call: bench_plan_call.py (capture's planning alone, with
 # and without another thread profiled); pinned: bench_pinned_ring.py (the read-ahead ring's first
 # pinned allocation, by way of allocating); digest: bench_state_digest.py on the GPU (whole
-# vs sampled state digests); memory: probe_memory.py (GPU memory call by call in a train replay).
+# vs sampled state digests); shards: bench_shard_writes.py (capture's input writes by shard size
+# and writer count, SHARD_CASES, SHARD_CONFIGS); memory: probe_memory.py (GPU memory call by call in a train replay).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -49,6 +50,10 @@ pinned)
   timeout 120 python3 $R/benchmarks/bench_pinned_ring.py 2>&1 | tee $OUT/bench_pinned_ring.log | tail -8 ;;
 plan-call)
   timeout 120 python3 $R/benchmarks/bench_plan_call.py 2>&1 | tee $OUT/bench_plan_call.log | tail -6 ;;
+shards)
+  for C in ${SHARD_CASES:-dlrm dlrm-large}; do
+    CBTRACE_BENCH_DIR=/tmp timeout ${SHARD_TIMEOUT:-200} python3 $R/benchmarks/bench_shard_writes.py --case $C ${SHARD_CONFIGS:+--configs $SHARD_CONFIGS} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_shard_writes_$C.log | tail -9
+  done ;;
 capture-probe)
   CBTRACE_BENCH_DIR=/tmp timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_capture_step.py ${PROBE_CASE:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_capture_step.log | tail -10 ;;
 overhead)

@@ -44,12 +44,13 @@ class Snapshotter:
         inputs_dir: the run's ``inputs/`` directory (created if missing).
         synthesize_above_bytes: tensors spanning more bytes are kept as statistics only.
         max_pending_bytes: write shards early once this many copied bytes are held.
-        shard_bytes: target size of one Parquet shard.
+        shard_bytes: target size of one Parquet shard (default ``SHARD_BYTES``, read when
+            the object is made, as ``WRITERS`` is at each flush: benchmarks vary both).
         serializers: default ``cbtrace.registry.serializers()`` (third-party first).
     """
 
     def __init__(self, inputs_dir: Path, *, synthesize_above_bytes: int | None = None,
-                 max_pending_bytes: int | None = None, shard_bytes: int = SHARD_BYTES,
+                 max_pending_bytes: int | None = None, shard_bytes: int | None = None,
                  serializers=None):
         if serializers is None:
             from cbtrace import registry
@@ -59,7 +60,7 @@ class Snapshotter:
         self.max_pending_bytes = max_pending_bytes
         self._serializers = list(serializers)
         by_name(self._serializers)  # a clash between plugins fails here, not mid-capture
-        self._plan = ShardPlan(shard_bytes, shards.PART_BYTES)
+        self._plan = ShardPlan(shard_bytes or SHARD_BYTES, shards.PART_BYTES)
         self._store = TensorStore(self._plan, synthesize_above_bytes)
         self._files: list[Path] = []
         self.last_input_bytes = 0
