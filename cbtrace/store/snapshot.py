@@ -31,9 +31,12 @@ FORMAT_VERSION = 1
 # an inputs_ref's JSON, compact and strict; built once (json.dumps with these arguments makes a
 # new encoder per call, and capture makes one reference per module call)
 _REF_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-# 32 MB: shards are written one per thread, so a capture of a few hundred MB needs several
-# (DLRM b8192's 240 MB went into two 128 MB shards, two writers: 0.22 s of a 0.30 s capture)
-SHARD_BYTES = 32 << 20
+# 64 MB: shards are written one per thread, so a capture of a few hundred MB needs several, but
+# each is fsynced, and many small fsyncs at once queue on the disk. bench_shard_writes.py on the
+# H200 (medians of 5; DLRM b8192 240 MB / dlrm:large 1.9 GB): inputs written in 0.178 / 1.259 s
+# with 16 MB shards, 0.140 / 1.203 s with 32 MB, 0.134 / 1.187 s with 64 MB, 0.212 / 1.220 s
+# with 128 MB (4 writers).
+SHARD_BYTES = 64 << 20
 WRITERS = max(2, min(8, os.cpu_count() or 2))  # shards written concurrently by flush()
 
 
