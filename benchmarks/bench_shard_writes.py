@@ -4,8 +4,8 @@ A capture writes its inputs after the step as Parquet shards of ``snapshot.SHARD
 ``snapshot.WRITERS`` at a time, each fsynced. This runs the same captured step (a case of
 bench_capture.py) under several (shard MB x writers) settings, interleaved repeat by repeat so
 that a drifting disk hits every setting alike, and beside each repeat two raw writes of the
-same bytes with fsync: one file, and the same bytes cut into shard-sized files written by as
-many threads. Prints the median capture wall, its inputs_write phase (the shards alone) and the writer threads'
+same bytes with fsync: one file (bench_capture.disk_bandwidth), and the same bytes cut into files
+of the shipped shard size written by as many threads. Prints the median capture wall, its inputs_write phase (the shards alone) and the writer threads'
 summed fsync seconds per setting, and the raw writes' bandwidth.
 
 Run: python benchmarks/bench_shard_writes.py [--case dlrm] [--configs 32x8,64x8,128x4]
@@ -28,7 +28,7 @@ from cbtrace.store import snapshot
 BLOCK = os.urandom(8 << 20)  # incompressible, as the raw writes' source
 
 
-def raw_write(directory: Path, nbytes: int, files: int) -> float:
+def raw_files_write(directory: Path, nbytes: int, files: int) -> float:
     """Seconds to write ``nbytes`` as ``files`` equal files, one thread each, each fsynced."""
     per = nbytes // files
 
@@ -56,6 +56,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
     configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")]
+    shipped = snapshot.SHARD_BYTES  # the raw files' size (the settings below overwrite it)
     spec, device, dtype, options, with_stack = bc.case(a.case)
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.model.spec import resolve
@@ -65,7 +66,7 @@ def main():
     model.eval()
     work = Path(os.environ.get("CBTRACE_BENCH_DIR", tempfile.gettempdir()))
     rows = {c: [] for c in configs}
-    raw1, rawn, stored = [], [], 0
+    one_file, many_files, stored = [], [], 0
     with torch.no_grad():
         for _ in range(2):
             provider.run(model, batch)
@@ -82,14 +83,14 @@ def main():
                                             t.get("inputs_fsync_thread_s", 0.0)))
                 shutil.rmtree(d)
             d = Path(tempfile.mkdtemp(dir=work))
-            raw1.append(raw_write(d, stored, 1))
-            rawn.append(raw_write(d, stored, max(1, round(stored / (32 << 20)))))
+            one_file.append(stored / bc.disk_bandwidth(d, stored))
+            many_files.append(raw_files_write(d, stored, max(1, round(stored / shipped))))
             shutil.rmtree(d)
     med = statistics.median
     print(f"case {a.case} ({device}): {stored / 1e6:.1f} MB of inputs; {a.repeats} repeats, "
-          f"medians; raw fsynced writes of the same bytes: one file {stored / med(raw1) / 1e6:.0f}"
-          f" MB/s, {max(1, round(stored / (32 << 20)))} files of 32 MB at once "
-          f"{stored / med(rawn) / 1e6:.0f} MB/s")
+          f"medians; raw fsynced writes of the same bytes: one file "
+          f"{stored / med(one_file) / 1e6:.0f} MB/s, {max(1, round(stored / shipped))} files of "
+          f"{shipped >> 20} MB at once {stored / med(many_files) / 1e6:.0f} MB/s")
     print(f"{'shard MB':>9}{'writers':>8}{'capture s':>11}{'inputs_write s':>16}"
           f"{'fsync thread-s':>16}{'MB/s':>8}")
     for (mb, writers), r in rows.items():
