@@ -16,4 +16,5 @@ def _lazy(module: str, cls: str):
 def register_models(register):
     register("nanogpt", _lazy("cbtrace.plugins.providers.nanogpt", "NanoGPTProvider"))
     register("dlrm", _lazy("cbtrace.plugins.providers.dlrm", "DLRMProvider"))
+    register("dcn", _lazy("cbtrace.plugins.providers.dcn", "DCNProvider"))
     register("torchrec", _lazy("cbtrace.plugins.providers.torchrec_dlrm", "TorchRecDeepFMProvider"))
