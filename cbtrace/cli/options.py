@@ -76,7 +76,11 @@ def timer_option(f):
 
 
 def strict_exit(df, strict: bool) -> None:
-    """--strict: exit 1 when any call ended other than ok (the counts are already printed)."""
+    """Exit 1 when no call ended ok (figures of nothing are no result), and with --strict when
+    any call ended other than ok (the counts are already printed)."""
+    if len(df) and not (df["status"] == "ok").any():
+        raise click.ClickException(f"no call replayed successfully ({len(df)} calls, none ok: "
+                                   "see the reasons above)")
     if strict and (df["status"] != "ok").any():
         sys.exit(1)
 
