@@ -74,10 +74,10 @@ def table_configs(c: DCNConfig) -> list[TableConfig]:
     return out
 
 
-def zipf_probs(lo: int, hi: int) -> torch.Tensor:
-    """P(length = lo + k) for k = 0 .. hi - lo, proportional to (length + 1)^-ZIPF_S."""
+def zipf_probs(lo: int, hi: int, s: float = ZIPF_S) -> torch.Tensor:
+    """P(length = lo + k) for k = 0 .. hi - lo, proportional to (length + 1)^-s."""
     lengths = torch.arange(lo, hi + 1, dtype=torch.float64)
-    p = (lengths + 1) ** -ZIPF_S
+    p = (lengths + 1) ** -s
     return p / p.sum()
 
 

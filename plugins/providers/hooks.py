@@ -17,4 +17,5 @@ def register_models(register):
     register("nanogpt", _lazy("cbtrace.plugins.providers.nanogpt", "NanoGPTProvider"))
     register("dlrm", _lazy("cbtrace.plugins.providers.dlrm", "DLRMProvider"))
     register("dcn", _lazy("cbtrace.plugins.providers.dcn", "DCNProvider"))
+    register("hstu", _lazy("cbtrace.plugins.providers.hstu", "HSTUProvider"))
     register("torchrec", _lazy("cbtrace.plugins.providers.torchrec_dlrm", "TorchRecDeepFMProvider"))
