@@ -102,3 +102,102 @@ def test_bad_inputs_give_one_line_errors_and_lose_nothing(tmp_path):
     bad.mkdir()
     (bad / "manifest.json").write_text(json.dumps([1, 2]))
     assert "manifest" in _one_line_error(["replay", str(bad)])
+
+
+def _main(args, capsys) -> tuple[int, str, str]:
+    """Run the CLI in this process: (exit code, stdout, stderr)."""
+    from cbtrace.cli.main import main
+
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_dash_h_is_help_on_every_command(name, capsys):
+    code, out, err = _main([name, "-h"], capsys)
+    assert code == 0, err
+    assert out.startswith(f"Usage: cbtrace {name}") and "-h, --help" in out
+
+
+def test_ctrl_c_exits_130_with_one_line():
+    # a real SIGINT delivered inside a command, as Ctrl-C in a terminal would
+    code = ("import os, signal\n"
+            "from cbtrace.cli.commands import models\n"
+            "models.command.callback = lambda: os.kill(os.getpid(), signal.SIGINT)\n"
+            "from cbtrace.cli.main import main\n"
+            "main(['models'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 130
+    assert out.stderr == "Interrupted.\n" and out.stdout == ""
+
+
+def test_shell_completion_works_as_documented():
+    import os
+
+    docs = (REPO / "docs" / "cli.md").read_text()
+    assert "_CBTRACE_COMPLETE=bash_source cbtrace" in docs
+    out = subprocess.run([sys.executable, "-m", "cbtrace"], capture_output=True, text=True,
+                         env={**os.environ, "_CBTRACE_COMPLETE": "bash_source"})
+    assert out.returncode == 0 and "complete " in out.stdout and "_CBTRACE_COMPLETE" in out.stdout
+
+
+H200_RUN = REPO / "tests" / "data" / "h200_nanogpt_run"
+
+
+@pytest.fixture
+def annotated_run(tmp_path):
+    """A copy of the H200 run with an annotated_ copy of its trace beside the original."""
+    import shutil
+
+    run = tmp_path / "gpt"
+    shutil.copytree(H200_RUN, run)
+    trace = next(run.glob("*.pt.trace.json.gz"))
+    shutil.copy(trace, run / f"annotated_{trace.name}")
+    return run
+
+
+def test_attribute_takes_a_run_dir_and_skips_annotated_copies(annotated_run, capsys):
+    import pandas as pd
+
+    out = annotated_run.parent / "t.csv"
+    code, text, err = _main(["attribute", str(annotated_run), "--workers", "1", "--top", "3",
+                             "--out", str(out)], capsys)
+    assert code == 0, err
+    assert err == "" and "ranks [0]," in text
+    assert set(pd.read_csv(out)["trace"]) == {str(next(annotated_run.glob("vm_*")))}
+    # the shell's glob gives the original and its annotated copy: one rank, one warning line
+    files = sorted(str(p) for p in annotated_run.glob("*.pt.trace.json.gz"))
+    assert len(files) == 2
+    res = subprocess.run([sys.executable, "-m", "cbtrace", "attribute", *files, "--workers", "1",
+                          "--top", "3"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "ranks [0]," in res.stdout and "across 2 ranks" not in res.stdout
+    warned = [ln for ln in res.stderr.splitlines() if ln.strip() and "USDT" not in ln]
+    assert len(warned) == 1 and warned[0].startswith("Warning: skipped 1 annotated_* trace")
+
+
+def test_attribute_out_must_name_parquet_or_csv(annotated_run, capsys):
+    out = annotated_run.parent / "table.txt"
+    code, text, err = _main(["attribute", str(annotated_run), "--out", str(out)], capsys)
+    assert code == 2 and not out.exists()
+    assert err.count("\n") == 1 and "table.txt" in err and ".parquet or .csv" in err
+
+
+def test_tb_logdir_places_a_view_and_leaves_the_run(annotated_run, tmp_path):
+    from cbtrace.errors import RunDirError
+    from cbtrace.plugins.reporters.logdir import annotated_traces, find_runs
+    from cbtrace.workflows.tb_logdir import logdir_target, place_in_logdir
+
+    logdir = tmp_path / "tb"
+    view = place_in_logdir(annotated_run, logdir)
+    assert view == logdir / "gpt" and find_runs(logdir) == ["gpt"]
+    assert annotated_traces(view) == [p.name for p in annotated_run.glob("annotated_*")]
+    assert not (view / "inputs").exists() and (annotated_run / "manifest.json").is_file()
+    with pytest.raises(RunDirError, match="already exists"):
+        logdir_target(annotated_run, logdir)  # before any work, not after
+    assert place_in_logdir(annotated_run, tmp_path) == annotated_run  # already under it

@@ -80,3 +80,13 @@ def test_report_command_is_lazy_and_runs_as_a_process(run):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == f"wrote {run / 'icicle.html'}"
+
+
+def test_report_writes_svg_only_with_svg_as_its_help_says(tmp_path, capsys):
+    run = write_sample_run(tmp_path / "t", "transformer")
+    code, out, err = _cli(["report", str(run), "--top", "2"], capsys)
+    assert code == 0, err
+    assert (run / "icicle.html").is_file() and (run / "summary.txt").is_file()
+    assert not (run / "icicle.svg").exists() and "icicle.svg" not in out
+    code, out, _ = _cli(["report", "-h"], capsys)
+    assert "icicle.svg with --svg" in " ".join(out.split())

@@ -66,26 +66,64 @@ COLUMNS = ["rank", "step", "fqn", "source", "call_index", "depth", "parent_fqn",
            "ops_without_formula", "compute_dtype", "mfu", "mbu", "figures_suspect",
            "module_label", "pid", "tid", "ts_us", "dur_us", "ev_index", "trace"]
 _SUFFIXES = (".json", ".json.gz")
+ANNOTATED = "annotated_"
 _RANK_IN_NAME = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
 
 
 def trace_files(paths) -> list[Path]:
-    """A file, a directory (every *.json / *.json.gz in it, annotated_* excluded) or a list."""
+    """Trace files named by ``paths``: files, directories of traces, or cbtrace run directories
+    (their capture trace; a distributed run's ``rank-N/`` shards each give theirs).
+
+    An ``annotated_<name>`` trace is cbtrace's copy of ``<name>`` with figures added: beside
+    its original it would count one rank twice, so it is skipped then, with one warning.
+    """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     out = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(_SUFFIXES)
-                           and not f.name.startswith("annotated_"))
-            if not found:
-                raise TraceError(f"{p}: no .json or .json.gz traces in this directory")
-            out.extend(found)
+            out.extend(_dir_traces(p))
         elif p.is_file():
             out.append(p)
         else:
             raise TraceError(f"{p}: no such trace file or directory")
-    return out
+    return _skip_annotated(out)
+
+
+def _dir_traces(d: Path) -> list[Path]:
+    from cbtrace.rundir.layout import MANIFEST
+
+    if (d / MANIFEST).is_file():
+        return [_run_trace(d)]
+    shards = [s for s in d.glob("rank-*") if s.name[5:].isdigit() and (s / MANIFEST).is_file()]
+    if shards:
+        return [_run_trace(s) for s in sorted(shards, key=lambda s: int(s.name[5:]))]
+    found = sorted(f for f in d.iterdir() if f.is_file() and f.name.endswith(_SUFFIXES))
+    if not found:
+        raise TraceError(f"{d}: no .json or .json.gz traces in this directory")
+    return found
+
+
+def _run_trace(run: Path) -> Path:
+    """A run directory's capture trace (never a path outside the run)."""
+    from cbtrace.rundir.read import find_trace
+
+    trace = find_trace(run)
+    if trace is None:
+        raise TraceError(f"{run}: a cbtrace run without its capture trace")
+    return trace
+
+
+def _skip_annotated(files: list[Path]) -> list[Path]:
+    import warnings
+
+    given = set(files)
+    skipped = [f for f in files if f.name.startswith(ANNOTATED)
+               and f.with_name(f.name[len(ANNOTATED):]) in given]
+    if skipped:
+        warnings.warn(f"skipped {len(skipped)} annotated_* trace{'s' * (len(skipped) > 1)} "
+                      f"(cbtrace's copies of traces also given; e.g. {skipped[0]})", stacklevel=3)
+    return [f for f in files if f not in skipped]
 
 
 def rank_of(meta: dict, path: Path, default: int) -> int:

@@ -21,10 +21,21 @@ COMMANDS = {
     "report": ("cbtrace.cli.commands.report", "Write the interactive icicle (icicle.html) of a run."),
     "calibrate": ("cbtrace.cli.commands.calibrate", "Measure this device's achievable FLOP/s and bandwidth."),
     "models": ("cbtrace.cli.commands.models", "List model providers and other registered plugins."),
+    "trust": ("cbtrace.cli.commands.trust", "Sign a run from elsewhere so that replay rebuilds its model."),
 }
 
 
+class Interrupted(Exception):
+    """Ctrl-C inside a command, kept from click so that it does not become a plain Abort."""
+
+
 class LazyGroup(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            raise Interrupted() from e
+
     def list_commands(self, ctx):
         return sorted(c for c, (m, _) in COMMANDS.items() if importlib.util.find_spec(m))
 
@@ -41,18 +52,46 @@ class LazyGroup(click.Group):
                 formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup)
+# -h on every command too: subcommands' contexts inherit help_option_names from the group's
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="cbtrace")
 def cli():
     """cbtrace: which nn.Module is slow, and why."""
 
 
+def _one_line_warning(message, category, filename, lineno, line=None):
+    """A warning as one line for the terminal (no source location or code line)."""
+    return f"Warning: {message}\n"
+
+
+def _interrupted():
+    if sys.stderr.isatty():  # closes the terminal's ^C echo
+        click.echo("", err=True)
+    click.echo("Interrupted.", err=True)
+    sys.exit(130)
+
+
 def main(argv=None):
+    import warnings
+
+    old_format = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning
+    try:
+        _run(argv)
+    finally:  # callers in the same process (tests) get their formatter back
+        warnings.formatwarning = old_format
+
+
+def _run(argv):
     from cbtrace.errors import CbtraceError
 
     try:
         cli.main(args=argv, prog_name="cbtrace", standalone_mode=False)
-    except click.exceptions.Abort:
+    except Interrupted:
+        _interrupted()
+    except click.exceptions.Abort as e:
+        if isinstance(e.__cause__, KeyboardInterrupt):  # Ctrl-C while click parsed the flags
+            _interrupted()
         click.echo("Aborted.", err=True)
         sys.exit(1)
     except click.UsageError as e:  # one line, like every other error: no usage block
@@ -66,9 +105,7 @@ def main(argv=None):
         click.echo(f"Error: {e}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        sys.exit(130)
-
+        _interrupted()
 
 if __name__ == "__main__":
     main()

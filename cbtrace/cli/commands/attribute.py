@@ -2,6 +2,8 @@ import click
 
 from cbtrace.cli.options import parse_kv
 
+OUT_SUFFIXES = (".parquet", ".csv")
+
 
 @click.command("attribute")
 @click.argument("traces", nargs=-1, required=True, type=click.Path(exists=True))
@@ -22,7 +24,10 @@ from cbtrace.cli.options import parse_kv
               help="processes reading traces in parallel, one file at a time each "
                    "[default: one per core]")
 def command(traces, out, capture_run, spec, opts, top, force, steps_per_window, workers):
-    """Attribute time in Kineto traces (files or per-rank directories) to modules.
+    """Attribute time in Kineto traces to modules.
+
+    TRACES are trace files, directories of per-rank traces, or cbtrace run directories (their
+    capture trace); an annotated_* trace given beside its original is skipped.
 
     Prints the modules with the most in-situ time (medians over steps), then, for 2+ ranks,
     each call's min / median / max over ranks, its slowest rank and the spread.
@@ -39,6 +44,8 @@ def command(traces, out, capture_run, spec, opts, top, force, steps_per_window, 
         raise click.UsageError("give --capture-run or --model, not both")
     if opts and not spec:
         raise click.UsageError("--option needs --model")
+    if out and not out.endswith(OUT_SUFFIXES):
+        raise click.BadParameter(f"{out}: write .parquet or .csv", param_hint="--out")
     if out and Path(out).exists() and not force:
         raise click.ClickException(f"{out}: already exists (use --force to overwrite)")
     with contextlib.ExitStack() as stack:  # the temp file first: an unwritable --out fails at once

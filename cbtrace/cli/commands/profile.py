@@ -12,7 +12,8 @@ from cbtrace.replay.config import ReplayConfig
               help="replay each call alone after an L2 flush, for do_bench's warm-up and run "
                    "durations (do_bench's convention, launch-free)")
 @click.option("--tb-logdir", type=click.Path(file_okay=False), default=None,
-              help="also place the run and its annotated trace where TensorBoard finds them")
+              help="also place the run's table and traces (annotated too) at DIR/<run name>, "
+                   "where TensorBoard finds them; the run stays at --out")
 @click.option("--timeout-s", type=click.FloatRange(min=0), default=ReplayConfig.timeout_s,
               show_default=True,
               help="a call replaying longer ends status=timeout and replay goes on (0: no limit)")
@@ -27,8 +28,6 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
     Adds insitu_ms and error_pct (isolated / in-situ - 1) to RUN/modules.parquet and prints the
     error table by module class. Example: cbtrace profile --model nanogpt:tiny --out runs/gpt
     """
-    from pathlib import Path
-
     from cbtrace.attribution.join import error_table
     from cbtrace.workflows.profile_model import profile
     from cbtrace.plugins.reporters.summary import status_text, summary_table
@@ -36,7 +35,9 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
     from cbtrace.rundir.read import read_manifest
 
     if tb_logdir:
-        out = str(Path(tb_logdir) / Path(out).name)
+        from cbtrace.workflows.tb_logdir import logdir_target
+
+        logdir_target(out, tb_logdir)  # an existing view is refused before any work
     df = profile(spec, out, replay_options=dict(timer=timer, cold=cold, timeout_s=timeout_s,
                                           reuse_timing=reuse_timing), device=device,
                  dtype=dtype, step=step, seed=seed, options=parse_kv(opts), include=include,
@@ -49,9 +50,11 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
         click.echo(note)
     if tb_logdir:
         from cbtrace.annotate.write import annotate
+        from cbtrace.workflows.tb_logdir import place_in_logdir
 
         annotate(run=out)
-        click.echo(f"TensorBoard: tensorboard --logdir {tb_logdir}")
+        click.echo(f"TensorBoard: {place_in_logdir(out, tb_logdir)}; "
+                   f"tensorboard --logdir {tb_logdir}")
     click.echo(f"run: {out}")
     click.echo(status_text(df))
     strict_exit(df, strict)

@@ -13,7 +13,7 @@ import click
               help="also print the modules ranked by what compile or a CUDA graph saves a step "
                    "(a replay with --modes compile,cudagraph)")
 def command(run, out_dir, svg, extra, top, opportunities):
-    """Write RUN/icicle.html (and icicle.svg, summary.txt) and print the top modules.
+    """Write RUN/icicle.html and summary.txt (icicle.svg with --svg); print the top modules.
 
     icicle.html is one self-contained file: open it in any browser, offline.
     Example: cbtrace report runs/gpt --svg; cbtrace report runs/gpt --opportunities
