@@ -21,6 +21,7 @@ from cbtrace.replay.timing import join_notes
 from cbtrace.rundir.files import check_writable, sha256_file
 from cbtrace.rundir.read import load_run
 from cbtrace.rundir.layout import MODULES
+from cbtrace.rundir.lock import locked
 from cbtrace.rundir.writer import write_columns, write_manifest
 from cbtrace.schema.manifest import ReplayInfo
 from cbtrace.schema.modules import (CAPTURE, COLUMNS, COPY_FAILED, HOST_INSITU, REPLAY,
@@ -28,6 +29,7 @@ from cbtrace.schema.modules import (CAPTURE, COLUMNS, COPY_FAILED, HOST_INSITU, 
 from cbtrace.state import StateGuard
 
 
+@locked("replay")  # one writer of the run at a time; a full disk ends in one line
 def replay(run, model=None, device=None, **options):
     """Replay every captured call of ``run`` standalone; return the results DataFrame.
 
@@ -90,6 +92,7 @@ def replay(run, model=None, device=None, **options):
     timings: dict[str, float] = {}  # seconds per phase of a call's replay, summed
     ahead = ReadAhead(run, [c for c in order if c not in done], by_id, cfg.backward,
                       enabled=device.type == "cuda", pin=device.type == "cuda", device=device)
+    context = context_source(cfg, records, model, run, device, flags)
     t0 = time.perf_counter()
     outside["setup"] = t0 - t_setup - outside["state_copy"]
     try:
@@ -100,7 +103,7 @@ def replay(run, model=None, device=None, **options):
             with phase(timings, "load"):
                 read = ahead.take(cid)  # waits only when the read-ahead is slower than the timing
             row = replay_one(model, rec, run, device, cfg, plan, guard, budget,
-                             flags, timings, read=read)
+                             flags, timings, read=read, context=context)
             ahead.issued(cid)  # its input copies are queued: their pinned bytes reused once done
             row["call_id"] = cid
             row["settings"] = settings
@@ -112,7 +115,7 @@ def replay(run, model=None, device=None, **options):
             again = recheck({c: done[c] for c in order if c in done}, by_id)
             for cid in [c for c in again if c not in kept]:  # a row --resume kept stays
                 row = replay_one(model, by_id[cid], run, device, cfg, plan, guard, budget,
-                                 flags, timings)
+                                 flags, timings, context=context)
                 if row.get("isolated_ms") is not None and (
                         row["isolated_ms"] < done[cid]["isolated_ms"]):
                     row.update(call_id=cid, settings=settings, rank=done[cid].get("rank", 0),
@@ -244,6 +247,7 @@ def timing_settings(cfg) -> dict:
     settings = {"timer": cfg.timer, "cold": cfg.cold, "graph_k": cfg.graph_k,
                 "warm_inputs": cfg.warm_inputs and not cfg.cold, "modes": list(cfg.modes),
                 "reuse_timing": cfg.reuse_timing,
+                "context": cfg.context and not cfg.cold, "context_calls": cfg.context_calls,
                 "compile_mode": cfg.compile_mode, "backward": cfg.backward}
     if cfg.cold:
         settings.update(cold_warmup_s=cfg.cold_warmup_s, cold_settle_tol=cfg.cold_settle_tol)
@@ -294,11 +298,24 @@ class TrainingFlags:
                 sub.training = want
 
 
+def context_source(cfg, records, model, run, device, flags):
+    """Where each call's context comes from (``replay.context``); None when off."""
+    from cbtrace.replay.context import ContextSource
+    from cbtrace.store.load import load_call_inputs
+
+    if not cfg.context or cfg.cold:
+        return None
+    return ContextSource(records, model, device,
+                         lambda r: load_call_inputs(run, r.inputs_ref, device=device),
+                         flags, max_calls=cfg.context_calls)
+
+
 def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
-               timings: dict | None = None, read=(None, None)) -> dict:
+               timings: dict | None = None, read=(None, None), context=None) -> dict:
     """Replay one call; never raises for the module's own failures (status = error).
     ``flags``: a TrainingFlags of the run.
-    ``read``: its inputs' and output gradients' chunks read ahead (``replay.prefetch``)."""
+    ``read``: its inputs' and output gradients' chunks read ahead (``replay.prefetch``).
+    ``context``: a ContextSource (its predecessors run before each timed run), or None."""
     from cbtrace.store.load import load_call_inputs
 
     if (rec.capture_error or "").startswith(COPY_FAILED):
@@ -322,8 +339,11 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
                 grads = (load_call_inputs(run, rec.grads_ref, device=device,
                                           chunks_read=read[1])[0]
                          if cfg.backward and rec.grads_ref else None)
+            with phase(timings, "context"):
+                ctx = context.calls(rec.call_id) if context is not None else []
             (flags or TrainingFlags(None)).apply(module, rec)
-            return measure_call(module, rec, args, kwargs, device, cfg, plan, grads, timings)
+            return measure_call(module, rec, args, kwargs, device, cfg, plan, grads, timings,
+                                context=ctx)
     except CallTimeout as e:
         _free(device)
         return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")

@@ -64,6 +64,7 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     from cbtrace.errors import CbtraceError, ProviderError
     from cbtrace.model.spec import resolve
     from cbtrace.rundir.layout import prepare_new_run
+    from cbtrace.rundir.lock import RunLock
     from cbtrace.schema.manifest import ModelSource, StepSettings
     from cbtrace.state import StateGuard
 
@@ -96,20 +97,23 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     source = ModelSource(model_class=f"{cls.__module__}.{cls.__qualname__}", spec=spec,
                          options=options, seed=seed)
     settings = StepSettings(device=str(device), dtype=dtype, step=step, warmup=warmup)
-    with guard.call(), capture(model, out, config=CaptureConfig(**capture_options),
-                               source=source, step=settings) as cap:
-        run_step(provider, model, batch, step)
-    if not cap.records:
-        raise CaptureError(f"{cap.out}: no module call matched --include/--exclude/--max-depth "
-                           "(the run directory holds only the trace)")
-    if device.type == "cpu":
-        from cbtrace.capture.host_times import host_times
-        from cbtrace.rundir.writer import write_stage
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with RunLock(out, "capture"):  # one writer from the step through the host times
+        with guard.call(), capture(model, out, config=CaptureConfig(**capture_options),
+                                   source=source, step=settings) as cap:
+            run_step(provider, model, batch, step)
+        if not cap.records:
+            raise CaptureError(f"{cap.out}: no module call matched --include/--exclude/"
+                               "--max-depth (the run directory holds only the trace)")
+        if device.type == "cpu":
+            from cbtrace.capture.host_times import host_times
+            from cbtrace.rundir.writer import write_stage
 
-        times = host_times(model, cap.records, lambda: run_step(provider, model, batch, step))
-        if times is not None:
-            write_stage(cap.out, "host_insitu", {c: {"insitu_host_ms": ms}
-                                                 for c, ms in times.items()})
-    else:
-        torch.cuda.synchronize()
+            times = host_times(model, cap.records,
+                               lambda: run_step(provider, model, batch, step))
+            if times is not None:
+                write_stage(cap.out, "host_insitu", {c: {"insitu_host_ms": ms}
+                                                     for c, ms in times.items()})
+        else:
+            torch.cuda.synchronize()
     return cap

@@ -23,12 +23,14 @@ from pathlib import Path
 import torch
 
 from cbtrace import module_tree
+from cbtrace.capture import boundaries
 from cbtrace.console import quiet_kineto
 from cbtrace.cost.dtypes import name_of
 from cbtrace.errors import CaptureError
 from cbtrace.rundir import writer
 from cbtrace.rundir.files import atomic_path
 from cbtrace.rundir.layout import INPUTS, prepare_new_run
+from cbtrace.rundir.lock import RunLock
 from cbtrace.schema import manifest as manifest_schema
 from cbtrace.capture.helper_thread import HelperThread, InlineHelper, untraced
 from cbtrace.store.tensor_store import run_copies
@@ -147,6 +149,7 @@ class capture:
         self._counts: dict[str, int] = {}
         self._names: dict[int, list[str]] = {}
         self._selected: dict[str, bool] = {}
+        self._bounds: dict[str, str] = {}  # fqn -> why it is recorded at its boundary only
         self._prof = None
         self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread under with_stack)
         self._lock = threading.RLock()
@@ -176,11 +179,13 @@ class capture:
         if self.rank is not None:
             self.out = self.out / f"rank-{self.rank[0]}"
         self.out = prepare_new_run(self.out, overwrite=self.cfg.overwrite)
+        self._run_lock = RunLock(self.out, "capture").acquire()  # one writer at a time
         _ACTIVE.append(self)
         try:
             self._start()
         except BaseException:  # leave nothing half-open: hooks, profiler, helper, _ACTIVE
             self._undo_start()
+            self._run_lock.release()
             raise
         self._t0 = self._t_lap  # the step: from the last lap of _start to __exit__
         return self
@@ -211,18 +216,21 @@ class capture:
             t.is_cuda for t in self.model.buffers())
         if self._cuda:
             self._stream = _stream_reader()
+        # TorchScript and fast-path modules: recorded at their boundary, nothing inside hooked
+        self._bounds = boundaries.find(module_tree.named_modules(self.model))
         seen = set()
         for name, mod in module_tree.named_modules(self.model, remove_duplicate=False):
             if id(mod) in seen or not any(self._selected[n] for n in self._names[id(mod)]):
+                continue
+            if boundaries.inside(name, self._bounds):
                 continue
             seen.add(id(mod))
             names = self._names[id(mod)]
             # a module of one path (selected, or it had no hooks) knows its fqn; a shared one
             # finds it per call (_fqn). The partial adds no trace event (helper_thread.untraced)
             pre = functools.partial(self._pre, names[0] if len(names) == 1 else None)
-            self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._post, with_kwargs=True,
-                                                           always_call=True))
+            self._handles += boundaries.hook_calls(mod, pre, self._post,
+                                                   boundary=name in self._bounds)
         self._eager = module_tree.eager(self.model)  # compiled parts run eagerly: calls of their own
         self._eager.__enter__()
         self._lap("hooks_install")
@@ -257,6 +265,15 @@ class capture:
             self._prof = None
 
     def __exit__(self, exc_type, exc, tb):
+        try:
+            result = self._exit(exc_type, exc, tb)
+        except BaseException as e:  # the lock file stays, marking the run; a full disk: one line
+            self._run_lock.release(e)
+            raise
+        self._run_lock.release(exc)
+        return result
+
+    def _exit(self, exc_type, exc, tb):
         self._t_lap = self._t0
         self._lap("step")
         if self in _ACTIVE:
@@ -277,9 +294,10 @@ class capture:
             self._leave_eager()
             while self._stack:  # forward raised past some post hooks
                 rec, _, rf, _ = self._stack.pop()
+                if rf is not None:
+                    RANGE_EXIT(rf)
                 if rec is None:
                     continue
-                RANGE_EXIT(rf)
                 rec.capture_error = rec.capture_error or _short(exc)
         self._lap("hooks_remove")
         self.step_s = self._t_lap - self._t_step0
@@ -332,6 +350,9 @@ class capture:
                 if not self._selected.get(fqn):  # reached through an unselected path
                     self._push((None, module, None, pending))
                     return
+            if boundaries.in_backward():  # checkpointing recomputes it: backward work, no call
+                self._push((None, module, RANGE_ENTER(boundaries.RECOMPUTE + fqn, None), pending))
+                return
             grad = _GRAD_ENABLED()  # this thread's modes
             autocast = _autocast_dtype() if _ANY_AUTOCAST() else None
             stream = self._stream() if self._stream is not None else None
@@ -376,7 +397,8 @@ class capture:
             module_type=mtype, module_class=mclass, param_bytes=pbytes, buffer_bytes=bbytes,
             input_bytes=self._snap.last_input_bytes, input_shapes="[]", input_meta="[]",
             output_meta="[]", training=module.training, grad_enabled=grad,
-            autocast_dtype=autocast, inputs_ref=ref, synthesized=self._snap.last_synthesized)
+            autocast_dtype=autocast, inputs_ref=ref, synthesized=self._snap.last_synthesized,
+            boundary=self._bounds.get(fqn))
         self.records.append(rec)
         return rec, copies
 
@@ -386,9 +408,10 @@ class capture:
             if not self._stack or self._stack[-1][_MOD] is not module:
                 return  # hook of a call whose pre hook did not run (registered mid-call)
             rec, _, rf, pending = self._pop()
+            if rf is not None:
+                RANGE_EXIT(rf)
             if rec is None:
                 return
-            RANGE_EXIT(rf)
             raised = _EXC_INFO()[1]  # always_call hooks run inside torch's except block
             if raised is not None and raised is not pending:  # the call itself raised
                 rec.capture_error = _short(raised)

@@ -23,7 +23,10 @@ def prepare_new_run(out_dir, *, overwrite: bool = False) -> Path:
     if out.exists():
         if not out.is_dir():
             raise RunDirError(f"{out}: exists and is not a directory")
-        if any(out.iterdir()) and not overwrite:
+        if any(p.name != ".cbtrace.lock" for p in out.iterdir()) and not overwrite:
+            from cbtrace.rundir.lock import check_new_run
+
+            check_new_run(out)  # a run in use, or left by a command that died: say which
             raise RunDirError(f"{out}: already exists and is not empty; choose a new --out "
                               "(an existing run is never overwritten)")
     out.mkdir(parents=True, exist_ok=True)

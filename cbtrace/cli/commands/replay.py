@@ -93,9 +93,12 @@ def launch_torchrun(ctx, nproc: int) -> None:
                 args.append(p.opts[0])
         elif value is not None and value != p.default:
             args += [p.opts[0], ",".join(value) if isinstance(value, tuple) else str(value)]
+    from cbtrace.rundir.lock import RunLock
+
     launcher = ["--standalone", "--nproc-per-node", str(nproc), "-m", "cbtrace.replay", *args]
-    try:
-        run(get_args_parser().parse_args(launcher))
-    except Exception as e:  # torchrun's ChildFailedError: a rank failed; its error was printed
-        raise click.ClickException(f"sharded replay failed ({type(e).__name__}); rows the ranks "
-                                   "finished are kept: rerun with --resume") from None
+    with RunLock(ctx.params["run"], "replay"):  # held for the ranks, which it starts
+        try:
+            run(get_args_parser().parse_args(launcher))
+        except Exception as e:  # torchrun's ChildFailedError: a rank failed; it printed why
+            raise click.ClickException(f"sharded replay failed ({type(e).__name__}); rows the "
+                                       "ranks finished are kept: rerun with --resume") from None
