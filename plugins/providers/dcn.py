@@ -13,7 +13,6 @@ Sparse ids arrive jagged and key-major, like a KeyedJaggedTensor's values/offset
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -76,19 +75,20 @@ def table_configs(c: DCNConfig) -> list[TableConfig]:
 
 def zipf_probs(lo: int, hi: int, s: float = ZIPF_S) -> torch.Tensor:
     """P(length = lo + k) for k = 0 .. hi - lo, proportional to (length + 1)^-s."""
-    lengths = torch.arange(lo, hi + 1, dtype=torch.float64)
+    lengths = torch.arange(lo, hi + 1, dtype=torch.float64, device="cpu")
     p = (lengths + 1) ** -s
     return p / p.sum()
 
 
-def zipf_hi(lo: int, mean: float) -> int:
-    """The smallest upper length whose truncated Zipf on [lo, hi] has at least ``mean``."""
-    hi = max(lo + 1, 2)
-    while hi < 100_000:
-        p = zipf_probs(lo, hi)
-        if float((p * torch.arange(lo, hi + 1, dtype=torch.float64)).sum()) >= mean:
-            return hi
-        hi = math.ceil(hi * 1.1)
+def zipf_hi(lo: int, mean: float, s: float = ZIPF_S) -> int:
+    """The smallest upper length whose truncated Zipf on [lo, hi] has at least ``mean``
+    (plain floats: module naming builds the tables under the meta device)."""
+    weight = weighted = 0.0
+    hi = lo - 1
+    while hi < lo + 1 or weighted / weight < mean:
+        hi += 1
+        w = (hi + 1) ** -s
+        weight, weighted = weight + w, weighted + w * hi
     return hi
 
 
