@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from cbtrace import module_tree
+from cbtrace.capture import boundaries
 
 
 def time_calls(model, fqns: list[str], run_step) -> list[float] | None:
@@ -17,19 +18,23 @@ def time_calls(model, fqns: list[str], run_step) -> list[float] | None:
     modules = {f: module_tree.get_submodule(model, f) for f in set(fqns)}
     starts, spans, order, handles = [], [], [], []
 
-    def pre(mod, args):
+    def pre(mod, args, kwargs):
+        if boundaries.in_backward():  # a checkpoint's recomputation: not a call of the step
+            return
         order.append(len(spans))
         spans.append(None)
         starts.append((len(spans) - 1, time.perf_counter()))
 
-    def post(mod, args, out):
+    def post(mod, args, kwargs, out):
+        if boundaries.in_backward() or not starts:
+            return
         i, t0 = starts.pop()
         spans[i] = (time.perf_counter() - t0) * 1e3
 
     try:
         for m in {id(m): m for m in modules.values()}.values():
-            handles.append(m.register_forward_pre_hook(pre))
-            handles.append(m.register_forward_hook(post))
+            handles += boundaries.hook_calls(m, pre, post,
+                                             boundary=boundaries.why_boundary(m) is not None)
         with module_tree.eager(model):  # a compiled model: its calls, as capture saw them
             run_step()
     finally:

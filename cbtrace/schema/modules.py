@@ -61,6 +61,9 @@ class ModuleRecord:
     grads_ref: str | None = column(CAPTURE, "JSON", "--step train: the gradients that reached the "
                                                     "call's outputs in the backward, stored like "
                                                     "its inputs", default=None)
+    boundary: str | None = column(CAPTURE, doc="why the call was recorded at its boundary, its "
+                                               "submodules not hooked (TorchScript, a fast path "
+                                               "hooks would switch off)", default=None)
 
     insitu_host_ms: float | None = column(
         HOST_INSITU, "ms", "CPU runs: host time of the call in an unprofiled repeat of the step",
