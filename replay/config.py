@@ -56,6 +56,9 @@ class ReplayConfig:
     """Also time each call compiled and/or from a CUDA graph: "compile", "cudagraph"."""
     compile_mode: str = "default"
     """torch.compile's mode for the "compile" mode (e.g. "max-autotune-no-cudagraphs")."""
+    modes_budget_s: float | None = None
+    """Seconds the other modes may take over the whole replay; calls after that get the status
+    "skipped: ..." in those modes, their eager figures as usual (None: no limit)."""
     backward: bool = False
     """Also replay each call's backward on its captured (else random) output gradients."""
     max_copies: int = 8
@@ -94,5 +97,7 @@ class ReplayConfig:
                              f"{self.profile_runs}")
         bad = {k: getattr(self, k) for k in ("budget_s", "cold_budget_s", "cold_warmup_s",
                                              "cold_settle_tol") if getattr(self, k) < 0}
+        if self.modes_budget_s is not None and self.modes_budget_s < 0:
+            bad["modes_budget_s"] = self.modes_budget_s
         if bad:
             raise ValueError(f"replay settings must be >= 0: {bad}")

@@ -4,12 +4,19 @@
 
 ``compile``: the module under ``torch.compile(mode=cfg.compile_mode)``, compiled by one untimed
 run on input copy 0 (``compile_s``), then timed exactly as the eager call (the ``Timed`` step:
-same timer chain, settings and rotating copies). Each module gets a compiled entry function with
-its own code object: dynamo caches per code object, so modules never share cache entries,
-recompile limits or a "skip this code" mark (compiling an ``nn.Identity`` through
+same timer chain, settings and rotating copies). The compiled entry is ``call(module, *args)``
+with a code object per kind of call (``reuse.call_key``: class, parameter shapes and dtypes,
+settings, input metadata): dynamo caches per code object and, inlining nn.Module calls, takes
+the module's parameters as graph inputs guarded on their metadata, so the 12 identical blocks of
+a GPT-2 compile once and each runs with its own weights. Different kinds never share cache
+entries, recompile limits or a "skip this code" mark (compiling an ``nn.Identity`` through
 ``torch.compile(module)`` marked the wrapper shared by every ``torch.nn`` module as skipped, and
-every later module ran eagerly). A failure, or dynamo giving up and running the call eagerly, is
-``compile_status = "error: ..."`` and ``torch._dynamo.reset()``, never fatal.
+every later module ran eagerly); a kind that recompiles per module anyway goes back to a code
+object per module before dynamo's recompile limit. A failure, or dynamo giving up and running
+the call eagerly, is ``compile_status = "error: ..."`` and ``torch._dynamo.reset()``, never fatal.
+Inductor compiles the kernels of one graph in parallel worker processes
+(``torch._inductor.config.compile_threads``); dynamo traces one frame at a time, so different
+modules cannot be compiled at once in one process.
 
 ``cudagraph``: the eager call captured into one CUDA graph per input copy and timed from
 ``g.replay()`` between two CUDA events with the GPU idle before the start event (no spin
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import statistics
 import time
@@ -38,13 +46,47 @@ from cbtrace.replay.timing import join_notes
 
 
 def mode_steps(cfg, device, chain: list[str], backends: dict) -> list:
-    """The steps of ``cfg.modes``, in a fixed order."""
+    """The steps of ``cfg.modes``, in a fixed order, sharing one time budget."""
     steps = []
     if "compile" in cfg.modes:
         steps.append(Compiled(cfg, chain, backends))
     if "cudagraph" in cfg.modes:
         steps.append(CudaGraphed(cfg))
-    return steps
+    if cfg.modes_budget_s is None:
+        return steps
+    budget = ModesBudget(cfg.modes_budget_s)
+    return [Budgeted(s, budget) for s in steps]
+
+
+SKIPPED = "skipped: "
+
+
+class ModesBudget:
+    """Seconds the modes of one replay have spent against their limit."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s, self.spent_s = limit_s, 0.0
+
+    def spent(self) -> bool:
+        return self.spent_s >= self.limit_s
+
+
+class Budgeted:
+    """A mode step that runs while the modes' budget lasts; past it, the call's status in that
+    mode says it was skipped (the eager figures of the row are untouched)."""
+
+    def __init__(self, step, budget: ModesBudget):
+        self.step, self.budget, self.name = step, budget, step.name
+
+    def run(self, c: CallUnderTest) -> dict:
+        if self.budget.spent():
+            return {f"{self.name}_status": f"{SKIPPED}modes budget of "
+                                          f"{self.budget.limit_s:g} s spent (--modes-budget-s)"}
+        t0 = time.perf_counter()
+        try:
+            return self.step.run(c)
+        finally:
+            self.budget.spent_s += time.perf_counter() - t0
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:
@@ -58,13 +100,52 @@ def one_line(e: BaseException, limit: int = 200) -> str:
 _entry_ids = itertools.count()
 
 
-def compiled_entry(module, mode: str):
-    """torch.compile of a function calling ``module``, with a code object of its own."""
-    def call(*args, **kwargs):
+def compiled_entry(mode: str):
+    """torch.compile of ``call(module, *args, **kwargs)``, with a code object of its own."""
+    def call(module, *args, **kwargs):
         return module(*args, **kwargs)
 
     call.__code__ = call.__code__.replace(co_name=f"cbtrace_compiled_{next(_entry_ids)}")
     return torch.compile(call, mode=mode)
+
+
+SHARE_MISSES = 3  # recompiles of one kind before its modules get entries of their own
+
+
+class EntryCache:
+    """One compiled entry per kind of call (``call_key``), shared by the modules of that kind;
+    a module whose call has no key, or whose kind recompiled per module ``SHARE_MISSES`` times
+    (dynamo guarding on something the key does not see), gets an entry of its own."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.entries: dict = {}  # key -> compiled entry
+        self.modules: dict = {}  # key -> modules seen (each kept: their ids stay unique)
+        self.misses: dict = {}   # key -> calls that compiled again under a shared entry
+
+    def key(self, module, rec):
+        from cbtrace.replay.reuse import call_key
+
+        k = call_key(module, rec)
+        if k is None or self.misses.get(k, 0) >= SHARE_MISSES:
+            return ("module", id(module))
+        return k
+
+    def runner_fn(self, key, module):
+        """The module's compiled callable (its parameters are the entry's inputs)."""
+        if key not in self.entries:
+            self.entries[key] = compiled_entry(self.mode)
+        self.modules.setdefault(key, {})[id(module)] = module
+        return functools.partial(self.entries[key], module)
+
+    def compiled_again(self, key, module) -> None:
+        """A module of a shared kind compiled a graph of its own: count a miss."""
+        if not isinstance(key, tuple) and len(self.modules.get(key, ())) > 1:
+            self.misses[key] = self.misses.get(key, 0) + 1
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.modules.clear()
 
 
 @dataclasses.dataclass
@@ -105,14 +186,8 @@ class Compiled:
     def __init__(self, cfg, chain: list[str], backends: dict):
         self.mode = cfg.compile_mode
         self.timed, self.host = Timed(chain, backends, cfg), HostIssue(cfg.host_runs)
-        self.cache: dict[tuple, tuple] = {}  # (id(module), mode) -> (module, compiled fn)
+        self.cache = EntryCache(self.mode)
         self.compiles: dict[int, tuple] = {}  # call_id -> (compile_s, graphs) of its first replay
-
-    def _compiled(self, module):
-        key = (id(module), self.mode)
-        if key not in self.cache:  # the module is kept too: its id stays unique
-            self.cache[key] = (module, compiled_entry(module, self.mode))
-        return self.cache[key][1]
 
     def _failed(self, why: str, **row) -> dict:
         torch._dynamo.reset()  # a half-compiled frame must not poison the next module
@@ -121,8 +196,9 @@ class Compiled:
 
     def run(self, c: CallUnderTest) -> dict:
         before = _counters()
+        key = self.cache.key(c.module, c.rec)
         try:
-            run = c.run.runner(self._compiled(c.module))
+            run = c.run.runner(self.cache.runner_fn(key, c.module))
             t0 = time.perf_counter()
             run(0)  # compiles: never inside the timed runs
             if c.device.type == "cuda":
@@ -133,6 +209,8 @@ class Compiled:
         except Exception as e:  # noqa: BLE001 - the compile failed: record it, go on
             return self._failed(one_line(e), compile_graphs=counted_since(before).graphs)
         first = counted_since(before)
+        if first.graphs and c.rec.call_id not in self.compiles:
+            self.cache.compiled_again(key, c.module)
         if first.frames and not first.frames_ok:  # dynamo gave up and ran the frame eagerly
             why = "; ".join(first.reasons) or "no frame converted"
             return self._failed(f"not compiled, dynamo ran it eagerly ({why})", compile_s=seconds,

@@ -62,13 +62,14 @@ def opportunity(eager_ms, modes: dict) -> tuple[str, float | None, float] | None
 
 def add_opportunities(records) -> None:
     """Fill eager_step_ms of every ok record, and best_mode, speedup and opportunity_ms of those
-    replayed in another mode (compile or cudagraph status set), in place."""
+    replayed in another mode (compile or cudagraph status set and not skipped), in place."""
     for rec in records:
         if rec.status != "ok":
             continue
         rec.eager_step_ms = step_ms(rec.isolated_ms, rec.host_ms)
-        if rec.compile_status is None and rec.cudagraph_status is None:
-            continue
+        if not any(s is not None and not s.startswith("skipped")
+                   for s in (rec.compile_status, rec.cudagraph_status)):
+            continue  # no other mode tried (not asked for, or past --modes-budget-s)
         found = opportunity(rec.eager_step_ms, mode_costs(rec))
         if found is not None:
             rec.best_mode, rec.speedup, rec.opportunity_ms = found

@@ -205,9 +205,10 @@ class Broken(nn.Module):
         return x * 2
 
 
-def _replay_small(tmp_path, model, **options):
+def _replay_small(tmp_path, model, max_depth=None, **options):
     x = torch.randn(4, 8)
-    with cbtrace.capture(model, tmp_path / "r", trace=False), torch.no_grad():
+    with cbtrace.capture(model, tmp_path / "r", trace=False, max_depth=max_depth), \
+            torch.no_grad():
         model(x)  # no grad: a call's input and the next's output differ in nothing dynamo guards
     return cbtrace.replay(tmp_path / "r", model=model, **{**FAST, **options}).set_index("fqn")
 
@@ -249,6 +250,95 @@ def test_a_module_called_twice_compiles_once(tmp_path):
     calls = df[df["fqn"] == "lin"].sort_values("call_index")
     assert list(calls["compile_status"]) == ["ok", "ok"]
     assert list(calls["compile_graphs"]) == [1, 0]  # the second call reuses the first's graph
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.lin(x))) + x
+
+
+def test_identical_blocks_compile_once_and_run_with_their_own_weights(tmp_path):
+    from torch._dynamo.utils import counters
+
+    model = nn.Sequential(*[Block() for _ in range(12)], nn.Linear(8, 4)).eval()
+    before = counters["stats"]["unique_graphs"]
+    df = _replay_small(tmp_path, model, modes=("compile",), max_depth=1).reset_index()
+    assert (df["compile_status"] == "ok").all(), df[["fqn", "compile_status"]]
+    blocks = df[df["fqn"].isin([str(i) for i in range(12)])].sort_values("call_id")
+    assert list(blocks["compile_graphs"]) == [1] + [0] * 11  # one compile for the 12 blocks
+    # dynamo's own count: the root, one block, the last Linear
+    assert counters["stats"]["unique_graphs"] - before == 3
+
+
+def test_a_shared_entry_runs_each_module_with_its_own_parameters():
+    from cbtrace.replay.modes import EntryCache
+
+    cache, x = EntryCache("default"), torch.randn(4, 8)
+    blocks = [Block().eval() for _ in range(3)]
+    with torch.no_grad():
+        for b in blocks:
+            fn = cache.runner_fn("same kind", b)
+            torch.testing.assert_close(fn(x), b(x))
+    assert len(cache.entries) == 1 and len(cache.modules["same kind"]) == 3
+
+
+def test_a_kind_that_recompiles_per_module_gets_entries_of_its_own():
+    from cbtrace.replay.modes import SHARE_MISSES, EntryCache
+
+    cache, rec = EntryCache("default"), record("b", 0, input_meta="[]", inputs_ref="")
+    blocks = [Block() for _ in range(SHARE_MISSES + 2)]
+    cache.key = lambda module, rec: "k" if cache.misses.get("k", 0) < SHARE_MISSES else (
+        "module", id(module))  # call_key stands in: the same kind for every block
+    for b in blocks:
+        key = cache.key(b, rec)
+        cache.runner_fn(key, b)
+        cache.compiled_again(key, b)
+    assert cache.misses["k"] == SHARE_MISSES  # the first block's compile is no miss
+    assert cache.key(blocks[-1], rec) == ("module", id(blocks[-1]))
+
+
+def test_modes_past_their_budget_are_skipped_with_a_note(tmp_path):
+    from click.testing import CliRunner
+
+    from cbtrace.cli.main import cli
+
+    from cbtrace.capture.from_spec import capture_model
+
+    capture_model("nanogpt:tiny", tmp_path / "r", device="cpu", trace=False, max_depth=1)
+    # a budget of 0 s is spent before the first call: every call skips both modes
+    res = CliRunner().invoke(cli, ["replay", str(tmp_path / "r"), "--modes",
+                                    "compile,cudagraph", "--modes-budget-s", "0",
+                                    "--budget-s", "0.005"])
+    assert res.exit_code == 0, res.output
+    n = len(load_run(tmp_path / "r")[1])
+    assert f"compile skipped on {n} of {n} calls: modes budget of 0 s spent " \
+           "(--modes-budget-s)" in res.output
+    assert f"cudagraph skipped on {n} of {n} calls" in res.output
+    df = load_run(tmp_path / "r")[1]
+    assert (df["status"] == "ok").all() and df["isolated_ms"].notna().all()
+    assert df["compile_status"].str.startswith("skipped: modes budget").all()
+    assert df["best_mode"].isna().all() and df["opportunity_ms"].isna().all()
+
+
+def test_the_budget_lets_calls_through_until_it_is_spent():
+    from cbtrace.replay.modes import Budgeted, ModesBudget
+
+    class Step:
+        name, runs = "compile", 0
+
+        def run(self, c):
+            self.runs += 1
+            budget.spent_s += 1.0  # as if each call took a second
+            return dict(compile_status="ok")
+
+    budget, step = ModesBudget(2.5), Step()
+    out = [Budgeted(step, budget).run(None)["compile_status"] for _ in range(5)]
+    assert out[:3] == ["ok"] * 3 and step.runs == 3
+    assert out[3:] == ["skipped: modes budget of 2.5 s spent (--modes-budget-s)"] * 2
 
 
 # ---------------------------------------------------------------- the icicle's speedup colours

@@ -92,9 +92,26 @@ def _table(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-def failures(rows: list[dict], first: int = 3) -> list[str]:
-    """Lines naming the first calls a mode failed on, and why."""
+def skipped(rows: list[dict]) -> list[str]:
+    """A line per mode that skipped calls (past --modes-budget-s), with the first reason."""
     lines = []
+    for mode in MODES:
+        why = [r[f"{mode}_status"] for r in rows
+               if (r.get(f"{mode}_status") or "").startswith("skipped")]
+        if why:
+            lines.append(f"  {mode} skipped on {len(why)} of {len(rows)} calls: "
+                         f"{why[0].removeprefix('skipped: ')}")
+    return lines
+
+
+def modes_note(df) -> str:
+    """The skipped lines of a replay's modes ("" when none was skipped)."""
+    return "\n".join(skipped(record_rows(df)))
+
+
+def failures(rows: list[dict], first: int = 3) -> list[str]:
+    """Lines naming the first calls a mode failed on, and why; then the skipped calls."""
+    lines = skipped(rows)
     for mode in MODES:
         bad = [r for r in rows if (r.get(f"{mode}_status") or "").startswith("error")]
         for r in bad[:first]:

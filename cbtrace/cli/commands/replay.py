@@ -32,6 +32,9 @@ from cbtrace.replay.config import ReplayConfig
               help="also time each call compiled and/or from a CUDA graph: eager,compile,cudagraph")
 @click.option("--compile-mode", default=ReplayConfig.compile_mode, show_default=True,
               help="torch.compile mode for --modes compile (e.g. max-autotune-no-cudagraphs)")
+@click.option("--modes-budget-s", type=click.FloatRange(min=0), default=None, metavar="S",
+              help="seconds the other modes may take in all; later calls are skipped in them "
+                   "(their status says so) and timed eagerly as usual")
 @click.option("--backward", is_flag=True,
               help="also replay each call's backward on its captured (else random) output grads")
 @click.option("--reuse-timing", is_flag=True,
@@ -46,8 +49,8 @@ from cbtrace.replay.config import ReplayConfig
 @click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, model_spec, trust,
-            timeout_s, modes, compile_mode, backward, reuse_timing, count_every_call, nproc,
-            strict, top):
+            timeout_s, modes, compile_mode, modes_budget_s, backward, reuse_timing,
+            count_every_call, nproc, strict, top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
     Writes the results into RUN/modules.parquet and prints the slowest modules. The model is
@@ -58,13 +61,15 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
     if nproc is not None and "LOCAL_RANK" not in os.environ:  # not yet under torchrun
         return launch_torchrun(click.get_current_context(), nproc)
     import cbtrace
+    from cbtrace.plugins.reporters.opportunities import modes_note
     from cbtrace.plugins.reporters.summary import status_text, summary_table
     from cbtrace.replay.engine import replay_notes
     from cbtrace.rundir.read import read_manifest
 
     opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold,
                 model_spec=model_spec, trust=trust, timeout_s=timeout_s,
-                modes=parse_modes(modes), compile_mode=compile_mode, backward=backward,
+                modes=parse_modes(modes), compile_mode=compile_mode,
+                modes_budget_s=modes_budget_s, backward=backward,
                 reuse_timing=reuse_timing, reuse_counts=not count_every_call)
     if budget_s is not None:
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
@@ -75,6 +80,9 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
     for note in replay_notes(read_manifest(run), backward):
         click.echo(note)
     click.echo(status_text(df))
+    skipped = modes_note(df)
+    if skipped:
+        click.echo(f"modes:\n{skipped}")
     strict_exit(df, strict)
 
 
