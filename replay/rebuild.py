@@ -4,8 +4,10 @@ against the state digest taken at capture.
 A run directory is data (a teammate's capture, a bug report, a CI artifact): its spec is
 resolved only when it names a registered provider, whose installed code gets the run's options
 as keyword values. A ``file.py:fn`` or ``pkg.module:fn`` spec runs the code it names, so it is
-used only when the user trusts the run (``trust``); or the user names the model (``spec``,
-resolved as ``cbtrace capture --model`` resolves it, with the run's options and seed).
+used only when the run is signed by this user (captured here, or ``cbtrace trust RUN``:
+``cbtrace.rundir.signature``) or the user trusts it for this replay (``trust``); or the user
+names the model (``spec``, resolved as ``cbtrace capture --model`` resolves it, with the run's
+options and seed).
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import time
 
 from cbtrace.errors import CbtraceError, ReplayError
 
-HOW = ("pass --model SPEC to name the model (cbtrace.replay: model= or model_spec=), or "
+HOW = ("the run is not signed by you (captured here, or cbtrace trust RUN after reading it); "
+       "pass --model SPEC to name the model (cbtrace.replay: model= or model_spec=), or "
        "--trust (trust=True) to rebuild it from the run's spec")
 
 
@@ -24,9 +27,10 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
     Args:
         manifest: the run's Manifest.
         verify: check the rebuilt weights against the digest taken at capture.
-        trust: resolve the run's spec even when it names code (file.py:fn, pkg.module:fn).
+        trust: resolve the run's spec even when it names code (file.py:fn, pkg.module:fn)
+            and the run is not signed by this user.
         spec: the user's model spec, used instead of the run's.
-        run: the run directory, named in errors.
+        run: the run directory, named in errors; its signature is checked.
         timings: gets the seconds of "rebuild" and "verify_state" (the digest check).
     """
     from cbtrace.cost.dtypes import torch_dtype
@@ -39,7 +43,7 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
     if not spec:
         raise ReplayError(f"{where}run was captured from a live model (no spec): pass model= "
                           "to replay, or --model SPEC")
-    if not (named or trust or is_registered(spec)):
+    if not (named or trust or is_registered(spec) or signed_source(run, manifest)):
         raise ReplayError(f"{where}the run's model spec '{spec}' is not a registered provider; "
                           + HOW)
     dtype = manifest.step.dtype if manifest.step is not None else None
@@ -64,6 +68,17 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
                           "ones (provider not deterministic, its init changed since the capture, "
                           "or another model?): pass model= to replay, or capture again")
     return model
+
+
+def signed_source(run, manifest) -> bool:
+    """Whether ``run`` is signed by this user for the model source ``manifest`` names (the
+    manifest as read, checked against the bytes the signature covers)."""
+    from cbtrace.rundir.signature import signed_manifest
+
+    if run is None:
+        return False
+    signed = signed_manifest(run)
+    return signed is not None and signed.model == manifest.model
 
 
 def _first_line(e) -> str:

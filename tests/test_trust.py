@@ -2,8 +2,10 @@
 
 Each crafted run gives a one-line error and a non-zero exit, and the sentinel file the named
 code would write never appears: model specs (only registered providers are rebuilt unless the
-user names the model or passes --trust), class paths in stored inputs (never imported from the
-run directory or the working directory), and paths in the manifest (inside the run only).
+run is signed by this user, the user names the model or passes --trust), class paths in stored
+inputs (never imported from the run directory or the working directory), and paths in the
+manifest (inside the run only). A run captured here is signed (issue 29): it replays plainly,
+and any edit of its manifest brings the refusal back.
 """
 import collections
 import dataclasses
@@ -24,6 +26,7 @@ from cbtrace.errors import CbtraceError, ReplayError, RunDirError, Serialization
 from cbtrace.replay.config import ReplayConfig
 from cbtrace.replay.rebuild import rebuild_model
 from cbtrace.rundir import writer
+from cbtrace.rundir import signature
 from cbtrace.rundir.read import find_trace, read_manifest, read_records
 from cbtrace.schema.manifest import ModelSource
 from cbtrace.store.serializer import lookup_class, qualname_of
@@ -73,9 +76,19 @@ def model_file(d: Path, sentinel: Path) -> str:
     return f"{d / 'model.py'}:build"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def config_dir(tmp_path_factory):
+    """This module's own signing key (CBTRACE_CONFIG_DIR), seen by the CLI's subprocesses too."""
+    d = tmp_path_factory.mktemp("config")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(signature.KEY_ENV, str(d))
+        yield d
+
+
 @pytest.fixture(scope="module")
-def file_run(tmp_path_factory):
-    """A real capture of a file.py:fn model; its sentinel removed afterwards."""
+def file_run(tmp_path_factory, config_dir):
+    """A real capture of a file.py:fn model (signed with this module's key); its sentinel
+    removed afterwards."""
     from cbtrace.capture.from_spec import capture_model
 
     base = tmp_path_factory.mktemp("trust")
@@ -117,13 +130,15 @@ def test_a_spec_naming_a_command_is_refused_and_runs_nothing(run_copy, tmp_path)
 def test_a_file_spec_is_refused_without_trust(run_copy, tmp_path):
     run, spec, sentinel = run_copy
     assert read_manifest(run).model.spec == spec
+    signature.unsign(run)  # a run from elsewhere: no signature of this user's
     line = one_line_error("replay", run, cwd=tmp_path)
-    assert spec in line and "--trust" in line
+    assert spec in line and "--trust" in line and "cbtrace trust RUN" in line
     assert not sentinel.exists()
 
 
 def test_trust_rebuilds_from_the_runs_spec(run_copy):
     run, _, sentinel = run_copy
+    signature.unsign(run)
     model = rebuild_model(read_manifest(run), torch.device("cpu"), verify=True, trust=True)
     assert isinstance(model, nn.Sequential) and sentinel.exists()
 
@@ -131,9 +146,135 @@ def test_trust_rebuilds_from_the_runs_spec(run_copy):
 @needs_config
 def test_trust_flag_rebuilds_from_the_runs_spec(run_copy, tmp_path):
     run, _, sentinel = run_copy
+    signature.unsign(run)
     rc, lines = cli("replay", run, "--trust", "--budget-s", "0.01", cwd=tmp_path)
     assert rc == 0, lines
     assert sentinel.exists()
+
+
+# -- signed runs (issue 29) -----------------------------------------------------------------
+
+def test_a_run_captured_here_is_signed_with_a_private_key(file_run, config_dir):
+    run, _, _ = file_run
+    key = config_dir / "key"
+    assert key.stat().st_mode & 0o777 == 0o600
+    assert (run / signature.SIGNATURE).read_text().startswith(signature.PREFIX)
+    assert signature.signed_manifest(run) == read_manifest(run)
+    assert signature.SIGNATURE not in read_manifest(run).files  # not among its own checksums
+
+
+@needs_config
+def test_a_run_captured_here_replays_plainly_and_stays_signed(run_copy, tmp_path):
+    run, _, sentinel = run_copy
+    rc, lines = cli("replay", run, "--budget-s", "0.01", cwd=tmp_path)
+    assert rc == 0, lines
+    assert sentinel.exists()  # its own model, rebuilt from its spec
+    after = read_manifest(run)
+    assert after.replay is not None and signature.signed_manifest(run) == after
+
+
+def _edit_spec(run: Path, spec: str, how: str) -> None:
+    """The manifest's spec changed: by hand, or through cbtrace's writer (checksums
+    refreshed)."""
+    if how == "by hand":
+        edit_manifest(run, lambda doc: doc["model"].__setitem__("spec", spec))
+        return
+    m = read_manifest(run)
+    m.model.spec = spec
+    writer.write_manifest(run, m, rewritten=["modules.parquet"])
+
+
+@pytest.mark.parametrize("how", ["by hand", "checksums refreshed"])
+def test_an_edited_manifest_is_refused_in_one_line(run_copy, tmp_path, how):
+    run, _, sentinel = run_copy
+    planted = tmp_path / "PLANTED"
+    evil = model_file(tmp_path / "evil", planted)
+    _edit_spec(run, evil, how)
+    assert signature.signed_manifest(run) is None
+    line = one_line_error("replay", run, cwd=tmp_path)
+    assert "is not a registered provider" in line and evil in line and "--trust" in line
+    assert not planted.exists() and not sentinel.exists()
+    with pytest.raises(ReplayError, match="not signed by you"):
+        cbtrace.replay(run, **FAST)
+    assert not planted.exists()
+
+
+def test_another_users_signature_is_not_trusted(run_copy, tmp_path, monkeypatch):
+    run, _, sentinel = run_copy
+    monkeypatch.setenv(signature.KEY_ENV, str(tmp_path / "other-user"))
+    assert signature.signed_manifest(run) is None
+    assert not (tmp_path / "other-user").exists()  # checking makes no key
+    with pytest.raises(ReplayError, match="not a registered provider"):
+        cbtrace.replay(run, **FAST)
+    assert not sentinel.exists()
+
+
+def test_a_planted_signature_is_not_trusted(run_copy, file_run, tmp_path):
+    """A signature copied from another signed run, or made up, signs nothing."""
+    run, _, sentinel = run_copy
+    other = shutil.copytree(file_run[0], tmp_path / "other")
+    edit_manifest(other, lambda doc: doc.__setitem__("created", "2001-01-01T00:00:00+0000"))
+    shutil.copy(run / signature.SIGNATURE, other / signature.SIGNATURE)
+    (run / signature.SIGNATURE).write_text(signature.PREFIX + "0" * 64 + "\n")
+    for r in (run, other):
+        assert signature.signed_manifest(r) is None
+        with pytest.raises(ReplayError, match="not signed by you"):
+            cbtrace.replay(r, **FAST)
+    assert not sentinel.exists()
+
+
+def test_a_key_others_can_read_signs_and_trusts_nothing(run_copy, config_dir):
+    run, _, _ = run_copy
+    key = config_dir / "key"
+    key.chmod(0o644)
+    try:
+        assert signature.signed_manifest(run) is None
+        with pytest.raises(signature.TrustError, match="readable by other users"):
+            signature.sign(run)
+    finally:
+        key.chmod(0o600)
+    assert signature.signed_manifest(run) is not None
+
+
+@needs_config
+def test_replay_with_a_named_model_does_not_sign_an_edited_run(run_copy, tmp_path):
+    run, spec, _ = run_copy
+    planted = tmp_path / "PLANTED"
+    _edit_spec(run, model_file(tmp_path / "evil", planted), "by hand")
+    mine = tmp_path / "mine.txt"
+    rc, lines = cli("replay", run, "--model", model_file(tmp_path / "own", mine),
+                    "--budget-s", "0.01", cwd=tmp_path)
+    assert rc == 0, lines
+    assert read_manifest(run).replay is not None  # replay wrote its table and checksums
+    assert signature.signed_manifest(run) is None and not (run / signature.SIGNATURE).exists()
+    assert not planted.exists()
+
+
+def test_cbtrace_trust_shows_the_code_then_signs(run_copy, tmp_path):
+    run, spec, sentinel = run_copy
+    signature.unsign(run)
+    path = spec.rpartition(":")[0]
+    out = subprocess.run([sys.executable, "-m", "cbtrace", "trust", str(run)], input="n\n",
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 1 and f"executes the file {path} and calls build()" in out.stdout
+    assert "not signed" in out.stderr and signature.signed_manifest(run) is None
+    out = subprocess.run([sys.executable, "-m", "cbtrace", "trust", str(run)], input="y\n",
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert f"signed {run}" in out.stdout
+    assert signature.signed_manifest(run) == read_manifest(run)
+    model = rebuild_model(read_manifest(run), torch.device("cpu"), verify=True, run=run)
+    assert isinstance(model, nn.Sequential) and sentinel.exists()
+
+
+def test_cbtrace_trust_refuses_a_run_whose_files_differ(run_copy, tmp_path):
+    run, _, _ = run_copy
+    signature.unsign(run)
+    with open(run / "modules.parquet", "ab") as f:
+        f.write(b"x")
+    line = one_line_error("trust", run, "--yes", cwd=tmp_path)
+    assert "modules.parquet" in line and "sha256 differs" in line
+    assert not (run / signature.SIGNATURE).exists()
 
 
 def test_model_spec_names_the_model(run_copy, tmp_path):

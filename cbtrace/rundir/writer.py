@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cbtrace.errors import SchemaError
+from cbtrace.errors import RunDirError, SchemaError
 from cbtrace.rundir.files import atomic_path, atomic_write_bytes, sha256_file
+from cbtrace.rundir import signature
+from cbtrace.rundir.signature import SIGNATURE
 from cbtrace.rundir.layout import MANIFEST, MODULES
 from cbtrace.schema import manifest as manifest_schema
 from cbtrace.schema.modules import (COLUMNS, DERIVED, ModuleRecord, arrow_schema,
@@ -62,20 +64,27 @@ def write_columns(run, stage: str, by_call: dict[int, dict], table=None):
     return df
 
 
-def write_manifest(run, manifest, *, known: dict | None = None, rewritten=()) -> None:
+def write_manifest(run, manifest, *, known: dict | None = None, rewritten=(),
+                   sign: bool | None = None) -> None:
     """Store the sha256 of every file of the run in ``manifest`` and write it.
 
     New files are hashed (or take the digest their writer computed: ``known``, path -> sha256).
     A file already recorded keeps its recorded digest unless cbtrace says it rewrote it
     (``rewritten``: paths relative to the run), so a corrupted capture file is never blessed
     with a new digest; replay verifies the captured inputs against them.
+
+    ``sign``: sign the manifest with this user's key (``cbtrace.rundir.signature``); None
+    signs a new run (no manifest yet) and one whose signature held before this write for the
+    same model source, and drops the signature of any other.
     """
     run = Path(run)
+    if sign is None:
+        sign = _keeps_signature(run, manifest)
     known = {str(Path(p).resolve().relative_to(run.resolve())): d for p, d in (known or {}).items()}
     rewritten = {str(r) for r in rewritten}
     files, stats = dict(manifest.files), dict(manifest.files_stat)
     for p in sorted(run.rglob("*")):
-        if not p.is_file() or p.name == MANIFEST or p.name.startswith("."):
+        if not p.is_file() or p.name in (MANIFEST, SIGNATURE) or p.name.startswith("."):
             continue
         rel, st = str(p.relative_to(run)), p.stat()
         if rel in known:
@@ -86,7 +95,26 @@ def write_manifest(run, manifest, *, known: dict | None = None, rewritten=()) ->
             continue  # recorded before and not rewritten by cbtrace: keep what was recorded
         stats[rel] = (st.st_size, st.st_mtime_ns)
     manifest.files, manifest.files_stat = files, stats
-    atomic_write_bytes(run / MANIFEST, manifest_schema.encode(manifest))
+    data = manifest_schema.encode(manifest)
+    atomic_write_bytes(run / MANIFEST, data)
+    if not sign:
+        signature.unsign(run)
+        return
+    try:
+        signature.sign(run, data)
+    except RunDirError as e:  # no key could be made or read: the run stays usable, unsigned
+        from cbtrace.console import announce
+
+        signature.unsign(run)
+        announce(f"{run} is not signed ({e}); replay it with --trust or cbtrace trust")
+
+
+def _keeps_signature(run: Path, manifest) -> bool:
+    """A new run, or one signed by this user whose model source this write keeps."""
+    if not (run / MANIFEST).exists():
+        return True
+    signed = signature.signed_manifest(run)
+    return signed is not None and signed.model == manifest.model
 
 
 def _write_table(run, table) -> None:
