@@ -22,7 +22,6 @@ COMMANDS = {
     "calibrate": ("cbtrace.cli.commands.calibrate", "Measure this device's achievable FLOP/s and bandwidth."),
     "models": ("cbtrace.cli.commands.models", "List model providers and other registered plugins."),
     "trust": ("cbtrace.cli.commands.trust", "Sign a run from elsewhere so that replay rebuilds its model."),
-    "trust": ("cbtrace.cli.commands.trust", "Sign a run from elsewhere so that replay rebuilds its model."),
 }
 
 
