@@ -39,6 +39,8 @@ class CallUnderTest:
     row: dict = dataclasses.field(default_factory=dict)  # what the plan's steps measured so far
     value_free: bool = False       # OpCount: its time cannot depend on values (replay.reuse)
     outputs: object = None         # HostIssue's last run's, for OutputCheck (no run of its own)
+    timed: Callable[[int], object] | None = None  # what the timers run: ``run`` in its context
+    context_note: str | None = None  # how ``timed`` differs from ``run`` (the row's timer_notes)
 
 
 def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest:
@@ -80,6 +82,40 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
         return run
 
     return CallUnderTest(module, rec, runner(module), n, device, cfg, grads)
+
+
+def in_context(c: CallUnderTest, context: list) -> None:
+    """Set ``c.timed``: ``c.run`` preceded by its context (``replay.context``). ``timed.before(j)``
+    runs the context calls for slot j (untimed work a timer puts before the timed call);
+    ``timed(j)`` then runs the call on copy j, each input that equals a context output taken
+    from slot j's fresh output. A context that fails to run is dropped (the note says why)."""
+    from cbtrace.replay.context import chained_positions, describe, substitute
+
+    if not context:
+        return
+    try:
+        first = [flat_tensors(x()) for x in context]
+    except Exception as e:  # noqa: BLE001 - a predecessor that cannot run alone: time without
+        c.context_note = f"no context: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        return
+    copies = c.run.copies
+    chained = chained_positions(first, copies[0])
+    del first
+    slots: dict = {}
+
+    def before(j: int) -> None:
+        slots[j] = [flat_tensors(x()) for x in context]
+
+    def timed(j: int = 0):
+        outs = slots.pop(j, None)
+        inputs = copies[j % c.n_copies]
+        if outs is not None:
+            inputs = substitute(inputs, chained, outs)
+        return c.run.on(inputs, j)
+
+    timed.before = before
+    timed.copies = copies
+    c.timed, c.context_note = timed, describe(context, chained)
 
 
 WARM_MIN_BYTES = 64 << 10  # smaller inputs stay cached whatever happens; not worth a kernel

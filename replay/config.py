@@ -39,6 +39,14 @@ class ReplayConfig:
     """Cold mode: also warm up until 25 ms windows agree to this (relative; 0: off; <= 1 s)."""
     cold_budget_s: float = 0.1
     """Cold mode: time budget of the timed runs of one call (do_bench's ``rep=100`` ms)."""
+    context: bool | None = None
+    """Run, untimed, the calls that ran just before each call in the step before every timed
+    run of it (its step-order predecessors, about an L2's worth), an input that equals one of
+    their outputs taken from it: the cache then holds what it held in the step
+    (``replay.context``). False: each call timed on its own; None: on a GPU only (a CPU
+    replay's error is its noise, and context would multiply its time). Never with ``cold``."""
+    context_calls: int = 4
+    """Most predecessors run before a call in context replay."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,

@@ -247,7 +247,7 @@ def timing_settings(cfg) -> dict:
     settings = {"timer": cfg.timer, "cold": cfg.cold, "graph_k": cfg.graph_k,
                 "warm_inputs": cfg.warm_inputs and not cfg.cold, "modes": list(cfg.modes),
                 "reuse_timing": cfg.reuse_timing,
-                "context": cfg.context and not cfg.cold, "context_calls": cfg.context_calls,
+                "context": cfg.context, "context_calls": cfg.context_calls,
                 "compile_mode": cfg.compile_mode, "backward": cfg.backward}
     if cfg.cold:
         settings.update(cold_warmup_s=cfg.cold_warmup_s, cold_settle_tol=cfg.cold_settle_tol)
@@ -298,12 +298,18 @@ class TrainingFlags:
                 sub.training = want
 
 
+def uses_context(cfg, device) -> bool:
+    """Whether calls are timed in their context: ``cfg.context``, None meaning on a GPU."""
+    on = cfg.context if cfg.context is not None else device.type == "cuda"
+    return bool(on) and not cfg.cold
+
+
 def context_source(cfg, records, model, run, device, flags):
     """Where each call's context comes from (``replay.context``); None when off."""
     from cbtrace.replay.context import ContextSource
     from cbtrace.store.load import load_call_inputs
 
-    if not cfg.context or cfg.cold:
+    if not uses_context(cfg, device):
         return None
     return ContextSource(records, model, device,
                          lambda r: load_call_inputs(run, r.inputs_ref, device=device),

@@ -12,7 +12,7 @@ import time
 from typing import Protocol
 
 from cbtrace.replay import timers
-from cbtrace.replay.call import CallUnderTest, prepare
+from cbtrace.replay.call import CallUnderTest, in_context, prepare
 from cbtrace.replay.reuse import ProfileCache
 from cbtrace.replay.steps import HostIssue, OpCount, OutputCheck, ProfilerPass, Timed
 
@@ -46,11 +46,14 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
 
 
 def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads=None,
-                 timings: dict | None = None) -> dict:
+                 timings: dict | None = None, context: list | None = None) -> dict:
     """All figures of one call as a dict of ModuleRecord fields; ``timings`` (step name ->
-    seconds) accumulates where the time went."""
+    seconds) accumulates where the time went. ``context``: the calls timers run before it
+    (``replay.context``)."""
     t0 = time.perf_counter()
     call = prepare(module, rec, args, kwargs, device, cfg, grads)
+    if context:
+        in_context(call, context)
     row = call.row
     row["status"] = "ok"
     timings = {} if timings is None else timings

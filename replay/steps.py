@@ -48,14 +48,18 @@ class Timed:
             fqn, fields = hit
             return {**fields, "runs": 0, "timed_ms": 0.0, "timer_notes": join_notes(
                 c.row.get("timer_notes"), f"{COPIED}{fqn or '(root)'} (--reuse-timing)")}
-        c.run.expected_ms = c.row.get("device_ms")  # sizes the graph timer's K (profiled pass)
-        t, fallback = timers.measure(c.run, c.n_copies, c.device, self.chain, self.backends,
+        run = c.timed or c.run
+        # sizes the graph timer's K (profiled pass); a context runs in every slot too
+        expected = c.row.get("device_ms")
+        run.expected_ms = expected * (2 if c.timed is not None else 1) if expected else None
+        t, fallback = timers.measure(run, c.n_copies, c.device, self.chain, self.backends,
                                      self.tcfg)
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy)
         check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
         return dict(fields, runs=t.runs, timed_ms=t.timed_ms, timer_notes=join_notes(
-            c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, check))
+            c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, c.context_note,
+            check))
 
     def _key(self, c: CallUnderTest):
         if self.reuse is None or not c.value_free:

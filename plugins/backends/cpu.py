@@ -42,11 +42,14 @@ class CpuTimer:
         sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
         warm, t_end = 0, time.perf_counter() + cfg.warmup_min_s
         while warm < cfg.warmup_runs or (time.perf_counter() < t_end and warm < 10_000):
+            if hasattr(call, "before"):
+                call.before(warm % n_copies)
             call(warm % n_copies)
             warm += 1
         sync()
         flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
         touch = warm_toucher(call, cfg)
+        before = getattr(call, "before", None)  # the call's context: untimed, in order
         waits: list[bool] = []  # per sample: its thread was mostly off the CPU
 
         def sample(first: int, n: int) -> list[float]:
@@ -56,6 +59,8 @@ class CpuTimer:
                 flusher.flush()
                 if touch is not None:
                     touch(j)
+                if before is not None:
+                    before(j)
                 sync()
                 if cfg.gap_s > 0:
                     time.sleep(cfg.gap_s)

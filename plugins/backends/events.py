@@ -72,6 +72,7 @@ class EventsTimer(CudaTimer):
             spin_ms = spin_for(host_ms=host_ms, lo_ms=cfg.spin_min_ms, hi_ms=cfg.spin_max_ms)
             flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
             touch = warm_toucher(call, cfg)
+            before = getattr(call, "before", None)  # the call's context: untimed, in order
             stream = torch.cuda.current_stream(device)
 
             def sample(first: int, n: int) -> list[float]:
@@ -82,6 +83,8 @@ class EventsTimer(CudaTimer):
                     spin(device, cfg.gap_s * 1e3 + spin_ms)
                     if touch is not None:  # queued behind the spin, before the start event
                         touch(j)
+                    if before is not None:
+                        before(j)
                     start.record(stream)
                     call(j)
                     end.record(stream)

@@ -11,6 +11,9 @@ from cbtrace.replay.config import ReplayConfig
 @click.option("--cold", is_flag=True,
               help="replay each call alone after an L2 flush, for do_bench's warm-up and run "
                    "durations (do_bench's convention, launch-free)")
+@click.option("--context/--no-context", default=None,
+              help="run each call's step-order predecessors untimed before every timed run "
+                   "(as cbtrace replay --context; default: on a GPU, off on a CPU)")
 @click.option("--tb-logdir", type=click.Path(file_okay=False), default=None,
               help="also place the run's table and traces (annotated too) at DIR/<run name>, "
                    "where TensorBoard finds them; the run stays at --out")
@@ -22,7 +25,8 @@ from cbtrace.replay.config import ReplayConfig
                    "(as cbtrace replay --reuse-timing)")
 @click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthesize_above_bytes,
-            with_stack, seed, out, timer, cold, tb_logdir, timeout_s, reuse_timing, strict):
+            with_stack, seed, out, timer, cold, context, tb_logdir, timeout_s, reuse_timing,
+            strict):
     """Capture, replay and attribute: isolated vs in-situ time per module.
 
     Adds insitu_ms and error_pct (isolated / in-situ - 1) to RUN/modules.parquet and prints the
@@ -38,8 +42,9 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
         from cbtrace.workflows.tb_logdir import logdir_target
 
         logdir_target(out, tb_logdir)  # an existing view is refused before any work
-    df = profile(spec, out, replay_options=dict(timer=timer, cold=cold, timeout_s=timeout_s,
-                                          reuse_timing=reuse_timing), device=device,
+    df = profile(spec, out, replay_options=dict(timer=timer, cold=cold, context=context,
+                                                timeout_s=timeout_s, reuse_timing=reuse_timing),
+                 device=device,
                  dtype=dtype, step=step, seed=seed, options=parse_kv(opts), include=include,
                  exclude=exclude, max_depth=max_depth,
                  synthesize_above_bytes=synthesize_above_bytes, with_stack=with_stack)

@@ -18,6 +18,9 @@ from cbtrace.replay.config import ReplayConfig
               help="time each call alone after an L2 flush, for do_bench's 25 ms warm-up and "
                    "100 ms of runs (triton do_bench's convention, launch-free) instead of K "
                    "calls back to back in one CUDA graph (in-situ-like)")
+@click.option("--context/--no-context", default=None,
+              help="run each call's step-order predecessors untimed before every timed run, so "
+                   "the cache holds what it held in the step (default: on a GPU, off on a CPU)")
 @click.option("--resume", is_flag=True, help="continue an interrupted replay")
 @click.option("--model", "model_spec", default=None, metavar="SPEC",
               help="rebuild the model from this spec (as cbtrace capture --model takes it, with "
@@ -48,8 +51,8 @@ from cbtrace.replay.config import ReplayConfig
                    "elastic agent; the same as torchrun --nproc-per-node N -m cbtrace.replay RUN")
 @click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
-def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, model_spec, trust,
-            timeout_s, modes, compile_mode, modes_budget_s, backward, reuse_timing,
+def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, resume, model_spec,
+            trust, timeout_s, modes, compile_mode, modes_budget_s, backward, reuse_timing,
             count_every_call, nproc, strict, top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
@@ -67,6 +70,7 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, resume, mod
     from cbtrace.rundir.read import read_manifest
 
     opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold,
+                context=context,
                 model_spec=model_spec, trust=trust, timeout_s=timeout_s,
                 modes=parse_modes(modes), compile_mode=compile_mode,
                 modes_budget_s=modes_budget_s, backward=backward,

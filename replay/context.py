@@ -1,0 +1,175 @@
+"""Context replay: the calls that ran just before a call in the step run, untimed, before each of
+its timed runs, so that the cache holds what it held in the step.
+
+A call timed K times back to back on its own reads its parameters from a warm L2 (an embedding
+table read once per step stays resident), and reads inputs that no producer has just written.
+In the step, the calls before it had just run: their traffic evicted what it read a step ago,
+and its input was often the last one's output, still in L2. So each timed run is preceded by
+the leaf calls that preceded it in the step (step order, up to ``max_calls`` and about the
+L2's size of traffic), and an input that equals one of their outputs is taken from that output,
+freshly written, as in the step. Timers run the context inside the timed slot's prologue and
+time only the call (CUDA graph: events recorded inside the graph around it).
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+
+from cbtrace import module_tree
+from cbtrace.calltree import CallTree
+from cbtrace.cost.dtypes import meta_bytes
+from cbtrace.nested import flat_tensors
+from cbtrace.replay.call import InputState, call_context
+from cbtrace.schema.modules import COPY_FAILED
+
+
+def cache_bytes(device: torch.device) -> int:
+    """The last-level cache the context should fill (GPU: L2; CPU: a typical LLC)."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return 32 << 20
+
+
+def traffic_bytes(rec) -> int:
+    """What a call moves at least once: its inputs, outputs and parameters (rough)."""
+    return int(rec.input_bytes + meta_bytes(rec.output_meta) + rec.param_bytes + rec.buffer_bytes)
+
+
+def predecessors(records, max_calls: int, max_bytes: int) -> dict[int, list[int]]:
+    """call_id -> the leaf calls that ran just before it in the step, oldest first: walking back
+    from it, until ``max_calls`` or until their traffic reaches ``max_bytes``. Leaves whose
+    inputs were not captured are skipped. A call's own descendants never precede it (they start
+    after it: call_id is the order calls begin)."""
+    tree = CallTree({r.call_id: r.parent_call_id for r in records})
+    by_id = {r.call_id: r for r in records}
+    leaves = [c for c in sorted(tree.parent) if not tree.children[c]
+              and not (by_id[c].capture_error or "").startswith(COPY_FAILED)]
+    out: dict[int, list[int]] = {}
+    i = 0  # leaves[:i] began before the current call
+    for cid in sorted(tree.parent):
+        while i < len(leaves) and leaves[i] < cid:
+            i += 1
+        chosen, total = [], 0
+        for leaf in reversed(leaves[:i]):
+            if len(chosen) >= max_calls or total >= max_bytes:
+                break
+            chosen.append(leaf)
+            total += traffic_bytes(by_id[leaf])
+        out[cid] = chosen[::-1]
+    return out
+
+
+@dataclass
+class ContextCall:
+    """One predecessor, ready to run: its module (train flag as captured), record and inputs."""
+
+    module: torch.nn.Module
+    rec: object
+    inputs: tuple  # (args, kwargs) on the replay device
+    state: InputState | None
+    device: torch.device
+
+    def __call__(self):
+        cuda = self.device.type == "cuda"
+        if self.state is not None:
+            self.state.restore(cuda)
+        a, k = self.inputs
+        with call_context(self.rec, self.device.type):
+            return self.module(*a, **k)
+
+
+class ContextSource:
+    """Finds and loads each call's context: the predecessors' records (``predecessors``), their
+    modules in the live model, and their inputs, kept in a small cache by call_id (neighbouring
+    calls share predecessors)."""
+
+    def __init__(self, records, model, device, load, flags=None, *, max_calls: int = 4,
+                 max_bytes: int | None = None, keep_bytes: int = 1 << 30):
+        self.device = torch.device(device)
+        self.by_id = {r.call_id: r for r in records}
+        self.model, self.load, self.flags = model, load, flags
+        budget = max_bytes if max_bytes is not None else cache_bytes(self.device)
+        self.before = predecessors(records, max_calls, budget)
+        self.keep_bytes = keep_bytes
+        self._cache: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self._cached = 0
+
+    def calls(self, call_id: int) -> list[ContextCall]:
+        """The context of ``call_id``, loaded; [] when it has none. Raises what loading raises."""
+        out = []
+        for cid in self.before.get(call_id, []):
+            rec = self.by_id[cid]
+            module = module_tree.get_submodule(self.model, rec.fqn)
+            if self.flags is not None:
+                self.flags.apply(module, rec)
+            inputs = self._inputs(rec)
+            state = InputState(inputs)
+            out.append(ContextCall(module, rec, inputs, state if state else None, self.device))
+        return out
+
+    def _inputs(self, rec) -> tuple:
+        hit = self._cache.get(rec.call_id)
+        if hit is not None:
+            self._cache.move_to_end(rec.call_id)
+            return hit
+        inputs = self.load(rec)
+        nbytes = sum(t.numel() * t.element_size() for t in flat_tensors(inputs))
+        self._cache[rec.call_id] = inputs
+        self._cached += nbytes
+        while self._cached > self.keep_bytes and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cached -= sum(t.numel() * t.element_size() for t in flat_tensors(old))
+        return inputs
+
+
+def chained_positions(outputs: list, inputs: tuple) -> dict:
+    """Where a call's top-level input tensors (args by index, kwargs by name) equal an output of
+    its context (``outputs``: one flat list of tensors per context call): {position:
+    (context index, output index)}. Equal shape, dtype, strides, device and values: in the step
+    that input was (or could not be told from) that output."""
+    args, kwargs = inputs
+    found = {}
+    positions = [(("a", i), t) for i, t in enumerate(args)] + [
+        (("k", k), t) for k, t in kwargs.items()]
+    for pos, t in positions:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
+            continue
+        for ci in range(len(outputs) - 1, -1, -1):  # the latest producer first
+            hit = next((oi for oi, o in enumerate(outputs[ci]) if _same(o, t)), None)
+            if hit is not None:
+                found[pos] = (ci, hit)
+                break
+    return found
+
+
+def _same(o: torch.Tensor, t: torch.Tensor) -> bool:
+    if (o.shape != t.shape or o.dtype != t.dtype or o.device != t.device
+            or o.layout != torch.strided or o.stride() != t.stride()):
+        return False
+    with torch.no_grad():
+        return bool(torch.equal(o, t))
+
+
+def substitute(inputs: tuple, chained: dict, outputs: list) -> tuple:
+    """``inputs`` with each chained position taken from the context's fresh ``outputs``."""
+    if not chained:
+        return inputs
+    args, kwargs = list(inputs[0]), dict(inputs[1])
+    for (kind, key), (ci, oi) in chained.items():
+        value = outputs[ci][oi]
+        if kind == "a":
+            args[key] = value
+        else:
+            kwargs[key] = value
+    return tuple(args), kwargs
+
+
+def describe(calls: list[ContextCall], chained: dict) -> str:
+    """The row's note: which calls ran before each timed run, and which inputs they produced."""
+    names = ", ".join(c.rec.fqn or "(root)" for c in calls)
+    note = f"context: {len(calls)} call{'s' if len(calls) != 1 else ''} before ({names})"
+    if chained:
+        note += f"; {len(chained)} input{'s' if len(chained) != 1 else ''} from their outputs"
+    return note

@@ -1,0 +1,115 @@
+"""Context replay (replay/context.py): a call's step-order predecessors run untimed before each
+of its timed runs, in step order, and an input equal to one of their outputs is taken from it."""
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import cbtrace
+from cbtrace.replay.context import chained_positions, predecessors
+from cbtrace.schema.modules import ModuleRecord
+from cbtrace.state import state_fingerprint
+
+SLEEP_S = 0.02
+
+
+class Sleep(nn.Module):
+    """A predecessor slow enough that a timed figure including it could not be missed."""
+
+    def forward(self, x):
+        time.sleep(SLEEP_S)
+        return x * 2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = Sleep()
+        self.t = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.t(self.b(self.a(x)))
+
+
+FAST = dict(context=True, budget_s=0.01, min_runs=3, warmup_runs=1, count_flops=False, progress=False,
+            host_runs=1, profile_runs=1)
+
+
+@pytest.fixture
+def run(tmp_path):
+    torch.manual_seed(0)
+    model = Net().eval()
+    x = torch.randn(4, 8)
+    with cbtrace.capture(model, tmp_path / "run"):
+        model(x)
+    return model, tmp_path / "run"
+
+
+def _rec(call_id, parent, nbytes=1000):
+    return ModuleRecord(fqn=f"m{call_id}", call_index=0, call_id=call_id,
+                        parent_call_id=parent, parent_fqn=None, depth=0, module_type="X",
+                        module_class="X", param_bytes=0, buffer_bytes=0, input_bytes=nbytes,
+                        input_shapes="[]", input_meta="[]", output_meta="[]", training=False,
+                        grad_enabled=False, autocast_dtype=None, inputs_ref="{}")
+
+
+def test_predecessors_are_earlier_leaves_in_step_order_never_descendants():
+    # root 0 > (1 > 2, 3), 4 > 5
+    recs = [_rec(0, -1), _rec(1, 0), _rec(2, 1), _rec(3, 1), _rec(4, 0), _rec(5, 4)]
+    before = predecessors(recs, max_calls=4, max_bytes=1 << 30)
+    assert before[0] == [] and before[1] == [] and before[2] == []
+    assert before[3] == [2]
+    assert before[4] == [2, 3]  # its own leaf 5 starts after it
+    assert before[5] == [2, 3]
+    assert predecessors(recs, max_calls=1, max_bytes=1 << 30)[5] == [3]
+    assert predecessors(recs, max_calls=4, max_bytes=1)[5] == [3]  # one call's bytes fill it
+
+
+def test_chained_positions_match_equal_outputs_only():
+    out = torch.arange(6.0).reshape(2, 3)
+    other = torch.ones(2, 3)
+    found = chained_positions([[other], [out]], ((out.clone(), 5), {"y": other.clone(),
+                                                                   "z": torch.zeros(2, 3)}))
+    assert found == {("a", 0): (1, 0), ("k", "y"): (0, 0)}
+
+
+def test_context_runs_untimed_in_step_order_and_feeds_the_call(run):
+    model, path = run
+    seen = []  # (module name, input data_ptr, output data_ptr) of every forward during replay
+    for name in ("a", "b", "t"):
+        getattr(model, name).register_forward_hook(
+            lambda m, i, o, name=name: seen.append((name, i[0].data_ptr(), o.data_ptr())))
+    before = state_fingerprint(model)
+    df = cbtrace.replay(path, model=model, device="cpu", **FAST).set_index("fqn")
+    assert state_fingerprint(model) == before
+    assert (df.status == "ok").all()
+    # the call t, timed: its runs right after a and b (in that order), on b's fresh output
+    fed = [i for i, s in enumerate(seen) if s[0] == "t" and i >= 2 and seen[i - 2][0] == "a"
+           and seen[i - 1][0] == "b" and s[1] == seen[i - 1][2] and seen[i - 1][1] == seen[i - 2][2]]
+    assert len(fed) >= FAST["min_runs"]
+    # the context's 20 ms sleep is not in t's figure, but is in b's own and the root's
+    assert df.loc["t", "isolated_ms"] < SLEEP_S * 1e3 / 2
+    assert df.loc["b", "isolated_ms"] >= SLEEP_S * 1e3
+    assert "context: 2 calls before (a, b); 1 input from their outputs" in df.loc["t", "timer_notes"]
+    assert "context: 1 call before (a); 1 input from their outputs" in df.loc["b", "timer_notes"]
+    assert "context" not in str(df.loc["", "timer_notes"])
+
+
+def test_context_off_times_the_call_alone(run):
+    model, path = run
+    df = cbtrace.replay(path, model=model, device="cpu", **{**FAST, "context": False}).set_index("fqn")
+    assert not any("context" in n for n in df.timer_notes.dropna())
+
+
+def test_context_is_off_by_default_on_a_cpu(run):
+    model, path = run
+    df = cbtrace.replay(path, model=model, device="cpu", **{**FAST, "context": None})
+    assert not any("context" in n for n in df.timer_notes.dropna())
+
+
+def test_cold_replay_has_no_context(run):
+    model, path = run
+    df = cbtrace.replay(path, model=model, device="cpu", cold=True, **FAST).set_index("fqn")
+    assert not any("context" in n for n in df.timer_notes.dropna())
