@@ -18,7 +18,10 @@ Inductor compiles the kernels of one graph in parallel worker processes
 (``torch._inductor.config.compile_threads``); dynamo traces one frame at a time, so different
 modules cannot be compiled at once in one process.
 
-``cudagraph``: the eager call captured into one CUDA graph per input copy and timed from
+``cudagraph``: the eager call captured into one CUDA graph per input copy (on one capture stream
+per device, warmed up on it, so what torch keeps per stream is made outside any capture; into
+one memory pool per device held by the step, so each call's captures reuse the blocks the last
+call's graphs left free, and the graphs are reset before the next call) and timed from
 ``g.replay()`` between two CUDA events with the GPU idle before the start event (no spin
 kernel): the graph's launch latency is inside the figure, the host synchronisation is not (a
 host wall clock around replay + sync would add a sync latency a step never pays). Where a real
@@ -252,18 +255,19 @@ class GraphUnavailable(Exception):
     """The call cannot be captured into a CUDA graph; the message says why."""
 
 
-def capture_graphs(c: CallUnderTest, warmup_runs: int) -> list:
-    """One CUDA graph of one eager call per input copy (sharing one memory pool: replayed one
-    at a time, in order), after a warm-up on a side stream as the CUDA graph docs require."""
-    side_stream_warmup(c.run, c.n_copies, warmup_runs)
-    graphs, pool, asked = [], None, []
+def capture_graphs(c: CallUnderTest, warmup_runs: int, stream=None, pool=None) -> list:
+    """One CUDA graph of one eager call per input copy (sharing one memory pool, ``pool`` when
+    given: replayed one at a time, in order), on ``stream`` (default: a fresh one) after a
+    warm-up on it as the CUDA graph docs require."""
+    stream = stream or torch.cuda.Stream()
+    side_stream_warmup(c.run, c.n_copies, warmup_runs, stream)
+    graphs, asked = [], []
     for i in range(c.n_copies):
         g = torch.cuda.CUDAGraph()
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*empty.*")  # a call without kernels
-                with capturing(g, torch.cuda.Stream(), pool), \
-                        watch_capture_checks(asked):
+                with capturing(g, stream, pool), watch_capture_checks(asked):
                     c.run(i)
         except Exception as e:  # noqa: BLE001 - RuntimeError, AcceleratorError, OOM, ...
             end_pool_routing(g)
@@ -327,19 +331,35 @@ class CudaGraphed:
 
     def __init__(self, cfg):
         self.tcfg = timing_config(cfg)
+        self.streams: dict[int, torch.cuda.Stream] = {}  # device index -> capture stream
+        self.pools: dict[int, object] = {}  # device index -> torch.cuda.MemPool of the graphs
+
+    def _stream_and_pool(self, device: torch.device):
+        """This device's capture stream and graph pool id, made on its first call."""
+        i = device.index if device.index is not None else torch.cuda.current_device()
+        if i not in self.streams:
+            self.streams[i] = torch.cuda.Stream(device)
+            try:
+                self.pools[i] = torch.cuda.MemPool()
+            except (AttributeError, RuntimeError):  # an allocator without pools: one per call
+                self.pools[i] = None
+        pool = self.pools[i]
+        return self.streams[i], None if pool is None else pool.id
 
     def run(self, c: CallUnderTest) -> dict:
         if c.device.type != "cuda":
             return dict(cudagraph_status="unavailable: needs CUDA")
         try:
             with torch.cuda.device(c.device):
-                graphs = capture_graphs(c, self.tcfg.warmup_runs)
+                stream, pool = self._stream_and_pool(c.device)
+                graphs = capture_graphs(c, self.tcfg.warmup_runs, stream, pool)
                 try:
                     touch = getattr(c.run, "touch", None) if self.tcfg.warm_inputs else None
                     ms = replay_samples(graphs, touch, self.tcfg, c.device)
                 finally:
                     for g in graphs:
                         g.reset()
+                    graphs.clear()  # the pool's blocks are free for the next call's captures
         except GraphUnavailable as e:
             return dict(cudagraph_status=f"error: {e}")
         except CallTimeout:

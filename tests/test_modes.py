@@ -449,3 +449,33 @@ def test_modes_on_nanogpt_cuda(tmp_path):
     # calls back to back by more than noise
     assert (ok["cudagraph_ms"] > 0.8 * ok["isolated_ms"]).all()
     assert df["best_mode"].notna().all() and (df["opportunity_ms"] >= 0).all()
+
+
+@pytest.mark.gpu
+def test_cudagraph_mode_memory_returns_to_its_level_between_calls():
+    from types import SimpleNamespace
+
+    from cbtrace.replay.call import prepare
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.modes import CudaGraphed
+
+    cfg = ReplayConfig(modes=("cudagraph",), **FAST)
+    step, dev = CudaGraphed(cfg), torch.device("cuda")
+    rec = SimpleNamespace(grad_enabled=False, autocast_dtype=None, fqn="m", call_id=0)
+    mods = [nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(dev).eval()
+            for _ in range(2)]
+    x = torch.randn(256, 1024, device=dev)
+    torch.cuda.synchronize()
+    level = torch.cuda.memory_allocated(dev)
+    allocated, reserved = [], []
+    for i in range(6):
+        c = prepare(mods[i % 2], rec, (x,), {}, dev, cfg)
+        assert step.run(c)["cudagraph_status"] == "ok"
+        del c  # the call's input copies go with it, as in replay
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated(dev))
+        reserved.append(torch.cuda.memory_reserved(dev))
+    # graphs, their pool's blocks and the static buffers of each call are free before the next:
+    # nothing stays allocated, and the calls after the first reuse what the first reserved
+    assert allocated == [level] * 6
+    assert reserved[1:] == [reserved[0]] * 5, reserved
