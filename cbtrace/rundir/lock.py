@@ -136,11 +136,12 @@ class RunLock:
             finally:
                 os.close(self._fd)  # closing gives the flock back
                 self._fd = None
-        if is_disk_full(exc):
-            raise RunDirError(f"{self.run}: disk full ({exc.strerror or 'ENOSPC'}"
-                              f"{': ' + str(exc.filename) if exc.filename else ''}); "
-                              "what was written is kept and the run is marked incomplete: "
-                              f"free space, then {resume_hint(self.run, self.command)}") from None
+        full = None if isinstance(exc, DiskFull) else disk_full(exc)
+        if full is not None:
+            where = f": {full.filename}" if full.filename else ""
+            raise DiskFull(f"{self.run}: disk full ({full.strerror or 'ENOSPC'}{where}); what "
+                           "was written is kept and the run is marked incomplete: free space, "
+                           f"then {resume_hint(self.run, self.command)}") from None
 
     def _write(self, info: dict) -> None:
         """Rewrite the lock file in place (it is small: a full disk rarely refuses it)."""
@@ -170,15 +171,20 @@ def locked(command: str):
     return wrap
 
 
-def is_disk_full(exc) -> bool:
-    """An OSError ENOSPC/EDQUOT, or an error raised while handling one (a write's one-liner)."""
+class DiskFull(RunDirError):
+    """A write into the run found the disk full."""
+
+
+def disk_full(exc) -> OSError | None:
+    """The OSError ENOSPC/EDQUOT that ``exc`` is, or was raised while handling (a write's
+    one-line error), else None."""
     for _ in range(5):
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
+            return exc
         if exc is None:
-            return False
+            return None
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
 
 
 def _other_rank() -> bool:

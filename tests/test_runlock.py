@@ -1,0 +1,179 @@
+"""One writer at a time: the run lock against a second replay, a killed capture, a full disk."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import cbtrace
+from cbtrace.capture.from_spec import capture_model
+from cbtrace.errors import RunDirError
+from cbtrace.rundir.lock import LOCK, RunLock, check_new_run, read_holder
+from cbtrace.rundir.read import read_modules
+
+FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1, cold_budget_s=0.01)
+
+# A model that, when CBTRACE_TEST_GATE names a file, waits in its forward while that file is
+# absent (replay) or while the run's lock file exists (capture): the test decides when it ends.
+MODEL = textwrap.dedent('''
+    import os, time
+    from pathlib import Path
+    import torch
+
+    class Gate(torch.nn.Module):
+        def forward(self, x):
+            gate, lock = os.environ.get("CBTRACE_TEST_GATE"), os.environ.get("CBTRACE_TEST_LOCK")
+            deadline = time.time() + 300
+            while gate and not Path(gate).exists() and time.time() < deadline:
+                time.sleep(0.02)
+            while lock and Path(lock).exists() and time.time() < deadline:
+                time.sleep(0.02)
+            return x * 2
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), Gate(), torch.nn.ReLU())
+        return model, (torch.randn(4, 8),)
+''')
+
+
+def cli(*args, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "cbtrace", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, **kw)
+
+
+def wait_for(cond, what, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def gated(tmp_path):
+    spec = tmp_path / "gated.py"
+    spec.write_text(MODEL)
+    return f"{spec}:build"
+
+
+def test_second_replay_is_refused_naming_the_holder(tmp_path, gated):
+    run = capture_model(gated, tmp_path / "r", device="cpu").out
+    n = len(read_modules(run))
+    gate = tmp_path / "gate"
+    first = cli("replay", run, "--trust", "--budget-s", "0.01",
+                env={"CBTRACE_TEST_GATE": str(gate)})
+    wait_for(lambda: (read_holder(run) or {}).get("pid") == first.pid, "the first replay's lock")
+    second = cli("replay", run, "--trust", "--budget-s", "0.01")
+    out, err = second.communicate(timeout=300)
+    gate.touch()  # the first replay goes on only now
+    out1, err1 = first.communicate(timeout=300)
+    assert second.returncode == 1
+    lines = errors(err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"Error: {run}: in use by replay (pid {first.pid} on ")
+    assert first.returncode == 0, err1
+    df = read_modules(run)
+    assert len(df) == n and sorted(df["call_id"]) == list(range(n))
+    assert (df["status"] == "ok").all()
+    rows = [json.loads(x) for x in (run / "replay.progress.jsonl").read_text().splitlines()]
+    ids = [r["call_id"] for r in rows if "timed twice" not in (r.get("timer_notes") or "")]
+    assert sorted(ids) == list(range(n))  # one row per call (a busy CPU may re-time a few)
+    assert not (run / LOCK).exists()  # released: a replay that ended well leaves no lock file
+
+
+def test_killed_capture_is_named_dead_by_capture_and_replay(tmp_path, gated):
+    run = tmp_path / "r"
+    proc = cli("capture", "--model", gated, "--device", "cpu", "--out", run,
+               env={"CBTRACE_TEST_LOCK": str(run / LOCK)})
+    wait_for(lambda: (read_holder(run) or {}).get("pid") == proc.pid or proc.poll() is not None,
+             "the capture's lock")
+    assert proc.poll() is None, proc.communicate()[1]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (run / LOCK).exists() and not (run / "manifest.json").exists()
+    again = cli("capture", "--model", gated, "--device", "cpu", "--out", run)
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 1 and len(errors(err)) == 1, err
+    assert f"a dead capture: capture (pid {proc.pid} on " in err
+    assert "gone without a word (killed or crashed)" in err and f"rm -r {run}" in err
+    rep = cli("replay", run, "--trust")
+    _, err = rep.communicate(timeout=300)
+    assert rep.returncode == 1 and len(errors(err)) == 1, err
+    assert f"a dead capture: capture (pid {proc.pid} on " in err
+    assert (run / LOCK).exists() and not (run / "manifest.json").exists()  # left as it was
+
+
+def no_space(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_full_disk_in_capture_is_one_line_and_marks_the_run(tmp_path, monkeypatch):
+    from cbtrace.rundir import writer
+
+    monkeypatch.setattr(writer, "write_records", no_space)
+    with pytest.raises(RunDirError) as e:
+        capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
+    msg = str(e.value)
+    assert "\n" not in msg and "disk full (No space left on device)" in msg
+    assert "marked incomplete" in msg and "rm -r" in msg
+    info = read_holder(tmp_path / "r")
+    assert info["state"] == "failed" and "disk full" in info["error"]
+    assert any((tmp_path / "r").glob("*.pt.trace.json.gz"))  # what was written is kept
+    with pytest.raises(RunDirError, match="a dead capture: capture .* stopped"):
+        check_new_run(tmp_path / "r")
+
+
+def test_full_disk_in_replay_keeps_rows_and_resumes(tmp_path, monkeypatch):
+    from cbtrace.replay import progress
+
+    run = capture_model("dlrm:tiny", tmp_path / "r", device="cpu").out
+    n = len(read_modules(run))
+    real = progress.ProgressLog.append
+    written = []
+
+    def append(self, row):
+        if len(written) == 3:
+            no_space()
+        written.append(row["call_id"])
+        real(self, row)
+
+    monkeypatch.setattr(progress.ProgressLog, "append", append)
+    with pytest.raises(RunDirError) as e:
+        cbtrace.replay(run, **FAST)
+    msg = str(e.value)
+    assert "\n" not in msg and "disk full" in msg and f"cbtrace replay {run} --resume" in msg
+    assert read_holder(run)["state"] == "failed"
+    monkeypatch.setattr(progress.ProgressLog, "append", real)
+    df = cbtrace.replay(run, resume=True, **FAST)
+    assert len(df) == n and (df["status"] == "ok").all()
+    assert not (run / LOCK).exists()
+
+
+def test_lock_is_reentrant_in_one_process_and_exclusive_across(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    with RunLock(run, "capture"):
+        with RunLock(run, "capture"):  # capture_model around capture
+            pass
+        assert (run / LOCK).exists()
+        code = ("import sys; from cbtrace.rundir.lock import RunLock\n"
+                "try:\n    RunLock(sys.argv[1], 'replay').acquire()\n"
+                "except Exception as e:\n    print(e)")
+        env = {k: v for k, v in os.environ.items() if k != "CBTRACE_RUN_LOCK"}
+        out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True,
+                             text=True, env=env)
+        assert f"in use by capture (pid {os.getpid()} on " in out.stdout, out
+    assert not (run / LOCK).exists()
