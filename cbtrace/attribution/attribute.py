@@ -308,12 +308,30 @@ def summarize(df):
     return df.sort_values(["rank", "step"]).drop_duplicates(GROUP).reset_index(drop=True)
 
 
+# Holistic Trace Analysis is published as traceinsight since 0.6; holistictraceanalysis stops
+# at 0.5.0. Both install the same ``hta`` package, so either serves.
+HTA_DISTRIBUTIONS = ("traceinsight", "HolisticTraceAnalysis")
+
+
+def hta_distribution() -> tuple[str, str] | None:
+    """(distribution, version) of the installed Holistic Trace Analysis, or None."""
+    from importlib import metadata
+
+    for name in HTA_DISTRIBUTIONS:
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
 def _hta_analysis(files):
     """HTA's TraceAnalysis over the files' directory (HTA wants one directory of traces)."""
     try:
         from hta.trace_analysis import TraceAnalysis
     except ImportError:
-        raise TraceError("hta=True needs HolisticTraceAnalysis: pip install 'cbtrace[hta]'") from None
+        raise TraceError("hta=True needs Holistic Trace Analysis: pip install 'cbtrace[hta]' "
+                         "(traceinsight; holistictraceanalysis 0.5 serves too)") from None
     dirs = {str(f.parent) for f in files}
     if len(dirs) != 1:
         raise TraceError("hta=True needs all traces in one directory (HTA reads a directory)")
