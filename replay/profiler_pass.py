@@ -111,15 +111,17 @@ def _cuda_peak(call, device) -> int:
 
 
 def _profile_rows(call, device, runs: int) -> list[Row]:
-    from torch.profiler import ProfilerActivity, profile
+    # autograd's profiler, the one torch.profiler.profile drives: the latter's start asks
+    # hasattr(torch, "_inductor"), which imports inductor and dynamo (a second in a fresh process)
+    from torch.autograd.profiler import profile
 
     cuda = device.type == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with quiet_kineto(), profile(activities=acts, profile_memory=not cuda) as prof:
+    with quiet_kineto(), profile(use_device="cuda" if cuda else None,
+                                 profile_memory=not cuda) as prof:
         for _ in range(runs):
             call()
             _sync(device)
-    return rows_from_kineto(prof.profiler.kineto_results.events())
+    return rows_from_kineto(prof.kineto_results.events())
 
 
 def profile_call(call: Callable[[], object], device, runs: int = 3) -> CallStats:

@@ -12,6 +12,7 @@ such as saved statistics), plus inputs or buffers it updated in place.
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -112,7 +113,10 @@ def _describe(func, args, kwargs):
     shapes, dtypes, scalars = [], [], {}
     for i, arg in enumerate(func._schema.arguments):
         v = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor) and v.is_nested:  # no single shape: no formula reads it
+            shapes.append(None)
+            dtypes.append(v.dtype)
+        elif isinstance(v, torch.Tensor):
             shapes.append(tuple(v.shape))
             dtypes.append(v.dtype)
         elif isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v):
@@ -140,6 +144,35 @@ def _tf32(name) -> bool:
     return name in _CONVS and torch.backends.cudnn.allow_tf32
 
 
+@functools.cache
+def _counting_mode():
+    """The dispatch mode that hands each aten op to an OpCounter (the class made once).
+
+    TorchDispatchMode wraps a subclass's ``__torch_dispatch__`` in ``torch._dynamo.disable``,
+    whose first call imports torch._dynamo: a second, as long as importing torch, that every
+    fresh ``cbtrace replay`` paid in its first count. The wrapper is left out: Dynamo already
+    skips every frame while a dispatch mode is active (convert_frame's dispatch-mode check).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _CountingMode(TorchDispatchMode):
+        def __init__(self, counter):
+            super().__init__()
+            self.counter = counter
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            self.counter._record(func, args, kwargs, out)
+            return out
+
+    return _CountingMode
+
+
 class OpCounter:
     """Context manager: counts FLOPs and bytes of the aten ops run inside it."""
 
@@ -156,18 +189,7 @@ class OpCounter:
         self._touched = set()
 
     def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                out = func(*args, **kwargs)
-                counter._record(func, args, kwargs, out)
-                return out
-
-        self._mode = _Mode()
+        self._mode = _counting_mode()(self)
         self._mode.__enter__()
         return self
 
