@@ -26,10 +26,12 @@ from cbtrace.rundir.writer import write_columns, write_manifest
 from cbtrace.schema.manifest import ReplayInfo
 from cbtrace.schema.modules import (CAPTURE, COLUMNS, COPY_FAILED, HOST_INSITU, REPLAY,
                                     ModuleRecord, frame_to_records, stage_columns)
+from cbtrace.global_state import GlobalSettings
 from cbtrace.state import StateGuard
 
 
 @locked("replay")  # one writer of the run at a time; a full disk ends in one line
+@GlobalSettings()  # calibration, a rebuild's seeding, thread counts: the caller's back
 def replay(run, model=None, device=None, **options):
     """Replay every captured call of ``run`` standalone; return the results DataFrame.
 

@@ -9,6 +9,7 @@ from cbtrace import module_tree
 from cbtrace.capture.recorder import CaptureConfig, capture
 from cbtrace.cost.dtypes import CLI_DTYPES, torch_dtype
 from cbtrace.errors import CaptureError
+from cbtrace.global_state import GlobalSettings
 
 
 
@@ -51,6 +52,7 @@ def warm_up(provider, model, batch, step: str, n: int, guard) -> None:
         torch.cuda.synchronize()
 
 
+@GlobalSettings()  # the provider's seeding, warm-up and step: the caller's RNG back
 def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str | None = None,
                   step: str = "forward", warmup: int = 1, seed: int = 0,
                   options: dict | None = None, **capture_options) -> capture:

@@ -27,6 +27,7 @@ from cbtrace.capture import boundaries
 from cbtrace.console import quiet_kineto
 from cbtrace.cost.dtypes import name_of
 from cbtrace.errors import CaptureError
+from cbtrace.global_state import GlobalSettings
 from cbtrace.rundir import writer
 from cbtrace.rundir.files import atomic_path
 from cbtrace.rundir.layout import INPUTS, prepare_new_run
@@ -167,6 +168,7 @@ class capture:
         self.timings_s: dict[str, float] = {}
 
     # --- context manager -------------------------------------------------------------
+    @GlobalSettings()  # capture's own work only: the user's step runs between the two
     def __enter__(self):
         if _ACTIVE:
             raise CaptureError(f"{self.out}: a cbtrace capture is already active; captures "
@@ -264,6 +266,7 @@ class capture:
                 pass
             self._prof = None
 
+    @GlobalSettings()
     def __exit__(self, exc_type, exc, tb):
         try:
             result = self._exit(exc_type, exc, tb)

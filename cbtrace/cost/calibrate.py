@@ -122,7 +122,15 @@ class _Float32Precision:
 
 
 def measure(device: str | None = None) -> dict:
-    """Measure this device; returns the calibration entry (not stored)."""
+    """Measure this device; returns the calibration entry (not stored). The random data and
+    TF32 settings it uses leave the caller's RNG and flags as they were."""
+    from cbtrace.global_state import GlobalSettings
+
+    with GlobalSettings():
+        return _measure(device)
+
+
+def _measure(device: str | None) -> dict:
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
