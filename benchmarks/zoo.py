@@ -92,6 +92,19 @@ def hf_t5(size: str = "tiny"):
     return model, {"input_ids": _ids(v, batch, seq), "decoder_input_ids": _ids(v, batch, seq // 2)}
 
 
+def hf_t5_base(size: str = "tiny"):
+    """t5-base's sizes (hf_t5 at size real is t5-small, the config's defaults)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg, batch, seq = _pick(size, (dict(vocab_size=128, d_model=64, d_kv=16, d_ff=128,
+                                        num_layers=2, num_heads=4), 2, 16),
+                            (dict(d_model=768, d_kv=64, d_ff=3072, num_layers=12, num_heads=12),
+                             16, 512))
+    model = T5ForConditionalGeneration(T5Config(**cfg)).eval()
+    v = model.config.vocab_size
+    return model, {"input_ids": _ids(v, batch, seq), "decoder_input_ids": _ids(v, batch, seq // 2)}
+
+
 def hf_bert(size: str = "tiny"):
     from transformers import BertConfig, BertModel
 
@@ -261,6 +274,20 @@ def timm_vit_b16(size: str = "real"):
     return model, (torch.randn(_pick(size, 2, 64), 3, 224, 224),)
 
 
+def timm_efficientnet_b0(size: str = "real"):
+    import timm
+
+    model = timm.create_model("efficientnet_b0", pretrained=False).eval()
+    return model, (torch.randn(_pick(size, 2, 64), 3, 224, 224),)
+
+
+def timm_convnext_tiny(size: str = "real"):
+    import timm
+
+    model = timm.create_model("convnext_tiny", pretrained=False).eval()
+    return model, (torch.randn(_pick(size, 2, 64), 3, 224, 224),)
+
+
 # name -> (spec, options, --step). The CPU suite runs every entry whose needs are installed.
 ENTRIES = {
     "gpt2": ("benchmarks/zoo.py:hf_gpt2", {}, "forward"),
@@ -282,4 +309,6 @@ ENTRIES = {
     "torchrec-dlrm": ("torchrec:tiny", {"arch": "dlrm"}, "forward"),
     "nanogpt": ("nanogpt:tiny", {}, "forward"),
     "dlrm": ("dlrm:tiny", {}, "forward"),
+    "dcn": ("dcn:tiny", {}, "forward"),
+    "hstu": ("hstu:tiny", {}, "forward"),
 }

@@ -1,0 +1,207 @@
+"""Isolation fidelity over a zoo of models: `cbtrace profile` (in-process) of each model, then
+per model and phase (fwd; bwd too with --step train, whose replay times each call's backward):
+calls, errors, the share of calls >= 10 us in situ that read within +-5 % of in situ, the
+EmbeddingBag class median, the root's error and the median |error| of calls < 10 us; then the
+median error by module class. OUT gets <model>.json (the rows and class medians) and
+<model>_classes.csv per model and fidelity.csv (all rows): summaries only, the run directories
+go to a temporary folder (--keep-runs keeps them under OUT/runs).
+
+    python benchmarks/fidelity_zoo.py --out OUT [--models nanogpt,dcn,...] [--device cuda]
+        [--dtype bf16] [--size real|tiny] [--step train] [--cold] [--no-context]
+
+Models whose library is not installed are skipped with a note. --size defaults to real on a
+GPU (the sizes of benchmarks/zoo.py and the providers' default presets) and tiny on the CPU.
+"""
+import argparse
+import importlib.util
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MIN_MS, WITHIN_PCT = 0.010, 5.0
+ZOO = str(Path(__file__).resolve().parent / "zoo.py")
+TINY, REAL = {"size": "tiny"}, {"size": "real"}
+# name -> (tiny spec, tiny options, real spec, real options, the module it needs)
+MODELS = {
+    "nanogpt": ("nanogpt:tiny", {}, "nanogpt", {"batch_size": 8}, None),
+    "dlrm": ("dlrm:tiny", {}, "dlrm", {}, None),                      # batch 8192
+    "dcn": ("dcn:tiny", {}, "dcn", {}, None),                         # 64 tables, batch 8192
+    "hstu": ("hstu:tiny", {}, "hstu", {}, None),                      # 4 layers, T 1024
+    "resnet50": (f"{ZOO}:tv_resnet50", TINY, f"{ZOO}:tv_resnet50", REAL, "torchvision"),
+    "efficientnet_b0": (f"{ZOO}:timm_efficientnet_b0", TINY, f"{ZOO}:timm_efficientnet_b0",
+                        REAL, "timm"),
+    "convnext_tiny": (f"{ZOO}:timm_convnext_tiny", TINY, f"{ZOO}:timm_convnext_tiny", REAL,
+                      "timm"),
+    "vit_b16": (f"{ZOO}:timm_vit_b16", TINY, f"{ZOO}:timm_vit_b16", REAL, "timm"),
+    "bert-base": (f"{ZOO}:hf_bert", TINY, f"{ZOO}:hf_bert", REAL, "transformers"),
+    "t5-small": (f"{ZOO}:hf_t5", TINY, f"{ZOO}:hf_t5", REAL, "transformers"),
+    "t5-base": (f"{ZOO}:hf_t5_base", TINY, f"{ZOO}:hf_t5_base", REAL, "transformers"),
+    "gpt2": (f"{ZOO}:hf_gpt2", TINY, f"{ZOO}:hf_gpt2", REAL, "transformers"),
+    "llama": (f"{ZOO}:hf_llama", TINY, f"{ZOO}:hf_llama", REAL, "transformers"),
+    "mixtral": (f"{ZOO}:hf_mixtral", TINY, f"{ZOO}:hf_mixtral", REAL, "transformers"),
+}
+DEFAULT_MODELS = "nanogpt,dlrm,dcn,hstu,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base"
+# the modules table's columns of each phase: status, in-situ ms, error %
+PHASES = {"fwd": ("status", "insitu_ms", "error_pct"),
+          "bwd": ("bwd_status", "bwd_insitu_ms", "bwd_error_pct")}
+COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
+           "root_err%", "<10us_|err|_med%")
+
+
+def _pct(x) -> float:
+    return float("nan") if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
+    """(the model's row for ``phase``, its class medians) from a profiled modules table."""
+    status, insitu, err = PHASES[phase]
+    ok = df[(df[status] == "ok") & df[err].notna()]
+    big, small = ok[ok[insitu] >= MIN_MS], ok[ok[insitu] < MIN_MS]
+    root = df[df["parent_call_id"] == -1]
+    bags = big[big["module_type"] == "EmbeddingBag"]
+    row = {"phase": phase, "calls": int(df[status].notna().sum()),
+           "errors": int(df[status].isin(["error", "timeout"]).sum()),
+           "skipped": int((df[status] == "skipped").sum()), "n>=10us": len(big),
+           "within5%": 100 * (big[err].abs() <= WITHIN_PCT).mean() if len(big) else float("nan"),
+           "EmbBag_med%": _pct(bags[err].median()) if len(bags) else float("nan"),
+           "root_err%": _pct(root[err].iloc[0]) if len(root) else float("nan"),
+           "<10us_|err|_med%": _pct(small[err].abs().median()) if len(small) else float("nan")}
+    g = big.groupby("module_type")
+    classes = [{"phase": phase, "module_type": t, "count": len(d),
+                "median_err%": float(d[err].median()), "insitu_ms_median": float(d[insitu].median()),
+                "within5%": 100 * float((d[err].abs() <= WITHIN_PCT).mean())}
+               for t, d in g]
+    classes.sort(key=lambda c: -c["insitu_ms_median"])
+    return row, classes
+
+
+def profile_one(name, spec, options, args, run_dir):
+    """The modules table of `cbtrace profile` of one model, and the wall seconds it took."""
+    from cbtrace.workflows.profile_model import profile
+
+    replay_options = {"cold": args.cold, "timer": args.timer}
+    if args.no_context:
+        replay_options["context"] = False
+    if args.budget_s is not None:
+        replay_options["budget_s"] = args.budget_s
+    t0 = time.perf_counter()
+    df = profile(spec, run_dir, replay_options=replay_options, device=args.device,
+                 dtype=args.dtype, step=args.step, options=options)
+    return df, time.perf_counter() - t0
+
+
+def table(rows) -> str:
+    """The compact table: one line per model and phase."""
+    def cell(v):
+        return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+    cells = [[cell(r.get(c, "")) for c in COLUMNS] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(COLUMNS)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths))]
+    lines += ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def class_lines(name, classes, top: int) -> str:
+    """One model's class medians, the classes with the most in-situ time per call first."""
+    out = []
+    for phase in PHASES:
+        cs = [c for c in classes if c["phase"] == phase][:top]
+        if cs:
+            out.append(f"  {name} {phase} class medians (>= 10 us; count, median error %): "
+                       + ", ".join(f"{c['module_type']} {c['count']} {c['median_err%']:+.1f}"
+                                   for c in cs))
+    return "\n".join(out)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for the summaries")
+    p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of: {', '.join(MODELS)}")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: the model's)")
+    p.add_argument("--size", choices=("tiny", "real"), default=None,
+                   help="model sizes (default: real on a GPU, tiny on the CPU)")
+    p.add_argument("--step", choices=("forward", "train"), default="forward",
+                   help="train: capture a training step and replay each call's backward too")
+    p.add_argument("--timer", default="auto")
+    p.add_argument("--cold", action="store_true", help="replay with --cold (do_bench's way)")
+    p.add_argument("--no-context", action="store_true",
+                   help="replay each call on its own (ReplayConfig.context=False)")
+    p.add_argument("--budget-s", type=float, default=None, help="ReplayConfig.budget_s")
+    p.add_argument("--top", type=int, default=8, help="classes printed per model and phase")
+    p.add_argument("--keep-runs", action="store_true", help="keep the run directories in OUT/runs")
+    args = p.parse_args(argv)
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        p.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    if args.size is None:
+        args.size = "tiny" if args.device == "cpu" else "real"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = out / "runs" if args.keep_runs else Path(tempfile.mkdtemp(prefix="fidelity_zoo_"))
+    rows, notes = [], []
+    for name in args.models.split(","):
+        tiny_spec, tiny_opts, real_spec, real_opts, needs = MODELS[name]
+        spec, options = (tiny_spec, tiny_opts) if args.size == "tiny" else (real_spec, real_opts)
+        if needs and importlib.util.find_spec(needs) is None:
+            notes.append(f"{name}: skipped ({needs} is not installed)")
+            print(notes[-1], flush=True)
+            continue
+        try:
+            df, wall = profile_one(name, spec, options, args, runs / name)
+        except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
+            notes.append(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            print(notes[-1], flush=True)
+            continue
+        finally:
+            if not args.keep_runs:
+                shutil.rmtree(runs / name, ignore_errors=True)
+        phases = ["fwd", "bwd"] if args.step == "train" else ["fwd"]
+        model_rows, classes = [], []
+        for phase in phases:
+            row, cls = fidelity(df, phase)
+            model_rows.append({"model": name, **row})
+            classes += cls
+        rows += model_rows
+        summary = {"model": name, "spec": spec, "options": options, "device": args.device,
+                   "dtype": args.dtype, "step": args.step, "cold": args.cold,
+                   "context": not args.no_context, "profile_wall_s": wall, "rows": model_rows,
+                   "classes": classes,
+                   "timer_notes": df["timer_notes"].value_counts().head(5).to_dict()}
+        (out / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
+        _write_csv(out / f"{name}_classes.csv", classes,
+                   ("phase", "module_type", "count", "median_err%", "insitu_ms_median", "within5%"))
+        print(f"{name}: profiled in {wall:.1f} s\n{table(model_rows)}\n"
+              f"{class_lines(name, classes, args.top)}", flush=True)
+    _write_csv(out / "fidelity.csv", rows, COLUMNS)
+    print(f"\n== fidelity ({args.device}, {args.dtype or 'model dtype'}, {args.size}, "
+          f"{args.step}{', cold' if args.cold else ''}{', no context' if args.no_context else ''})")
+    print(table(rows))
+    for n in notes:
+        print(n)
+    if not args.keep_runs:
+        shutil.rmtree(runs, ignore_errors=True)
+    return 0 if rows else 1
+
+
+def _write_csv(path, rows, columns) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

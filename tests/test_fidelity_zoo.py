@@ -1,0 +1,79 @@
+"""benchmarks/fidelity_zoo.py: its figures from a modules table worked out by hand, and a CPU
+run on nanogpt:tiny that prints the table and writes the summaries."""
+import csv
+import json
+
+import fidelity_zoo
+import pandas as pd
+import pytest
+
+
+def table(rows):
+    cols = ("call_id", "parent_call_id", "module_type", "status", "insitu_ms", "error_pct",
+            "bwd_status", "bwd_insitu_ms", "bwd_error_pct")
+    return pd.DataFrame([dict(zip(cols, r)) for r in rows])
+
+
+DF = table([
+    (0, -1, "Net", "ok", 1.0, 2.0, "ok", 2.0, -8.0),
+    (1, 0, "EmbeddingBag", "ok", 0.020, -4.0, "ok", 0.050, 1.0),
+    (2, 0, "EmbeddingBag", "ok", 0.030, 6.0, "ok", 0.060, 3.0),
+    (3, 0, "EmbeddingBag", "ok", 0.040, -1.0, None, None, None),
+    (4, 0, "ReLU", "ok", 0.005, 30.0, "ok", 0.004, -2.0),
+    (5, 0, "ReLU", "ok", 0.004, -10.0, "ok", 0.003, 4.0),
+    (6, 0, "ReLU", "error", None, None, "error", None, None),
+    (7, 0, "Linear", "skipped", 0.5, None, "skipped", None, None),
+])
+
+
+def test_forward_figures_by_hand():
+    row, classes = fidelity_zoo.fidelity(DF, "fwd")
+    assert (row["calls"], row["errors"], row["skipped"], row["n>=10us"]) == (8, 1, 1, 4)
+    assert row["within5%"] == pytest.approx(75.0)  # 2, -4, -1 within; 6 not
+    assert row["EmbBag_med%"] == pytest.approx(-1.0)
+    assert row["root_err%"] == pytest.approx(2.0)
+    assert row["<10us_|err|_med%"] == pytest.approx(20.0)  # |30|, |-10|
+    by = {c["module_type"]: c for c in classes}
+    assert set(by) == {"Net", "EmbeddingBag"}  # calls >= 10 us only
+    assert by["EmbeddingBag"]["count"] == 3 and by["EmbeddingBag"]["median_err%"] == -1.0
+    assert [c["module_type"] for c in classes] == ["Net", "EmbeddingBag"]  # by in-situ time
+
+
+def test_backward_figures_read_the_backward_columns():
+    row, classes = fidelity_zoo.fidelity(DF, "bwd")
+    assert (row["calls"], row["errors"], row["n>=10us"]) == (7, 1, 3)
+    assert row["within5%"] == pytest.approx(100 * 2 / 3)  # -8 misses
+    assert row["root_err%"] == -8.0 and row["EmbBag_med%"] == pytest.approx(2.0)
+    assert row["<10us_|err|_med%"] == pytest.approx(3.0)
+    assert {c["phase"] for c in classes} == {"bwd"}
+
+
+def test_unknown_model_is_one_line_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        fidelity_zoo.main(["--out", "unused", "--models", "nanogpt,nosuch"])
+    assert e.value.code == 2 and "unknown nosuch" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_cpu_run_on_nanogpt_tiny(tmp_path, capsys, monkeypatch):
+    # a model whose library is missing is skipped with a note, the others still run
+    monkeypatch.setitem(fidelity_zoo.MODELS, "needs-x",
+                        ("nanogpt:tiny", {}, "nanogpt", {}, "no_such_module_for_cbtrace"))
+    rc = fidelity_zoo.main(["--out", str(tmp_path), "--models", "needs-x,nanogpt",
+                            "--device", "cpu", "--budget-s", "0.002"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "needs-x: skipped (no_such_module_for_cbtrace is not installed)" in out
+    final = out[out.index("== fidelity (cpu"):].splitlines()
+    assert final[1].split() == list(fidelity_zoo.COLUMNS)
+    cells = final[2].split()
+    assert cells[:2] == ["nanogpt", "fwd"] and int(cells[2]) >= 20 and cells[3] == "0"
+    assert "nanogpt fwd class medians" in out and "Linear" in out
+    summary = json.loads((tmp_path / "nanogpt.json").read_text())
+    assert summary["spec"] == "nanogpt:tiny" and summary["rows"][0]["errors"] == 0
+    with open(tmp_path / "fidelity.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["model"] for r in rows] == ["nanogpt"] and tuple(rows[0]) == fidelity_zoo.COLUMNS
+    assert (tmp_path / "nanogpt_classes.csv").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "fidelity.csv", "nanogpt.json", "nanogpt_classes.csv"]  # summaries only, no run
