@@ -37,6 +37,7 @@ class BackwardStep:
 
     def run(self, c: CallUnderTest) -> dict:
         outs = _grad_outputs(c.run(0))
+        _note_inplace(c)
         if not outs:
             return dict(bwd_status="skipped", bwd_status_reason="no output requires grad (the "
                         "call ran without grad, or its outputs are not differentiable)")
@@ -97,6 +98,18 @@ class _FreshBackward:
             t.grad = None
         torch.autograd.backward(outs, self.grads, retain_graph=retain)
 
+    def forward(self, i: int = 0) -> tuple[list, list | None]:
+        """(outputs that require grad, their inputs' leaves or None for copy i's) of one forward
+        of copy i; on inputs given a history of their own when the call writes its inputs in
+        place (``ReLU(inplace=True)`` on a rebuilt non-leaf): each in-place run on the shared
+        copy extends its base's history, and a backward through it meets an earlier run's
+        saved output at a newer version ("modified by an inplace operation")."""
+        c = self.c
+        if not c.writes_inputs or getattr(c.run, "on", None) is None:
+            return _grad_outputs(c.run(i)), None
+        fresh = _fresh_autograd(c.run.copies[i % c.n_copies])
+        return _grad_outputs(c.run.on(fresh, i % c.n_copies)), _input_leaves(fresh)
+
     def leaves(self, i: int) -> list:
         if i not in self._leaves:
             copies = getattr(self.c.run, "copies", None)
@@ -121,7 +134,8 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
 
     def forward(i: int) -> None:
         last.clear()
-        last.update(i=i % n, capturing=capturing(), outs=_grad_outputs(c.run(i)))
+        outs, leaves = backward.forward(i)
+        last.update(i=i % n, capturing=capturing(), outs=outs, leaves=leaves)
 
     def stage(j: int) -> None:
         on = getattr(c.run, "on", None)
@@ -138,14 +152,24 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
             return
         if last.get("i") != i % n or last.get("capturing") != capturing():
             forward(i)
-        outs = last.pop("outs")
+        outs, leaves = last.pop("outs"), last.pop("leaves")
         last.clear()
-        backward(outs, i)
+        backward(outs, i, leaves=leaves)
 
     bwd.touch = forward
     bwd.stage = stage
     bwd.unstage = slots.clear
     return bwd
+
+
+def _note_inplace(c: CallUnderTest) -> None:
+    """Whether the call writes its inputs in place (their version counters move in one
+    forward of copy 0): its backwards then run on inputs rebuilt for each forward."""
+    ts = [t for t in flat_tensors(c.run.copies[0]) if t.requires_grad] if hasattr(
+        c.run, "copies") else []
+    before = [t._version for t in ts]
+    c.run(0)
+    c.writes_inputs = any(t._version != v for t, v in zip(ts, before))
 
 
 def _fresh_autograd(inputs):
@@ -177,10 +201,10 @@ def _cost(c: CallUnderTest, backward: _FreshBackward) -> dict:
     """FLOPs and bytes of one backward as it runs (grad-input and grad-weight, counted)."""
     from cbtrace.cost.opcount import OpCounter
 
-    outs = _grad_outputs(c.run(0))
+    outs, leaves = backward.forward(0)
     params = {id(p): n for n, p in c.module.named_parameters()}
     with OpCounter(params=params) as oc:
-        backward(outs)
+        backward(outs, leaves=leaves)
     cost = oc.cost()
     return dict(bwd_flops=cost.flops, bwd_bytes=cost.bytes, bwd_compute_dtype=cost.compute_dtype)
 
@@ -196,7 +220,7 @@ def _memory(c: CallUnderTest, backward: _FreshBackward) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outs = _grad_outputs(c.run(0))
+        outs, leaves = backward.forward(0)
     params = [p for p in c.module.parameters() if p.requires_grad]
     if c.device.type == "cuda":
         for p in params:
@@ -204,11 +228,11 @@ def _memory(c: CallUnderTest, backward: _FreshBackward) -> dict:
         torch.cuda.synchronize(c.device)
         torch.cuda.reset_peak_memory_stats(c.device)
         base = torch.cuda.memory_allocated(c.device)
-        backward(outs)
+        backward(outs, leaves=leaves)
         torch.cuda.synchronize(c.device)
         peak = max(torch.cuda.max_memory_allocated(c.device) - base, 0)
     else:
-        peak = _cpu_peak(lambda: backward(outs))
+        peak = _cpu_peak(lambda: backward(outs, leaves=leaves))
     return dict(saved_bytes=sum(saved.values()), bwd_peak_mem_bytes=int(peak),
                 grad_bytes=sum(p.numel() * p.element_size() for p in params))
 

@@ -41,6 +41,7 @@ class CallUnderTest:
     outputs: object = None         # HostIssue's last run's, for OutputCheck (no run of its own)
     timed: Callable[[int], object] | None = None  # what the timers run: ``run`` in its context
     context_note: str | None = None  # how ``timed`` differs from ``run`` (the row's timer_notes)
+    writes_inputs: bool = False    # a forward moves its inputs' version counters (in place)
 
 
 def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest:

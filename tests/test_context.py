@@ -113,3 +113,31 @@ def test_cold_replay_has_no_context(run):
     model, path = run
     df = cbtrace.replay(path, model=model, device="cpu", cold=True, **FAST).set_index("fqn")
     assert not any("context" in n for n in df.timer_notes.dropna())
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.act = nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(inplace=True)
+        self.t = nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.t(self.act(self.bn(self.a(x))))
+
+
+@pytest.mark.gpu
+def test_graph_timer_times_each_slot_inside_the_graph(tmp_path):
+    torch.manual_seed(0)
+    model = Chain().cuda().eval()
+    x = torch.randn(512, 64, device="cuda")
+    with cbtrace.capture(model, tmp_path / "run"):
+        model(x)
+    before = state_fingerprint(model)
+    df = cbtrace.replay(tmp_path / "run", model=model, device="cuda", progress=False,
+                        budget_s=0.01).set_index("fqn")
+    assert state_fingerprint(model) == before
+    assert (df.status == "ok").all(), df.status_reason.dropna().to_dict()
+    assert (df.timer == "graph").all(), df.timer_fallback.dropna().to_dict()
+    notes = df.loc["act", "timer_notes"]
+    assert "events in the graph" in notes and "context: 2 calls before (a, bn)" in notes
+    assert "1 input from their outputs" in notes
