@@ -44,9 +44,12 @@ def map_tensors(fn, obj, torchrec=None):
 
 
 def flat_tensors(obj, out=None) -> list:
-    """Every tensor reachable in ``obj`` (dataclass fields and torchrec components included)."""
+    """Every tensor reachable in ``obj`` (dataclass fields, torchrec and nested tensors'
+    components included)."""
     out = [] if out is None else out
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) and obj.is_nested:  # no single shape: its components
+        out.extend(obj.unbind())
+    elif isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, (tuple, list)):
         for v in obj:

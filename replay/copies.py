@@ -20,6 +20,8 @@ def _clone(x: torch.Tensor) -> torch.Tensor:
     tensor (stride 0, e.g. an attention mask) stays expanded, where copying element by element
     into new strided memory is refused ("more than one element ... refers to a single memory
     location")."""
+    if x.is_nested:  # no strides to keep: a nested tensor's components are copied
+        return x.detach().clone().requires_grad_(x.requires_grad)
     if x.is_conj():  # the conj/neg bits are views over the same bytes: keep them
         return _clone(x.conj()).conj()
     if x.is_neg():

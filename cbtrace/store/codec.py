@@ -9,6 +9,7 @@ from __future__ import annotations
 from cbtrace.errors import PluginError, SerializationError
 
 UNSUPPORTED = "unsupported"
+NESTED = "nested"  # a nested tensor: its components, each a tensor node, and its layout
 MAX_DEPTH = 100  # deeper nesting is almost surely a cycle
 HOW_TO_REGISTER = ("no serializer handles it; register one with the register_serializers hook "
                    "(docs/ARCHITECTURE.md, 'a serializer')")
@@ -70,6 +71,8 @@ class EncodeContext:
     def encode(self, obj) -> dict:
         if self._depth >= MAX_DEPTH:
             return unsupported(obj, f"nested more than {MAX_DEPTH} levels deep")
+        if getattr(obj, "is_nested", False) is True and type_name(obj) == "torch.Tensor":
+            return self._nested(obj)
         s = self._find(obj)
         if s is not None:
             self._depth += 1
@@ -87,6 +90,16 @@ class EncodeContext:
         """A node for tensor ``t``; its data is copied now and stored by reference."""
         return self._put_tensor(t)
 
+    def _nested(self, t) -> dict:
+        """A nested tensor (TransformerEncoder's padding-mask path makes one) as its
+        components: each a strided view, stored like any tensor."""
+        try:
+            parts = [self.encode(c.detach()) for c in t.unbind()]
+        except Exception as e:  # noqa: BLE001 - an odd nested tensor must not fail the capture
+            return unsupported(t, f"nested tensor: {e}")
+        return {"t": NESTED, "layout": str(t.layout).removeprefix("torch."), "parts": parts,
+                "rg": int(t.requires_grad)}
+
 
 class DecodeContext:
     """Given to ``Serializer.decode``: ``decode(child)`` recurses, ``tensor(node)`` loads."""
@@ -102,6 +115,8 @@ class DecodeContext:
         if kind == UNSUPPORTED:
             raise SerializationError(f"input of type {node.get('type')} was not captured: "
                                      + (node.get("why") or HOW_TO_REGISTER))
+        if kind == NESTED:
+            return self._nested(node)
         s = self._by_name.get(kind)
         if s is None:
             raise SerializationError(f"inputs_ref: no serializer named '{kind}' is registered "
@@ -110,3 +125,16 @@ class DecodeContext:
 
     def tensor(self, node: dict):
         return self._get_tensor(node)
+
+    def _nested(self, node: dict):
+        import torch
+
+        layout = {"strided": torch.strided, "jagged": torch.jagged}.get(node.get("layout"))
+        if layout is None or not isinstance(node.get("parts"), list):
+            raise SerializationError(f"inputs_ref: malformed nested tensor node "
+                                     f"(layout {str(node.get('layout'))[:40]})")
+        parts = [self.decode(p) for p in node["parts"]]
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            raise SerializationError("inputs_ref: a nested tensor component is not a tensor")
+        return torch.nested.nested_tensor(parts, layout=layout,
+                                          requires_grad=bool(node.get("rg")))
