@@ -1,21 +1,29 @@
 """What each call would save a step in its fastest mode: eager_step_ms, best_mode, speedup and
 opportunity_ms (replay/derive.py's finalize calls ``add_opportunities``).
 
-A call's cost to a step is the larger of its device time and the host time to issue it: a call
-whose host issue outlasts its kernels leaves the GPU idle for the difference.
+A call's cost on its own is the larger of its device time and the host time to issue it
+(``step_ms``): eager ``max(isolated_ms, host_ms)``; compiled ``max(compile_ms,
+compile_host_ms)``; graphed ``cudagraph_ms`` (its launch inside). On a CPU host_ms is None and
+isolated_ms is wall time.
 
-- eager: ``max(isolated_ms, host_ms)`` (host_ms is None on a CPU, where isolated_ms is wall time);
-- compile: ``max(compile_ms, compile_host_ms)`` (guards and launches of the compiled call; None
-  on a CPU, or where the column is not recorded);
-- cudagraph: ``cudagraph_ms`` (the graph's launch is inside it).
+Inside a step the host runs ahead of the device, so the step costs max(device total, host
+total) and a call's saving is what that maximum loses (``in_step_saving_ms``): device time saved
+counts while the device bounds the step, host time saved while the host does. The step's totals
+are the root call's (its isolated and host time); a graph replay's host cost is taken as its
+launch-included time (an upper bound). The best mode saves the step most (eager on ties);
+speedup is the call's own eager / best cost. A module's calls add up to its saving per step; a
+parent's saving contains its children's, so savings of different levels overlap.
 
-The best mode is the fastest of eager and the modes whose status is ok; speedup = eager / best,
-opportunity = eager - best. A module's calls add up to its saving per step; a parent's saving
-contains its children's, so savings of different levels overlap.
+``verify_in_place`` checks the estimate: each chosen module compiled in place inside the full
+model, the whole step measured with and without it (benchmarks/bench_opportunity.py).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
+import statistics
+import time
 
 
 def _num(v) -> float | None:
@@ -52,7 +60,8 @@ def mode_costs(rec) -> dict:
 
 
 def opportunity(eager_ms, modes: dict) -> tuple[str, float | None, float] | None:
-    """(best mode, speedup, opportunity ms) of one call; None without an eager figure."""
+    """(best mode, speedup, opportunity ms) of one call on its own; None without an eager
+    figure."""
     eager_ms = _num(eager_ms)
     if eager_ms is None:
         return None
@@ -60,9 +69,48 @@ def opportunity(eager_ms, modes: dict) -> tuple[str, float | None, float] | None
     return name, (eager_ms / ms if ms > 0 else None), eager_ms - ms
 
 
+def mode_figures(rec) -> dict:
+    """name -> (device ms, host ms or None) of each mode measured ok for a record (or a row)."""
+    get = rec.get if isinstance(rec, dict) else lambda k: getattr(rec, k, None)
+    out = {}
+    if get("compile_status") == "ok" and _num(get("compile_ms")) is not None:
+        out["compile"] = (_num(get("compile_ms")), _num(get("compile_host_ms")))
+    if get("cudagraph_status") == "ok" and _num(get("cudagraph_ms")) is not None:
+        out["cudagraph"] = (_num(get("cudagraph_ms")),) * 2  # launch included: host bound
+    return out
+
+
+def step_totals(rows) -> tuple[float | None, float | None]:
+    """(device ms, host ms) of the step: the ok root calls' isolated and host time summed;
+    host None where a root has none (a CPU), both None without an ok root."""
+    get = [r.get if isinstance(r, dict) else (lambda k, r=r: getattr(r, k, None)) for r in rows]
+    ids = {g("call_id") for g in get}
+    roots = [g for g in get if g("parent_call_id") not in ids and g("status") == "ok"
+             and _num(g("isolated_ms")) is not None]
+    if not roots:
+        return None, None
+    hosts = [_num(g("host_ms")) for g in roots]
+    return (sum(_num(g("isolated_ms")) for g in roots),
+            None if None in hosts else sum(hosts))
+
+
+def call_savings(rec, step_d, step_h) -> dict:
+    """mode -> what this call in that mode saves the step (ms)."""
+    d_e, h_e = _num(rec.isolated_ms), _num(rec.host_ms)
+    out = {}
+    for name, (d, h) in mode_figures(rec).items():
+        if step_d is None:  # no step to place the call in: its own cost
+            out[name] = step_ms(d_e, h_e) - step_ms(d, h)
+            continue
+        dh = None if h_e is None or h is None else h_e - h
+        out[name] = in_step_saving_ms(step_d, step_h if dh is not None else None, d_e - d, dh)
+    return out
+
+
 def add_opportunities(records) -> None:
     """Fill eager_step_ms of every ok record, and best_mode, speedup and opportunity_ms of those
     replayed in another mode (compile or cudagraph status set and not skipped), in place."""
+    step_d, step_h = step_totals(records)
     for rec in records:
         if rec.status != "ok":
             continue
@@ -70,6 +118,161 @@ def add_opportunities(records) -> None:
         if not any(s is not None and not s.startswith("skipped")
                    for s in (rec.compile_status, rec.cudagraph_status)):
             continue  # no other mode tried (not asked for, or past --modes-budget-s)
-        found = opportunity(rec.eager_step_ms, mode_costs(rec))
-        if found is not None:
-            rec.best_mode, rec.speedup, rec.opportunity_ms = found
+        if rec.eager_step_ms is None:
+            continue
+        saved = call_savings(rec, step_d, step_h)
+        best = max(saved, key=lambda m: saved[m], default=None)
+        if best is None or saved[best] <= 0:
+            rec.best_mode, rec.speedup, rec.opportunity_ms = "eager", 1.0, 0.0
+            continue
+        cost = step_ms(*mode_figures(rec)[best])
+        rec.best_mode, rec.opportunity_ms = best, saved[best]
+        rec.speedup = rec.eager_step_ms / cost if cost > 0 else None
+
+
+# ---------------------------------------------------------------- the estimate against the step
+
+
+def in_step_saving_ms(step_device_ms, step_host_ms, device_saved_ms, host_saved_ms=None):
+    """What a step saves when some of its calls get faster: the step's host runs ahead of its
+    device, so it costs max(device total, host total), and a saving of host time counts only
+    where the host bounds the step. None without the step's device time."""
+    d, h = _num(step_device_ms), _num(step_host_ms)
+    dd, dh = _num(device_saved_ms) or 0.0, _num(host_saved_ms) or 0.0
+    if d is None:
+        return None
+    if h is None:  # a CPU: the wall time is the cost
+        return dd
+    return max(d, h) - max(d - dd, h - dh)
+
+
+def compile_estimates(rows: list[dict]) -> dict[str, float]:
+    """fqn -> what compiling that module in place would save per step, from a replay's rows:
+    its calls' device and host time saved, placed in the step (``in_step_saving_ms``); only
+    modules whose every call compiled ok."""
+    step_d, step_h = step_totals(rows)
+    by_fqn: dict[str, list[dict]] = {}
+    for r in rows:
+        by_fqn.setdefault(r.get("fqn") or "", []).append(r)
+    out = {}
+    for fqn, calls in by_fqn.items():
+        figs = [mode_figures(c).get("compile") for c in calls]
+        eager = [_num(c.get("isolated_ms")) for c in calls]
+        if None in figs or None in eager:
+            continue
+        dd = sum(eager) - sum(d for d, _ in figs)
+        h_eager, h_comp = [_num(c.get("host_ms")) for c in calls], [h for _, h in figs]
+        dh = None if None in h_eager or None in h_comp else sum(h_eager) - sum(h_comp)
+        saving = in_step_saving_ms(step_d, step_h if dh is not None else None, dd, dh)
+        if saving is not None:
+            out[fqn] = saving
+    return out
+
+
+def pick_modules(estimates: dict[str, float], top: int) -> list[str]:
+    """The root ("") and the ``top`` other modules with the largest estimated saving."""
+    others = sorted((f for f in estimates if f), key=lambda f: -estimates[f])[:top]
+    return ([""] if "" in estimates else []) + others
+
+
+@dataclasses.dataclass
+class InPlace:
+    """One module compiled in place inside the full model: the step with and without it."""
+
+    fqn: str                    # "" is the root: the whole model compiled
+    estimated_ms: float | None  # the replay's estimate of the saving per step
+    eager_ms: float | None      # one step, eager (median over repeats of K steps back to back)
+    compiled_ms: float | None   # one step with this module compiled in place
+    compile_s: float | None = None  # the first compiled step (untimed)
+    status: str = "ok"          # or "error: ..." (compile or run failed)
+
+    @property
+    def measured_ms(self) -> float | None:
+        if self.eager_ms is None or self.compiled_ms is None:
+            return None
+        return self.eager_ms - self.compiled_ms
+
+    @property
+    def error_ms(self) -> float | None:
+        """Estimated minus measured saving."""
+        m = self.measured_ms
+        return None if m is None or self.estimated_ms is None else self.estimated_ms - m
+
+
+def steps_ms(step, device, *, k: int = 20, repeats: int = 5, warmup: int = 3) -> float:
+    """Median over ``repeats`` of one step's time in K steps run back to back (the host runs
+    ahead as in training): CUDA events around the K steps, perf_counter on a CPU."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            for _ in range(k):
+                step()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / k)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(k):
+                step()
+            samples.append((time.perf_counter() - t0) * 1e3 / k)
+    return statistics.median(samples)
+
+
+@contextlib.contextmanager
+def compiled_in_place(model, fqn: str, mode: str = "default"):
+    """The model with module ``fqn`` replaced on its parent by ``torch.compile(module)`` (the
+    root: the whole model compiled); put back and dynamo reset on exit."""
+    import torch
+
+    if not fqn:
+        try:
+            yield torch.compile(model, mode=mode)
+        finally:
+            torch._dynamo.reset()
+        return
+    parent_name, _, name = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    original = getattr(parent, name)
+    setattr(parent, name, torch.compile(original, mode=mode))
+    try:
+        yield model
+    finally:
+        setattr(parent, name, original)
+        torch._dynamo.reset()
+
+
+def verify_in_place(model, run_step, fqns: list[str], estimates: dict[str, float], device, *,
+                    mode: str = "default", k: int = 20, repeats: int = 5) -> list[InPlace]:
+    """Per module of ``fqns``: the whole step (``run_step(model)``) eager and with that module
+    compiled in place, measured back to back; a module that fails to compile or run is a row
+    with its status."""
+    import torch
+
+    from cbtrace.replay.modes import one_line
+
+    rows = []
+    for fqn in fqns:
+        torch._dynamo.reset()
+        eager = steps_ms(lambda: run_step(model), device, k=k, repeats=repeats)
+        row = InPlace(fqn, estimates.get(fqn), eager, None)
+        try:
+            with compiled_in_place(model, fqn, mode) as m:
+                t0 = time.perf_counter()
+                run_step(m)
+                if torch.device(device).type == "cuda":
+                    torch.cuda.synchronize(device)
+                row.compile_s = time.perf_counter() - t0
+                row.compiled_ms = steps_ms(lambda: run_step(m), device, k=k, repeats=repeats)
+        except Exception as e:  # noqa: BLE001 - one module failing leaves the others' rows
+            row.status = f"error: {one_line(e)}"
+        rows.append(row)
+    return rows

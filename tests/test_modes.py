@@ -67,7 +67,8 @@ def test_opportunity_of_hand_worked_calls():
                     cudagraph_status="unavailable: needs CUDA")
     plain = record("d", 3, isolated_ms=1.0, status="ok")         # replayed without --modes
     broken = record("e", 4, status="error", compile_status="error: x")
-    opp.add_opportunities([gpu, cpu, failed, plain, broken])
+    opp.add_opportunities([gpu])  # a step of its own: a GPU's calls and a CPU's never mix
+    opp.add_opportunities([cpu, failed, plain, broken])
     assert (gpu.eager_step_ms, gpu.best_mode) == (0.08, "cudagraph")
     assert gpu.speedup == pytest.approx(0.08 / 0.055) and gpu.opportunity_ms == pytest.approx(0.025)
     assert (cpu.eager_step_ms, cpu.best_mode) == (2.0, "compile")
@@ -78,6 +79,33 @@ def test_opportunity_of_hand_worked_calls():
     # without compile_host_ms the compiled call costs its device time
     assert opp.mode_costs({"compile_status": "ok", "compile_ms": 0.03}) == {"compile": 0.03}
     assert opp.best_of(1.0, {"compile": 1.0}) == ("eager", 1.0)  # ties stay eager
+
+
+def test_in_step_saving_counts_host_time_only_where_the_host_bounds_the_step():
+    assert opp.in_step_saving_ms(10, 6, 1, 2) == 1       # device-bound: the device saving
+    assert opp.in_step_saving_ms(4, 10, 1, 3) == 3       # host-bound: the host saving
+    assert opp.in_step_saving_ms(9, 10, 3, 0.5) == 0.5   # host-bound, little host saved
+    assert opp.in_step_saving_ms(9, 10, 1, 5) == 2       # crosses over: device bounds it after
+    assert opp.in_step_saving_ms(5, None, 2, None) == 2  # CPU: wall time
+    assert opp.in_step_saving_ms(None, 3, 1, 1) is None
+
+
+def test_compile_estimates_place_each_module_in_the_step():
+    def r(fqn, cid, parent, **kw):
+        return dict(fqn=fqn, call_id=cid, parent_call_id=parent, status="ok",
+                    compile_status="ok", **kw)
+
+    rows = [r("", 0, -1, isolated_ms=4.0, host_ms=10.0, compile_ms=2.5, compile_host_ms=6.0),
+            r("a", 1, 0, isolated_ms=1.0, host_ms=3.0, compile_ms=0.5, compile_host_ms=1.0),
+            r("b", 2, 0, isolated_ms=1.0, host_ms=0.5, compile_ms=0.2, compile_host_ms=0.6),
+            r("b", 3, 0, isolated_ms=1.0, host_ms=0.5, compile_ms=0.2, compile_host_ms=0.6),
+            {**r("c", 4, 0, isolated_ms=1.0, host_ms=1.0), "compile_status": "error: x"}]
+    est = opp.compile_estimates(rows)
+    # the step is host-bound (device 4, host 10): root max(4, 10) - max(2.5, 6) = 4; a saves
+    # 2 ms of host; b saves 1.6 ms of device but costs 0.2 ms more host: -0.2; c never compiled
+    assert est == pytest.approx({"": 4.0, "a": 2.0, "b": -0.2})
+    assert opp.pick_modules(est, 1) == ["", "a"]
+    assert opp.pick_modules(est, 5) == ["", "a", "b"]
 
 
 def _hand_run():
@@ -299,6 +327,41 @@ def test_a_kind_that_recompiles_per_module_gets_entries_of_its_own():
         cache.compiled_again(key, b)
     assert cache.misses["k"] == SHARE_MISSES  # the first block's compile is no miss
     assert cache.key(blocks[-1], rec) == ("module", id(blocks[-1]))
+
+
+def test_verify_in_place_measures_each_chosen_module_in_the_whole_step(tmp_path):
+    model = nn.Sequential(Block(), Block(), nn.Linear(8, 4)).eval()
+    df = _replay_small(tmp_path, model, modes=("compile",), max_depth=1).reset_index()
+    est = opp.compile_estimates(record_rows(df))
+    assert set(est) == {"", "0", "1", "2"}  # every module compiled ok in the replay
+    fqns = opp.pick_modules(est, 2)
+    x = torch.randn(4, 8)
+    want = model(x).detach()
+
+    def step(m):
+        with torch.no_grad():
+            return m(x)
+
+    rows = opp.verify_in_place(model, step, fqns, est, "cpu", k=3, repeats=2)
+    assert [r.fqn for r in rows] == fqns and fqns[0] == "" and len(rows) == 3
+    for r in rows:
+        assert r.status == "ok" and r.estimated_ms == est[r.fqn]
+        assert r.eager_ms > 0 and r.compiled_ms > 0 and r.compile_s > 0
+        assert r.measured_ms == r.eager_ms - r.compiled_ms
+        assert r.error_ms == r.estimated_ms - r.measured_ms
+    # the model is put back as it was: its own modules, the same outputs
+    assert [type(m) for m in model] == [Block, Block, nn.Linear]
+    torch.testing.assert_close(step(model), want)
+
+
+def test_verify_in_place_keeps_a_row_for_a_module_that_fails(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), NoCompile()).eval()
+    x = torch.randn(4, 8)
+    rows = opp.verify_in_place(model, lambda m: m(x), ["1"], {}, "cpu", k=2, repeats=1,
+                               mode="no-such-mode")
+    assert len(rows) == 1 and rows[0].status.startswith("error: RuntimeError: Unrecognized mode")
+    assert rows[0].eager_ms > 0 and rows[0].measured_ms is None and rows[0].estimated_ms is None
+    assert type(model[1]) is NoCompile
 
 
 def test_modes_past_their_budget_are_skipped_with_a_note(tmp_path):
