@@ -14,7 +14,9 @@
 # and without another thread profiled); pinned: bench_pinned_ring.py (the read-ahead ring's first
 # pinned allocation, by way of allocating); digest: bench_state_digest.py on the GPU (whole
 # vs sampled state digests); shards: bench_shard_writes.py (capture's input writes by shard size
-# and writer count, SHARD_CASES, SHARD_CONFIGS); memory: probe_memory.py (GPU memory call by call in a train replay).
+# and writer count, SHARD_CASES, SHARD_CONFIGS); memory: probe_memory.py (GPU memory call by call in a train replay);
+# fidelity: fidelity_zoo.py bf16 (per model: share of calls >= 10 us within 5 %, class medians, root,
+# < 10 us median |error|; FIDELITY_MODELS comma-separated, FIDELITY_ARGS e.g. "--step train", "--no-context").
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -61,5 +63,7 @@ overhead)
     timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probe_replay_overhead.py /tmp/overhead $M --top 40 ${OVERHEAD_CPROFILE:+--cprofile} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_$M.log
     head -${OVERHEAD_LINES:-30} $OUT/overhead_$M.log
   done ;;
+fidelity)
+  timeout ${FIDELITY_TIMEOUT:-580} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/fidelity --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models ${FIDELITY_MODELS:-nanogpt,dlrm,dcn,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base} ${FIDELITY_ARGS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/fidelity_zoo.log | tail -60 ;;
 esac
 done
