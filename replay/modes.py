@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import statistics
 import time
 import warnings
@@ -43,7 +44,7 @@ import torch
 from cbtrace.replay.call import CallUnderTest
 from cbtrace.replay.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing, root_cause,
                                           side_stream_warmup, watch_capture_checks)
-from cbtrace.replay.steps import HostIssue, Timed, timing_config
+from cbtrace.replay.steps import Timed, timing_config
 from cbtrace.replay.limits import CallTimeout
 from cbtrace.replay.timing import join_notes
 
@@ -180,15 +181,48 @@ def counted_since(before: dict) -> DynamoCounts:
                         moved("stats", "unique_graphs"), reasons)
 
 
+ISSUE_MIN_MS = 2.0    # steady_issue_ms: enough calls back to back to span this much host time
+ISSUE_MAX_CALLS = 50
+
+
+def steady_issue_ms(run, n_copies: int, device, *, warmup: int = 3, repeats: int = 3) -> float:
+    """Host ms to issue one call in steady state: after ``warmup`` calls (guards, caches and
+    allocator warm), K calls back to back with no sync, their wall / K, median of ``repeats``
+    (K: enough calls for ISSUE_MIN_MS, at most ISSUE_MAX_CALLS). Should the launch queue fill,
+    the figure becomes the device's pace, which the step would pay anyway. Each call's outputs
+    go before the next (one call's activations alive at a time, as in the step)."""
+    def sync():
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for i in range(warmup):
+        run(i % n_copies)
+    sync()
+    t0 = time.perf_counter()
+    run(0)
+    one_ms = (time.perf_counter() - t0) * 1e3
+    sync()
+    k = max(2, min(ISSUE_MAX_CALLS, math.ceil(ISSUE_MIN_MS / max(one_ms, 1e-3))))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(k):
+            run(i % n_copies)
+        samples.append((time.perf_counter() - t0) * 1e3 / k)
+        sync()
+    return statistics.median(samples)
+
+
 class Compiled:
     """compile_ms (timed as isolated_ms), compile_status, compile_s, compile_graphs, and on
-    CUDA compile_host_ms (host time to issue the compiled call: guards and launches)."""
+    CUDA compile_host_ms (host time to issue the compiled call in steady state: guards and
+    launches, ``steady_issue_ms``)."""
 
     name = "compile"
 
     def __init__(self, cfg, chain: list[str], backends: dict):
         self.mode = cfg.compile_mode
-        self.timed, self.host = Timed(chain, backends, cfg), HostIssue(cfg.host_runs)
+        self.timed = Timed(chain, backends, cfg)
         self.cache = EntryCache(self.mode)
         self.compiles: dict[int, tuple] = {}  # call_id -> (compile_s, graphs) of its first replay
 
@@ -221,7 +255,8 @@ class Compiled:
         try:
             # the eager row's device_ms sizes K; the same timer chain and settings as eager
             timed = self.timed.run(dataclasses.replace(c, run=run, row=dict(c.row)))
-            host = self.host.run(dataclasses.replace(c, run=run, outputs=None))["host_ms"]
+            host = steady_issue_ms(run, c.n_copies, c.device) if c.device.type == "cuda" \
+                else None
         except CallTimeout:
             raise
         except Exception as e:  # noqa: BLE001

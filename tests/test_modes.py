@@ -302,6 +302,22 @@ def test_identical_blocks_compile_once_and_run_with_their_own_weights(tmp_path):
     assert counters["stats"]["unique_graphs"] - before == 3
 
 
+def test_steady_issue_time_runs_warm_calls_back_to_back():
+    from cbtrace.replay.modes import ISSUE_MAX_CALLS, steady_issue_ms
+
+    copies = []
+
+    def run(i):
+        copies.append(i)
+        return torch.ones(4) * i
+
+    ms = steady_issue_ms(run, 3, "cpu", warmup=3, repeats=2)
+    assert ms > 0
+    # 3 warm-up calls, one to size K, then 2 x K back to back (a call this short: K at its cap)
+    assert len(copies) == 3 + 1 + 2 * ISSUE_MAX_CALLS
+    assert copies[:4] == [0, 1, 2, 0] and copies[4:7] == [0, 1, 2]  # input copies rotate
+
+
 def test_a_shared_entry_runs_each_module_with_its_own_parameters():
     from cbtrace.replay.modes import EntryCache
 
