@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-MIN_MS, WITHIN_PCT = 0.010, 5.0
+from fidelity_zoo import MIN_MS, WITHIN_PCT, fidelity  # one definition of the figures
+
 GPU = dict(device="cuda", dtype="bf16")
 ZOO = str(Path(__file__).resolve().parent / "zoo.py")
 REAL = {"size": "real"}
@@ -31,9 +32,13 @@ MODELS = {
     "resnet50": dict(spec=f"{ZOO}:tv_resnet50", options=REAL, **GPU),      # torchvision, batch 64
     "gpt2-compiled": dict(spec=f"{ZOO}:compiled_nanogpt", options=REAL, **GPU),
     "dlrm-large": dict(spec="dlrm:large", options={}, **GPU),               # 1,022 calls
+    "dcn": dict(spec="dcn", options={}, **GPU),                  # 64 tables of 2-48 MB, batch 8192
+    "dcn-large": dict(spec="dcn:large", options={}, **GPU),      # 256 tables, ~1,100 calls
+    "hstu": dict(spec="hstu", options={}, **GPU),                # jagged histories up to 1024
     "nanogpt-train": dict(spec="nanogpt", options={"batch_size": 8}, step="train", **GPU),
     "nanogpt-tiny-cpu": dict(spec="nanogpt:tiny", device="cpu", dtype=None, options={}),
     "dlrm-tiny-cpu": dict(spec="dlrm:tiny", device="cpu", dtype=None, options={}),
+    "dcn-tiny-cpu": dict(spec="dcn:tiny", device="cpu", dtype=None, options={}),
 }
 # NAME+VARIANT[+...]: the same model replayed with other settings, side by side in one table
 VARIANTS = {"warm": {"warm_inputs": True},        # inputs rewritten in place before each call
@@ -76,17 +81,15 @@ def against(df, base) -> dict:
 def summary(name, df, wall_s, outside_s):
     """One row of the model table (a dict)."""
     status = df["status"].value_counts().to_dict()
-    timed = df[(df["status"] == "ok") & (df["insitu_ms"] >= MIN_MS)]
-    within = (timed["error_pct"].abs() <= WITHIN_PCT).mean() if len(timed) else float("nan")
-    root = df[df["parent_call_id"] == -1]
+    fid, _ = fidelity(df)
     # timed work: the time inside the timers' events, K calls per graph replay (timed_ms);
     # duty_old is the figure earlier sessions reported (one call per replay: isolated x runs)
     device_s = df["timed_ms"].fillna(0).sum() / 1e3
     old_s = (df["isolated_ms"].fillna(0) * df["runs"].fillna(0)).sum() / 1e3
     return {"model": name, "calls": len(df), "ok": status.get("ok", 0),
             "skipped": status.get("skipped", 0), "error": status.get("error", 0),
-            "calls>=10us": len(timed), "within5%": within,
-            "root_err%": float(root["error_pct"].iloc[0]) if len(root) else float("nan"),
+            "calls>=10us": fid["n>=10us"], "within5%": fid["within5%"] / 100,
+            "root_err%": fid["root_err%"], "<10us|err|%": fid["<10us_|err|_med%"],
             "replay_wall_s": wall_s, "outside_loop_s": outside_s,
             "timed_s": device_s, "duty": device_s / wall_s if wall_s else float("nan"),
             "duty_old": old_s / wall_s if wall_s else float("nan")}
