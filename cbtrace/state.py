@@ -45,6 +45,11 @@ def saved_copies(tensors: list) -> list:
     return out
 
 
+def _slot(table, name):
+    """``table.get(name)`` that a TorchScript module's parameter/buffer table (no ``get``) takes."""
+    return table[name] if name in table else None
+
+
 class StateGuard:
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -86,13 +91,13 @@ class StateGuard:
     def _undo_writes(self) -> None:
         with torch.no_grad():
             for m, name, orig, saved in self.buffers:
-                if m._buffers.get(name) is not orig:  # reassigned (self.n = self.n + 1)
+                if _slot(m._buffers, name) is not orig:  # reassigned (self.n = self.n + 1)
                     m._buffers[name] = orig
                     self.restored.append(name)
                 orig.copy_(saved)
             done = set()  # a tied weight (two entries, one tensor) is restored once
             for m, name, orig, saved, ptr, version in self.params:
-                if m._parameters.get(name) is not orig:  # a new Parameter was assigned
+                if _slot(m._parameters, name) is not orig:  # a new Parameter was assigned
                     m._parameters[name] = orig
                     self.restored.append(name)
                 if id(orig) in done:
