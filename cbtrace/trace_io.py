@@ -4,11 +4,17 @@
 dict (for small traces and for writing annotated copies); ``stream_trace`` decodes the
 ``traceEvents`` array chunk by chunk, so a trace larger than memory can still be read: only one
 chunk of decompressed bytes is held at a time, and the caller keeps only what it decodes.
+
+A trace may be hostile: gzip input is inflated at most ``max_gzip_ratio()`` times its compressed
+size (checked as it streams, once past ``RATIO_FLOOR_BYTES``), JSON nested deeper than the
+decoders' recursion limit is refused, and so is an event with no end in ``MAX_EVENT_BYTES``;
+each is one ``TraceLimitError`` line.
 """
 from __future__ import annotations
 
 import gzip
 import json
+import os
 import zlib
 from pathlib import Path
 from typing import Callable, Iterator
@@ -24,6 +30,38 @@ CHUNK_BYTES = 1 << 20  # decompressed bytes decoded at a time
 _READ_BYTES = 1 << 20  # compressed bytes read at a time
 _PIECE_BYTES = 1 << 20  # most decompressed bytes produced at a time
 _KEY = b'"traceEvents"'
+RATIO_ENV = "CBTRACE_MAX_GZIP_RATIO"
+# Kineto's JSON gzips about 10-30x; a gzip bomb inflates about 1000x
+DEFAULT_MAX_RATIO = 200
+RATIO_FLOOR_BYTES = 32 << 20  # a small trace may inflate at any ratio
+MAX_EVENT_BYTES = 256 << 20  # undecoded bytes with no event boundary: not a Kineto trace
+
+
+class TraceLimitError(TraceError):
+    """A trace past a safety limit (inflation ratio, nesting, event size): refused outright."""
+
+
+def max_gzip_ratio() -> float:
+    """The most a gzip trace may inflate (times its compressed size); 0: no limit."""
+    text = os.environ.get(RATIO_ENV, "")
+    try:
+        return float(text) if text.strip() else DEFAULT_MAX_RATIO
+    except ValueError:
+        raise TraceError(f"{RATIO_ENV}={text!r}: expected a number (0: no limit)") from None
+
+
+def check_ratio(path, compressed: int, inflated: int, limit: float) -> None:
+    """TraceLimitError if ``inflated`` bytes from ``compressed`` bytes pass ``limit``."""
+    if limit and inflated > RATIO_FLOOR_BYTES and inflated > limit * max(compressed, 1):
+        raise TraceLimitError(
+            f"{path}: gzip data inflates over {limit:g}x ({compressed} bytes read gave "
+            f"{inflated}): refusing a possible gzip bomb (raise the limit with {RATIO_ENV}=N, "
+            "0 for none)")
+
+
+def too_deep(path) -> TraceLimitError:
+    return TraceLimitError(f"{path}: JSON nested too deeply to decode (past the decoder's "
+                           "recursion limit): not a Kineto trace")
 
 
 def is_gzip(path) -> bool:
@@ -43,10 +81,15 @@ def iter_bytes(path, read_bytes: int = _READ_BYTES) -> Iterator[bytes]:
                 yield piece
             return
         d = _inflate.decompressobj(wbits=31)
+        limit, inflated = max_gzip_ratio(), 0
         try:
             while piece := f.read(read_bytes):
                 while piece:
-                    yield d.decompress(piece, _PIECE_BYTES)
+                    out = d.decompress(piece, _PIECE_BYTES)
+                    inflated += len(out)
+                    check_ratio(path, f.tell() - len(d.unconsumed_tail) - len(d.unused_data),
+                                inflated, limit)
+                    yield out
                     piece = d.unconsumed_tail
                     if not piece and d.unused_data:  # next gzip member
                         piece, d = d.unused_data, _inflate.decompressobj(wbits=31)
@@ -62,6 +105,8 @@ def read_trace(path) -> dict:
         obj = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TraceError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise too_deep(path) from None
     if isinstance(obj, list):
         obj = {"traceEvents": obj}
     if not isinstance(obj, dict):
@@ -90,6 +135,8 @@ def _decode_meta(path, text: bytes, *, head: bool) -> dict:
         meta = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TraceError(f"{path}: corrupt trace metadata ({e})") from None
+    except RecursionError:
+        raise too_deep(path) from None
     return meta if isinstance(meta, dict) else {}
 
 
@@ -137,6 +184,13 @@ def stream_trace(path, decode: Callable[[bytes], list], *, chunk_bytes: int = CH
     it must raise ``ValueError`` (msgspec's DecodeError is one) on malformed input.
     Memory: the undecoded tail plus about ``chunk_bytes`` of text and its decoded list.
     """
+    try:
+        yield from _stream(path, decode, chunk_bytes)
+    except RecursionError:
+        raise too_deep(path) from None
+
+
+def _stream(path, decode, chunk_bytes: int):
     pieces = iter_bytes(path)
     buf = bytearray()
     meta: dict = {}
@@ -158,6 +212,9 @@ def stream_trace(path, decode: Callable[[bytes], list], *, chunk_bytes: int = CH
         if len(buf) - start < chunk_bytes:
             continue
         events, end = _split(path, buf, start, decode)
+        if events is None and len(buf) - start > MAX_EVENT_BYTES:
+            raise TraceLimitError(f"{path}: no event boundary in {MAX_EVENT_BYTES >> 20} MiB of "
+                                  "traceEvents: not a Kineto trace")
         if events is not None:
             yield "events", events
             del buf[:end]

@@ -8,7 +8,8 @@ The trace passes through in chunks and is copied byte for byte, except:
 
 Event boundaries come from a vectorised structural scan (numpy): quote parity tells which
 braces lie outside strings, and a running depth finds the items of the ``traceEvents`` array.
-Memory is bounded by the chunk size plus the longest event.
+Memory is bounded by the chunk size plus the longest event; gzip inflation and nesting depth
+are bounded as in ``cbtrace.trace_io`` (a hostile trace is one ``TraceLimitError`` line).
 """
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ from typing import Callable, Iterator
 import numpy as np
 
 from cbtrace.errors import TraceError
+from cbtrace.trace_io import MAX_EVENT_BYTES, TraceLimitError, check_ratio, max_gzip_ratio, too_deep
 
 CHUNK_BYTES = 1 << 22
 GZIP_LEVEL = 6  # zlib level 6: ~1.1x the size of torch's level-9 file at ~3x its speed
 MARKERS = (b"cbtrace::", b"nn.Module: ", b"ProfilerStep#")
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*$')
 _OPEN = (ord("{"), ord("["))
+MAX_DEPTH = 256  # Kineto's events nest under 10 deep; json.loads recurses once per level
 
 
 def read_chunks(path: Path, size: int = CHUNK_BYTES) -> Iterator[bytes]:
@@ -38,9 +41,13 @@ def read_chunks(path: Path, size: int = CHUNK_BYTES) -> Iterator[bytes]:
                 yield block
             return
         d = zlib.decompressobj(47)
+        limit, inflated = max_gzip_ratio(), 0
         while block := f.read(1 << 20):
             while block:
                 out = d.decompress(block, size)
+                inflated += len(out)
+                check_ratio(path, f.tell() - len(d.unconsumed_tail) - len(d.unused_data),
+                            inflated, limit)
                 if out:
                     yield out
                 if d.unconsumed_tail:
@@ -102,7 +109,8 @@ class Sink:
 class Scanner:
     """Finds the items of ``traceEvents`` in a stream fed chunk by chunk."""
 
-    def __init__(self):
+    def __init__(self, path=None):
+        self.path = path
         self.pos = 0          # absolute offset of the next chunk
         self.in_str = 0       # 1 if the previous chunk ended inside a string
         self.depth = 0        # nesting depth at the end of the previous chunk
@@ -127,6 +135,9 @@ class Scanner:
         self.in_str = (self.in_str + len(q)) & 1
         if len(after):
             self.depth = int(after[-1])
+            if after.max() > MAX_DEPTH:
+                raise TraceLimitError(f"{self.path}: JSON nested over {MAX_DEPTH} deep near byte "
+                                      f"{self.pos}: not a Kineto trace")
         stripped = chunk.rstrip(b"\\")
         self.bs_run = (self.bs_run if not stripped else 0) + len(chunk) - len(stripped)
         self.lookback = (self.lookback + chunk)[-64:]
@@ -175,7 +186,7 @@ def rewrite(src: Path, dst_file, *, on_event: Callable[[dict], dict | None],
             head: bytes = b"", tail: Callable[[], list] = list, gz: bool = False,
             chunk_bytes: int | None = None) -> dict:
     """Stream ``src`` into ``dst_file`` (binary), rewriting marked events; returns byte counts."""
-    sink, scan = Sink(dst_file, gz), Scanner()
+    sink, scan = Sink(dst_file, gz), Scanner(src)
     buf, buf_at, written = bytearray(), 0, 0  # buf holds stream bytes [buf_at, buf_at+len(buf))
     pending = None  # start of an item whose end has not been seen yet
     head_done, tail_done = not head, False
@@ -195,6 +206,9 @@ def rewrite(src: Path, dst_file, *, on_event: Callable[[dict], dict | None],
             sink.write(_tail_bytes(tail(), scan.n_items > 0))
             written, tail_done = close, True
         keep = max(written, pending if pending is not None else scan.pos)
+        if scan.pos - keep > MAX_EVENT_BYTES:
+            raise TraceLimitError(f"{src}: an event of over {MAX_EVENT_BYTES >> 20} MiB at byte "
+                                  f"{keep}: not a Kineto trace")
         sink.write(buf[written - buf_at:keep - buf_at])
         del buf[:keep - buf_at]
         written = buf_at = keep
@@ -239,6 +253,8 @@ def _rewrite_spans(buf, buf_at, written, starts, ends, sink, on_event) -> int:
             ev = json.loads(bytes(buf[s - buf_at:e - buf_at + 1]))
         except ValueError as err:
             raise TraceError(f"trace event at byte {s} is not valid JSON ({err})") from None
+        except RecursionError:
+            raise too_deep(f"trace event at byte {s}") from None
         new = on_event(ev)
         if new is not None:
             sink.write(buf[written - buf_at:s - buf_at])

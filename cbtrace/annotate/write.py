@@ -58,8 +58,12 @@ def _attribution(trace: Path, run=None):
     except ImportError:
         return None
 
+    from cbtrace.trace_io import TraceLimitError
+
     try:
         df = attribute(trace, capture_run=run, aggregate=False)
+    except TraceLimitError:
+        raise  # a hostile trace is refused, not annotated
     except TraceError as e:
         warnings.warn(f"{trace}: no in-situ attribution ({e}); annotating with slice durations")
         return None
