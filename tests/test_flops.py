@@ -290,3 +290,50 @@ def test_shared_gpu_trace_events(shared_traces):
     assert checked > 100
     # one by hand: aten::bmm [[2048, 160, 45], [2048, 45, 20]] -> 2*2048*160*45*20 = 589824000
     assert trace_op_cost("aten::bmm", [[2048, 160, 45], [2048, 45, 20]], ["float", "float"], None).flops == 589824000
+
+
+def _quiet_quantized():
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*quantize.*deprecated", category=UserWarning)
+
+
+def test_dynamic_quantized_linear_counts_like_its_float_version():
+    _quiet_quantized()
+    torch.manual_seed(0)
+    fp = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    q = torch.ao.quantization.quantize_dynamic(fp, {nn.Linear}, dtype=torch.qint8)
+    x = torch.randn(4, 64)
+    with OpCounter() as qc:
+        q(x)
+    with OpCounter() as fc:
+        fp(x)
+    names = [op.name for op in qc.cost().ops]
+    assert names.count("quantized::linear_dynamic") == 2
+    # by hand: 2*4*64*32 + 4*32 (relu) + 2*4*32*8
+    assert qc.cost().flops == fc.cost().flops == 16384 + 128 + 2048
+    assert qc.cost().unknown_ops == 0
+    first = qc.cost().ops[0].cost
+    assert first.bytes == 4 * 64 * 4 + 32 * 64 * 1 + 4 * 32 * 4  # float X, int8 weight, float Y
+
+
+def test_quantized_conv_counts_like_its_float_version():
+    _quiet_quantized()
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 9, 9)
+    qx = torch.quantize_per_tensor(x, 0.1, 0, torch.quint8)
+    qconv = torch.ao.nn.quantized.Conv2d(4, 8, 3, stride=2, padding=1)
+    with OpCounter() as qc:
+        qconv(qx)
+    with OpCounter() as fc:
+        nn.Conv2d(4, 8, 3, stride=2, padding=1)(x)
+    assert [op.name for op in qc.cost().ops] == ["quantized::conv2d"]
+    # by hand: 2 * N 2 * out 5x5 * C_out 8 * k 3x3 * C_in 4
+    assert qc.cost().flops == fc.cost().flops == 2 * 2 * 25 * 8 * 9 * 4
+
+
+def test_packed_weight_missing_gives_no_figure():
+    """A Kineto event has no dims for the packed weight: no figure, never a wrong one."""
+    assert op_cost("quantized::linear_dynamic", [(4, 64), None, None], ["float32"]) is None
+    assert trace_op_cost("quantized::linear_dynamic", [[4, 64], [], []],
+                         ["float", "ScriptObject", "Scalar"], ["", "", "True"]) is None

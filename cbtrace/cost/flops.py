@@ -803,3 +803,54 @@ def _native_dropout(x):
     # draw + compare + scale = 3 per element; writes the output and a bool mask.
     n = _numel(x.shape(0))
     return _cost(3 * n, x, n + n // itemsize(x.dtype(0)))
+
+
+# ---------------------------------------------------------------- quantized (torch.ao)
+# Quantized ops take their weight packed (a LinearPackedParamsBase / ConvPackedParamsBase
+# script object) and are counted like their float versions: 2*M*K*N, the conv formula. Only a
+# live call hands the packed object over; a Kineto event records no dims for it (in-situ from a
+# trace reads no FLOPs for these ops).
+
+def _packed(x, name):
+    """(weight shape, weight bytes, packed object) of a packed-weight argument."""
+    packed = x.get(name, required=True)
+    unpack = getattr(packed, "unpack", None)
+    if unpack is None:
+        raise _Unknown(name)
+    w = unpack()[0]
+    return tuple(w.shape), w.numel() * w.element_size(), packed
+
+
+_QLINEAR_DYNAMIC = ("X", "W_prepack", "reduce_range")
+_QLINEAR = ("X", "W_prepack", "Y_scale_i", "Y_zero_point_i")
+
+
+@flop_formula("quantized::linear_dynamic", "quantized::linear_relu_dynamic",
+              params=_QLINEAR_DYNAMIC)
+@flop_formula("quantized::linear_dynamic_fp16", "quantized::linear_relu_dynamic_fp16",
+              params=_QLINEAR_DYNAMIC[:2])
+@flop_formula("quantized::linear", "quantized::linear_relu", params=_QLINEAR)
+def _quantized_linear(x):
+    inp = x.shape(0)
+    (n, k), w_bytes, _ = _packed(x, "W_prepack")
+    m = _numel(inp[:-1])
+    return _cost(2 * m * k * n, x, m * n, read=_read_all(x) + w_bytes)
+
+
+@flop_formula("quantized::conv1d", "quantized::conv2d", "quantized::conv3d",
+              "quantized::conv1d_relu", "quantized::conv2d_relu", "quantized::conv3d_relu",
+              "quantized::conv_transpose1d", "quantized::conv_transpose2d",
+              "quantized::conv_transpose3d",
+              params=("qx", "packed_weight", "output_scale", "output_zero_point"))
+def _quantized_conv(x):
+    inp = x.shape(0)
+    weight, w_bytes, p = _packed(x, "packed_weight")
+    transposed = bool(p.transpose())
+    if len(inp) == 3 and len(weight) == 4:  # conv1d packs its weight as 2-d (a unit height)
+        weight = weight[:2] + weight[3:]
+    out_sp = _conv_out_spatial(inp, weight, p.stride()[-len(inp) + 2:],
+                               p.padding()[-len(inp) + 2:], p.dilation()[-len(inp) + 2:],
+                               transposed, p.output_padding()[-len(inp) + 2:] if transposed else 0)
+    c_out = weight[1] * p.groups() if transposed else weight[0]
+    return _cost(_conv_flops(inp, weight, out_sp, transposed), x, inp[0] * c_out * _numel(out_sp),
+                 read=_read_all(x) + w_bytes)
