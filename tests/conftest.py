@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # tests see only the plugins they register (tests/test_plugins.py unsets it for its subprocesses)
 os.environ["CBTRACE_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+# runs are signed with a key of the suite's own, never the user's ~/.config/cbtrace/key
+os.environ.setdefault("CBTRACE_CONFIG_DIR", tempfile.mkdtemp(prefix="cbtrace-config-"))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

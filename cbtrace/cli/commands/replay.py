@@ -27,7 +27,9 @@ from cbtrace.replay.config import ReplayConfig
                    "the run's options and seed) instead of the run's")
 @click.option("--trust", is_flag=True,
               help="rebuild the model from the run's own spec even if it names code "
-                   "(file.py:fn, pkg.module:fn), which then runs: only for runs you trust")
+                   "(file.py:fn, pkg.module:fn) and the run is not signed by you, which then "
+                   "runs: only for runs you trust (runs you capture are signed; a run from "
+                   "elsewhere: cbtrace trust RUN)")
 @click.option("--timeout-s", type=click.FloatRange(min=0), default=ReplayConfig.timeout_s,
               show_default=True,
               help="a call running longer ends status=timeout and replay goes on (0: no limit)")
@@ -57,8 +59,9 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, re
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
     Writes the results into RUN/modules.parquet and prints the slowest modules. The model is
-    rebuilt from the run's spec only if that names a registered provider (cbtrace models);
-    otherwise name it with --model SPEC, or pass --trust to run the code the run names.
+    rebuilt from the run's spec only if that names a registered provider (cbtrace models) or
+    the run is signed by you (captured here, or cbtrace trust RUN); otherwise name it with
+    --model SPEC, or pass --trust to run the code the run names.
     Example: cbtrace replay runs/gpt --timer auto
     """
     if nproc is not None and "LOCAL_RANK" not in os.environ:  # not yet under torchrun
