@@ -48,6 +48,11 @@ DEFAULT_MODELS = "nanogpt,dlrm,dcn,hstu,resnet50,efficientnet_b0,convnext_tiny,v
 # the modules table's columns of each phase: status, in-situ ms, error %
 PHASES = {"fwd": ("status", "insitu_ms", "error_pct"),
           "bwd": ("bwd_status", "bwd_insitu_ms", "bwd_error_pct")}
+# per call, for <model>_rows.csv.gz (what a miss is looked into with)
+ROW_COLUMNS = ("fqn", "module_type", "status", "status_reason", "timer", "timer_notes",
+               "insitu_ms", "isolated_ms", "error_pct", "device_ms", "host_ms", "kernel_count",
+               "bwd_status", "bwd_status_reason", "bwd_insitu_ms", "bwd_ms", "bwd_error_pct",
+               "bwd_timer_notes")
 COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
            "root_err%", "<10us_|err|_med%")
 
@@ -166,6 +171,8 @@ def main(argv=None) -> int:
         finally:
             if not args.keep_runs:
                 shutil.rmtree(runs / name, ignore_errors=True)
+        keep = [c for c in ROW_COLUMNS if c in df.columns]
+        df[keep].to_csv(out / f"{name}_rows.csv.gz", index=False)
         phases = ["fwd", "bwd"] if args.step == "train" else ["fwd"]
         model_rows, classes = [], []
         for phase in phases:

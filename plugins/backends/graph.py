@@ -61,24 +61,6 @@ def capture(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.
     return g
 
 
-def capture_slots(call, n_copies: int, k: int, stream) -> tuple:
-    """k slots in one graph, each ``call.before(i)`` (untimed context), then ``call(i)`` between
-    two events recorded inside the graph (external events): each slot's call is timed alone,
-    with nothing subtracted. Returns (graph, [(start, end)] per slot)."""
-    pairs = [(torch.cuda.Event(enable_timing=True, external=True),
-              torch.cuda.Event(enable_timing=True, external=True)) for _ in range(k)]
-    slots = iter(pairs)
-
-    def one(i: int) -> None:  # capture passes copy i = slot j % n_copies, in slot order
-        start, end = next(slots)
-        call.before(i)
-        start.record()
-        call(i)
-        end.record()
-
-    return capture(one, n_copies, k, None, stream), pairs
-
-
 def staged(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.CUDAGraph:
     """``capture`` of k calls; a call with ``stage(j)`` (untimed work its slot j needs first,
     such as the forward whose backward the call is) has it run eagerly for every slot on the
@@ -141,10 +123,10 @@ class GraphTimer(CudaTimer):
 
     def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
         device = self._device(device)
-        if hasattr(call, "before"):
-            return self._measure_slots(call, n_copies, device, cfg)
-        # a staged call's untimed part runs outside the graph: no touches to time and subtract
-        touch = None if hasattr(call, "stage") else warm_toucher(call, cfg)
+        # untimed work in each slot, timed alone and subtracted: the call's context
+        # (replay.context), else warm inputs' touches; a staged call's runs outside the graph
+        touch = (None if hasattr(call, "stage") else
+                 getattr(call, "before", None) or warm_toucher(call, cfg))
         graphs = []
         with torch.cuda.device(device):
             stream = torch.cuda.Stream()  # every capture of this call: staged nodes keep it
@@ -184,53 +166,9 @@ class GraphTimer(CudaTimer):
                         x.reset()
                 if hasattr(call, "unstage"):
                     call.unstage()
-        notes = join_notes(f"K={k}", flusher.note, settle, "warm inputs" if touch else None)
+        notes = join_notes(f"K={k}", flusher.note, settle,
+                           None if touch is None or hasattr(call, "before") else "warm inputs")
         return timing_from_samples(samples, self.name, notes, calls_per_run=k)
-
-    def _measure_slots(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
-        """K slots of (context, call) in one graph, each call timed by events inside it."""
-        graphs = []
-
-        def warm(i: int) -> None:
-            call.before(i)
-            call(i)
-
-        with torch.cuda.device(device):
-            stream = torch.cuda.Stream()
-            side_stream_warmup(warm, n_copies, cfg.warmup_runs, stream)
-            try:
-                expected = getattr(call, "expected_ms", None)
-                if not expected:
-                    g1, _ = capture_slots(call, n_copies, 1, stream)
-                    graphs.append(g1)
-                    g1.replay()
-                    expected = replay_ms(g1)
-                k = graph_calls(per_call_ms=expected, k_max=cfg.graph_k,
-                                max_replay_ms=cfg.graph_max_ms)
-                g, pairs = capture_slots(call, n_copies, k, stream)
-                graphs.append(g)
-                g.replay()
-                torch.cuda.synchronize()
-                flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
-                spin_ms = gap_ms(cfg, flusher.buf is not None)
-
-                def sample(first: int, n: int) -> list[float]:
-                    out = []
-                    for _ in range(n):  # the events are re-recorded by every replay: read each
-                        flusher.flush()
-                        spin(device, spin_ms)
-                        g.replay()
-                        torch.cuda.synchronize()
-                        out.append(sum(s.elapsed_time(e) for s, e in pairs) / k)
-                    return out
-
-                settle = warm_until_settled(sample, cfg)
-                samples = collect(sample, cfg, floor_ms=EVENT_JITTER_MS)
-            finally:
-                for x in graphs:
-                    x.reset()
-        notes = join_notes(f"K={k} slots, events in the graph", flusher.note, settle)
-        return timing_from_samples(samples, self.name, notes, calls_per_run=1)
 
     @staticmethod
     def _sampler(g, touches, k: int, device, cfg: TimingConfig, flusher: L2Flusher):
