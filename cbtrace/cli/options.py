@@ -28,7 +28,8 @@ def model_options(f):
     --seed."""
     for deco in reversed([
         click.option("--model", "spec", required=True,
-                     help="nanogpt[:tiny], dlrm[:tiny], torchrec[:tiny], pkg.module:fn or file.py:fn"),
+                     help="nanogpt[:tiny], dlrm[:tiny|large], dcn[:tiny|large], hstu[:tiny], "
+                          "torchrec[:tiny], pkg.module:fn or file.py:fn"),
         click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto"),
         click.option("--dtype", default=None, help="cast the model and float inputs: fp32, bf16, fp16"),
         click.option("--step", type=click.Choice(["forward", "train"]), default="forward",
