@@ -288,3 +288,70 @@ def test_metadata_names_replay_device_and_its_peaks(tmp_path, capture_trace):
     assert meta["device"] == "NVIDIA H200" and meta["run_id"] == "run@2026-01-01T00:00:00"
     assert meta["peaks"]["bfloat16"]["flops_per_s"] == pytest.approx(989.5e12)
     assert meta["peaks"]["bfloat16"]["source"].startswith("https://")
+
+
+def _partial_overlaps(events) -> list:
+    """Complete events that overlap another on their (pid, tid) track without nesting, with
+    ts/dur in integer ns as Perfetto's JSON importer converts them (slices it would drop)."""
+    from collections import defaultdict
+
+    from cbtrace.annotate.layout import perfetto_ns
+
+    tracks = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "ts" in e:
+            start = perfetto_ns(e["ts"])
+            tracks[(e.get("pid"), e.get("tid"))].append(
+                (start, start + perfetto_ns(e.get("dur", 0)), e.get("name")))
+    bad = []
+    for spans in tracks.values():
+        stack = []
+        for span in sorted(spans, key=lambda s: (s[0], -s[1])):
+            while stack and stack[-1][1] <= span[0]:
+                stack.pop()
+            if stack and span[1] > stack[-1][1]:
+                bad.append((stack[-1], span))
+            stack.append(span)
+    return bad
+
+
+def test_perfetto_ns_rounds_like_the_json_importer():
+    from cbtrace.annotate.layout import perfetto_ns
+
+    # trace_processor's json_utils tests: 42 -> 42000, 42.1 -> 42100; llround halves away
+    assert perfetto_ns(42) == 42000 and perfetto_ns(42.1) == 42100
+    assert perfetto_ns(0.0005) == 1 and perfetto_ns(-0.0005) == -1 and perfetto_ns(0.0004) == 0
+    assert perfetto_ns(0.0025) == 3 and round(0.0025 * 1000) == 2  # not Python's half-even
+
+
+def test_nest_in_ns_trims_a_child_running_over_and_a_sibling_starting_early():
+    from cbtrace.annotate.layout import nest_in_ns
+
+    ev = [{"ph": "X", "pid": 1, "tid": 1, "name": "parent", "ts": 10.0, "dur": 5.0},
+          {"ph": "X", "pid": 1, "tid": 1, "name": "child", "ts": 12.0, "dur": 3.001},
+          {"ph": "X", "pid": 1, "tid": 1, "name": "next", "ts": 14.999, "dur": 1.0},
+          {"ph": "X", "pid": 1, "tid": 2, "name": "other track", "ts": 10.0, "dur": 9.0}]
+    assert len(_partial_overlaps(ev)) == 2
+    nest_in_ns(ev)
+    assert _partial_overlaps(ev) == []
+    assert [e["dur"] for e in ev] == [4.999, 2.999, 1.0, 9.0]  # 1 ns less where it overlapped
+
+
+def test_annotated_nanogpt_trace_nests_in_integer_nanoseconds(tmp_path):
+    """A real nanogpt:tiny capture with isolated times of many decimals: after Perfetto's
+    µs -> ns conversion no complete event overlaps another on its track (none dropped)."""
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.rundir.read import read_modules
+    from cbtrace.rundir.writer import write_stage
+
+    run = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu").out
+    ids = read_modules(run)["call_id"].tolist()
+    # sums of such figures land between integer nanoseconds, as a real replay's do
+    write_stage(run, "replay", {c: {"status": "ok", "isolated_ms": 0.0123456789 * (1 + c % 7)
+                                    + c / 3e5} for c in ids})
+    trace = load_trace(annotate(run, pftrace=False))["traceEvents"]
+    iso = [e for e in trace if e.get("cat") == "cbtrace_isolated"]
+    assert len(iso) == len(ids) and len({e["tid"] for e in iso}) > 2
+    assert _partial_overlaps(trace) == []
+    for e in iso:  # trimmed by a nanosecond at most
+        assert abs(e["dur"] - e["args"]["isolated_ms"] * 1000) <= 0.0011

@@ -2,8 +2,13 @@
 the module tree, one track per depth), counter tracks, and the run's metadata.
 
 All events are Chrome-trace dicts (``ph`` X / C / M): the JSON and .pftrace writers share them.
+Their X events nest in integer nanoseconds as Perfetto reads them (``perfetto_ns``,
+``nest_in_ns``): Perfetto drops a complete event that overlaps a sibling by even 1 ns.
 """
 from __future__ import annotations
+
+import math
+from collections import defaultdict
 
 from cbtrace.annotate.figures import (BUCKETS, COLOUR_METRIC, FIGURE_KEYS, NO_FIGURE_CNAME, clean,
                                       colour)
@@ -135,8 +140,58 @@ def appended_events(*, rows: list[dict], slices: list[dict], is_leaf, t0: float 
            "dur": max(span, 1.0), "name": f"cbtrace run {meta.get('run_id', '')}".strip(),
            "args": {k: _flat(v) for k, v in meta.items()}}
     names, copy = insitu_copy(slices)
-    return _names(depths - 1, "cbtrace") + names + [run] + layout + copy + \
+    return _names(depths - 1, "cbtrace") + names + nest_in_ns([run] + layout + copy) + \
         counters(slices, is_leaf)
+
+
+def perfetto_ns(us) -> int:
+    """A JSON ts or dur (µs) as Perfetto's JSON importer stores it: an integer ×1000, a float
+    ``llround(us * 1000.0)`` (trace_processor importers/json/json_utils CoerceToTs)."""
+    if isinstance(us, int):
+        return us * 1000
+    x = float(us) * 1000.0
+    r = math.floor(abs(x))
+    r += abs(x) - r >= 0.5  # llround: halves away from zero
+    return int(math.copysign(r, x))
+
+
+def nest_in_ns(events: list[dict]) -> list[dict]:
+    """X events, their ``dur`` trimmed by a nanosecond or two where, in Perfetto's integer ns
+    (``perfetto_ns``), one would overlap another on its track without nesting: a slice that
+    starts inside another and ends after it is either a child running over (it is cut at the
+    parent's end) or a sibling that started early (the earlier one is cut at its start),
+    whichever overlap is smaller. Events are changed in place; the list is returned."""
+    tracks = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float)):
+            start = perfetto_ns(e["ts"])
+            end = start + max(perfetto_ns(e.get("dur") or 0), 0)
+            tracks[(e.get("pid"), e.get("tid"))].append([start, end, e])
+    for spans in tracks.values():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        stack: list = []
+        for span in spans:
+            start, end = span[0], span[1]
+            while stack and stack[-1][1] <= start:
+                stack.pop()
+            while stack and end > stack[-1][1]:  # overlaps the innermost open slice
+                top = stack[-1]
+                if top[1] - start <= end - top[1]:
+                    top[1] = start  # a sibling that started early: the earlier one ends here
+                    _set_dur(top)
+                    stack.pop()
+                else:
+                    span[1] = end = top[1]  # a child running over: cut at its parent's end
+                    _set_dur(span)
+            stack.append(span)
+    return events
+
+
+def _set_dur(span: list) -> None:
+    """``dur`` (µs) whose Perfetto ns is exactly end - start (small values round-trip)."""
+    ns = span[1] - span[0]
+    span[2]["dur"] = ns / 1000.0
+    assert perfetto_ns(span[2]["dur"]) == ns
 
 
 def _flat(v):
