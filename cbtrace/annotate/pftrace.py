@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import zlib
 
+from cbtrace.annotate.layout import perfetto_ns  # the JSON's ns, so both outputs agree
+
 SEQ_ID = 0xCB7  # trusted_packet_sequence_id of every packet (one writer)
 
 
@@ -80,10 +82,10 @@ def _nested(slices: list[dict]):
     """(ts_ns, is_begin, slice) in an order that nests: children end before their parents."""
     out, stack = [], []
     for s in sorted(slices, key=lambda s: (s["ts"], -(s.get("dur") or 0))):
-        t0 = round(s["ts"] * 1000)
+        t0 = perfetto_ns(s["ts"])
         while stack and stack[-1][0] <= t0:
             out.append((stack.pop()[0], False, None))
-        t1 = t0 + max(round((s.get("dur") or 0) * 1000), 0)
+        t1 = t0 + max(perfetto_ns(s.get("dur") or 0), 0)
         if stack:
             t1 = min(t1, stack[-1][0])  # clamp a slice that outlives its parent
         stack.append((t1, s))
