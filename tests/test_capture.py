@@ -505,6 +505,47 @@ def test_capture_error_recorded_and_nesting_refused(tmp_path):
                 pass
 
 
+class HookedClock:
+    """perf_counter for host_times: each reading costs ``read_ms`` (a hook's own time), and
+    ``Leaf`` modules move it by their cost; a loaded machine cannot change either."""
+
+    def __init__(self, read_ms: float):
+        self.us, self.read_us = 0, round(read_ms * 1e3)
+
+    def perf_counter(self) -> float:
+        now = self.us / 1e6
+        self.us += self.read_us
+        return now
+
+
+class Leaf(torch.nn.Module):
+    def __init__(self, clock, ms):
+        super().__init__()
+        self.clock, self.us = clock, round(ms * 1e3)
+
+    def forward(self, x):
+        self.clock.us += self.us
+        return x
+
+
+def test_host_times_net_each_call_of_the_hooks_nested_in_it(monkeypatch):
+    from cbtrace.capture import host_times
+
+    clock = HookedClock(read_ms=0.01)
+    monkeypatch.setattr(host_times, "time", clock)
+    block = torch.nn.Sequential(Leaf(clock, 1.0), Leaf(clock, 2.0))
+    model = torch.nn.Sequential(block, Leaf(clock, 3.0))
+    Rec = collections.namedtuple("Rec", "call_id parent_call_id fqn")
+    records = [Rec(0, -1, ""), Rec(1, 0, "0"), Rec(2, 1, "0.0"), Rec(3, 1, "0.1"), Rec(4, 0, "1")]
+    got = host_times.host_times(model, records, lambda: model(torch.zeros(1)))
+    # a hooked call's span is its work, one reading and two per call nested in it; the hook
+    # cost per call is read back from the root's span against an unhooked step
+    work = {0: 6.0, 1: 3.0, 2: 1.0, 3: 2.0, 4: 3.0}
+    for cid, ms in work.items():
+        assert got[cid] == pytest.approx(ms, abs=0.03), (cid, got)
+    assert got[0] == max(got.values()) and got[1] >= max(got[2], got[3])
+
+
 def test_cpu_capture_records_host_insitu_and_profile_uses_it(tmp_path):
     from cbtrace.capture.host_times import descendants
     from cbtrace.attribution.join import join_insitu
@@ -513,13 +554,17 @@ def test_cpu_capture_records_host_insitu_and_profile_uses_it(tmp_path):
     df = read_modules(cap.out)
     assert df["insitu_host_ms"].notna().all() and (df["insitu_host_ms"] >= 0).all()
     root = df[df["depth"] == 0].iloc[0]
-    assert root["insitu_host_ms"] >= df[df["depth"] == 1]["insitu_host_ms"].max()
+    # the root's figure is its span less the hooks nested in it (not above a child's on a busy
+    # machine: the hook cost is estimated against a plain step); the arithmetic is checked on a
+    # fake clock in test_host_times_net_each_call_of_the_hooks_nested_in_it
+    assert root["insitu_host_ms"] > 0
     assert descendants(read_records(cap.out))[0] == len(df) - 1
     cbtrace.replay(cap.out, budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
     out = join_insitu(cap.out)
     assert (out["insitu_ms"] == out["insitu_host_ms"]).all()
-    # a call whose host time is all hook cost (an eval Dropout) nets to 0 in situ, which has
-    # no error: on the loaded 2-core VM one or two of the 30 calls do
+    # a parent whose span is all hook cost nets to 0 in situ, which has no error (how many do
+    # depends on the machine's load); a call with none nested keeps its whole span
     timed = out["insitu_ms"] > 0
     assert out.loc[timed, "error_pct"].notna().all() and out.loc[~timed, "error_pct"].isna().all()
-    assert timed.sum() >= len(out) - 3, out.loc[~timed, ["fqn", "insitu_host_ms"]]
+    leaves = ~out["call_id"].isin(out["parent_call_id"])
+    assert timed[leaves | (out["depth"] == 0)].all(), out.loc[~timed, ["fqn", "insitu_host_ms"]]
