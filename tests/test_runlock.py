@@ -22,7 +22,7 @@ FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1, cold_budge
 # A model that, when CBTRACE_TEST_GATE names a file, waits in its forward while that file is
 # absent (replay) or while the run's lock file exists (capture): the test decides when it ends.
 MODEL = textwrap.dedent('''
-    import os, time
+    import os, sys, time
     from pathlib import Path
     import torch
 
@@ -40,6 +40,18 @@ MODEL = textwrap.dedent('''
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), Gate(), torch.nn.ReLU())
         return model, (torch.randn(4, 8),)
+
+    class FailsInReplay(torch.nn.Module):
+        def forward(self, x):
+            f = sys._getframe()
+            while f is not None:
+                if f.f_code.co_filename.endswith(os.path.join("replay", "engine.py")):
+                    raise RuntimeError("fails in replay")
+                f = f.f_back
+            return x + 1
+
+    def failing():
+        return torch.nn.Sequential(FailsInReplay(), FailsInReplay()), (torch.randn(4, 8),)
 ''')
 
 
@@ -177,3 +189,19 @@ def test_lock_is_reentrant_in_one_process_and_exclusive_across(tmp_path):
                              text=True, env=env)
         assert f"in use by capture (pid {os.getpid()} on " in out.stdout, out
     assert not (run / LOCK).exists()
+
+
+def test_replay_and_profile_exit_1_when_no_call_succeeds(tmp_path, gated):
+    failing = gated.replace(":build", ":failing")
+    run = capture_model(failing, tmp_path / "r", device="cpu").out
+    for cmd in (["replay", run, "--trust", "--budget-s", "0.01"],
+                ["profile", "--model", failing, "--device", "cpu", "--out", tmp_path / "p"]):
+        proc = cli(*cmd)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 1, (cmd[0], out, err)
+        assert "Traceback" not in err, err
+        assert errors(err)[-1] == "Error: no call replayed successfully (3 calls, none ok: see " \
+                                  "the reasons above)", err
+        assert "calls: ok 0, error 3" in out  # the counts and reasons are printed first
+    proc = cli("replay", run, "--trust", "--budget-s", "0.01", "--strict")
+    assert proc.wait(timeout=300) == 1
