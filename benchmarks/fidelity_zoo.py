@@ -78,10 +78,17 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
     g = big.groupby("module_type")
     classes = [{"phase": phase, "module_type": t, "count": len(d),
                 "median_err%": float(d[err].median()), "insitu_ms_median": float(d[insitu].median()),
-                "within5%": 100 * float((d[err].abs() <= WITHIN_PCT).mean())}
+                "within5%": 100 * float((d[err].abs() <= WITHIN_PCT).mean()),
+                "timer_notes": _most_common(d["timer_notes"])}
                for t, d in g]
     classes.sort(key=lambda c: -c["insitu_ms_median"])
     return row, classes
+
+
+def _most_common(notes) -> str:
+    """The note most of a class's calls were timed with ('' when none has one)."""
+    counts = notes.dropna().value_counts()
+    return str(counts.index[0]) if len(counts) else ""
 
 
 def profile_one(name, spec, options, args, run_dir):
@@ -171,6 +178,7 @@ def main(argv=None) -> int:
         finally:
             if not args.keep_runs:
                 shutil.rmtree(runs / name, ignore_errors=True)
+            _free_memory()  # the next model gets the device's memory
         keep = [c for c in ROW_COLUMNS if c in df.columns]
         df[keep].to_csv(out / f"{name}_rows.csv.gz", index=False)
         phases = ["fwd", "bwd"] if args.step == "train" else ["fwd"]
@@ -187,7 +195,8 @@ def main(argv=None) -> int:
                    "timer_notes": df["timer_notes"].value_counts().head(5).to_dict()}
         (out / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
         _write_csv(out / f"{name}_classes.csv", classes,
-                   ("phase", "module_type", "count", "median_err%", "insitu_ms_median", "within5%"))
+                   ("phase", "module_type", "count", "median_err%", "insitu_ms_median", "within5%",
+                    "timer_notes"))
         print(f"{name}: profiled in {wall:.1f} s\n{table(model_rows)}\n"
               f"{class_lines(name, classes, args.top)}", flush=True)
     _write_csv(out / "fidelity.csv", rows, COLUMNS)
@@ -199,6 +208,16 @@ def main(argv=None) -> int:
     if not args.keep_runs:
         shutil.rmtree(runs, ignore_errors=True)
     return 0 if rows else 1
+
+
+def _free_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _write_csv(path, rows, columns) -> None:

@@ -11,7 +11,9 @@ import pytest
 def table(rows):
     cols = ("call_id", "parent_call_id", "module_type", "status", "insitu_ms", "error_pct",
             "bwd_status", "bwd_insitu_ms", "bwd_error_pct")
-    return pd.DataFrame([dict(zip(cols, r)) for r in rows])
+    df = pd.DataFrame([dict(zip(cols, r)) for r in rows])
+    df["timer_notes"] = ["graph", "context 2 calls", "context 2 calls", None, None, None, None, None]
+    return df
 
 
 DF = table([
@@ -36,6 +38,7 @@ def test_forward_figures_by_hand():
     by = {c["module_type"]: c for c in classes}
     assert set(by) == {"Net", "EmbeddingBag"}  # calls >= 10 us only
     assert by["EmbeddingBag"]["count"] == 3 and by["EmbeddingBag"]["median_err%"] == -1.0
+    assert by["EmbeddingBag"]["timer_notes"] == "context 2 calls"  # the class's most common
     assert [c["module_type"] for c in classes] == ["Net", "EmbeddingBag"]  # by in-situ time
 
 
@@ -76,4 +79,4 @@ def test_a_cpu_run_on_nanogpt_tiny(tmp_path, capsys, monkeypatch):
     assert [r["model"] for r in rows] == ["nanogpt"] and tuple(rows[0]) == fidelity_zoo.COLUMNS
     assert (tmp_path / "nanogpt_classes.csv").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "fidelity.csv", "nanogpt.json", "nanogpt_classes.csv"]  # summaries only, no run
+        "fidelity.csv", "nanogpt.json", "nanogpt_classes.csv", "nanogpt_rows.csv.gz"]  # no run
