@@ -18,13 +18,15 @@ class GlobalSettings:
     def __enter__(self):
         self._saved = read_globals()
         self._cuda = _cuda_ready()
+        self._seed = torch.initial_seed()  # torch.manual_seed's, which CUDA takes at its start
         return self
 
     def __exit__(self, *exc):
+        reseeded = torch.initial_seed() != self._seed  # torch.manual_seed inside (a provider)
         restore_globals(self._saved)
-        if not self._cuda and _cuda_ready():  # CUDA started inside: its RNG as it began
+        if not self._cuda and _cuda_ready():  # CUDA started inside: its RNG as it would begin
             for g in torch.cuda.default_generators:
-                g.manual_seed(g.initial_seed())
+                g.manual_seed(self._seed if reseeded else g.initial_seed())
         return False
 
     def __call__(self, fn):
