@@ -2,15 +2,18 @@
 per model and phase (fwd; bwd too with --step train, whose replay times each call's backward):
 calls, errors, the share of calls >= 10 us in situ that read within +-5 % of in situ, the
 EmbeddingBag class median, the root's error and the median |error| of calls < 10 us; then the
-median error by module class. OUT gets <model>.json (the rows and class medians) and
-<model>_classes.csv per model and fidelity.csv (all rows): summaries only, the run directories
-go to a temporary folder (--keep-runs keeps them under OUT/runs).
+median error by module class. OUT gets, per model, <model>.json (its rows and class medians),
+<model>_classes.csv and <model>_rows.csv.gz (per call, the columns a miss is looked into with),
+and fidelity.csv (all rows): summaries only, the run directories go to a temporary folder
+(--keep-runs keeps them under OUT/runs).
 
     python benchmarks/fidelity_zoo.py --out OUT [--models nanogpt,dcn,...] [--device cuda]
         [--dtype bf16] [--size real|tiny] [--step train] [--cold] [--no-context]
 
 Models whose library is not installed are skipped with a note. --size defaults to real on a
-GPU (the sizes of benchmarks/zoo.py and the providers' default presets) and tiny on the CPU.
+GPU (the sizes of benchmarks/zoo.py and the providers' default presets) and tiny on the CPU,
+--device to cuda where there is one. On a CPU the figures say only that the pipeline runs: a
+busy CPU's in-situ and isolated times do not agree to 5 %.
 """
 import argparse
 import importlib.util
@@ -133,8 +136,9 @@ def class_lines(name, classes, top: int) -> str:
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for the summaries")
-    p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of: {', '.join(MODELS)}")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--models", default=DEFAULT_MODELS,
+                   help=f"comma-separated, of: {', '.join(MODELS)}; or all")
+    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if there is one)")
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: the model's)")
     p.add_argument("--size", choices=("tiny", "real"), default=None,
                    help="model sizes (default: real on a GPU, tiny on the CPU)")
@@ -148,9 +152,15 @@ def parse(argv):
     p.add_argument("--top", type=int, default=8, help="classes printed per model and phase")
     p.add_argument("--keep-runs", action="store_true", help="keep the run directories in OUT/runs")
     args = p.parse_args(argv)
+    if args.models == "all":
+        args.models = ",".join(MODELS)
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         p.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.size is None:
         args.size = "tiny" if args.device == "cpu" else "real"
     return args
