@@ -114,3 +114,14 @@ def test_dcn_weights_depend_on_the_seed():
     other = resolve("dcn:tiny", seed=1).model_and_batch()[0]
     assert state_digest(one, sampled=False) == state_digest(again, sampled=False)
     assert state_digest(one, sampled=False) != state_digest(other, sampled=False)
+
+
+@pytest.mark.parametrize("spec", ["dcn:tiny", "hstu:tiny"])
+def test_forward_reads_no_tensor_value_on_the_host(spec):
+    """The forward runs on meta tensors: no .item() or data-dependent shape, so on a GPU it
+    waits on nothing and a CUDA graph can capture it."""
+    model, batch = resolve(spec).model_and_batch("cpu")
+    model = model.to("meta")
+    batch = tuple(x.to("meta") if torch.is_tensor(x) else x for x in batch)
+    with torch.no_grad():
+        assert model(*batch).is_meta
