@@ -205,3 +205,21 @@ def test_replay_and_profile_exit_1_when_no_call_succeeds(tmp_path, gated):
         assert "calls: ok 0, error 3" in out  # the counts and reasons are printed first
     proc = cli("replay", run, "--trust", "--budget-s", "0.01", "--strict")
     assert proc.wait(timeout=300) == 1
+
+
+def test_annotate_takes_the_lock_and_leaves_a_dead_runs_mark(tmp_path):
+    from cbtrace.annotate.write import annotate
+
+    run = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu").out
+    with RunLock(run, "replay"):
+        env = {k: v for k, v in os.environ.items() if k != "CBTRACE_RUN_LOCK"}
+        proc = subprocess.run([sys.executable, "-m", "cbtrace", "annotate", str(run),
+                               "--no-pftrace"], capture_output=True, text=True, env=env)
+        assert proc.returncode == 1 and len(errors(proc.stderr)) == 1, proc.stderr
+        assert f"in use by replay (pid {os.getpid()} on " in proc.stderr
+    assert not (run / LOCK).exists()
+    stale = {"pid": 1, "host": "elsewhere", "command": "replay", "state": "failed",
+             "error": "KeyboardInterrupt"}
+    (run / LOCK).write_text(json.dumps(stale))
+    annotate(run, pftrace=False)
+    assert read_holder(run) == stale  # a replay's mark stays until a replay clears it

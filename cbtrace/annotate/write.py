@@ -105,7 +105,7 @@ def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool 
     for path in outputs:
         if path.exists() and not force:
             raise TraceError(f"{path}: already exists (pass --force to overwrite)")
-    with atomic_paths(*outputs) as tmps:
+    with _lock(run, dst), atomic_paths(*outputs) as tmps:
         _write(run, trace, own, insitu, dst, tmps)
     for path in outputs:
         _readable(path)
@@ -143,6 +143,17 @@ def _write(run, trace: Path, own: bool, insitu, dst: Path, tmps: list[Path]) -> 
         from cbtrace.annotate.pftrace import build
 
         tmps[1].write_bytes(build(ann.slices["cbtrace"] + ann.slices["nn.Module"], extra))
+
+
+def _lock(run, dst: Path):
+    """The run's lock while the output is written into the run (not while it goes elsewhere)."""
+    import contextlib
+
+    from cbtrace.rundir.lock import RunLock
+
+    if run is None or not dst.resolve().is_relative_to(Path(run).resolve()):
+        return contextlib.nullcontext()
+    return RunLock(run, "annotate", mark=False)
 
 
 def _run_id(run, manifest) -> str | None:

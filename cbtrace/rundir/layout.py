@@ -5,6 +5,7 @@
     inputs/tensors-NNNNN.parquet  captured input tensors (cbtrace.store)
     <worker>.<ms>.pt.trace.json.gz  Kineto trace of the captured step
     replay.progress.jsonl         rows of a replay in progress (cbtrace.replay.progress)
+    .cbtrace.lock                 the writer at work, or one that died (cbtrace.rundir.lock)
 """
 from __future__ import annotations
 

@@ -60,11 +60,13 @@ class RunLock:
 
     Use it as a context manager (``with RunLock(run, "capture"):``), or call ``acquire`` and,
     at the end, ``release(exc)`` with the exception that ends the work (None if it went well).
+    ``mark=False``: a failure leaves no lock file (for writers whose outputs are atomic).
     """
 
-    def __init__(self, run, command: str):
+    def __init__(self, run, command: str, *, mark: bool = True):
         self.run = Path(run)
         self.command = command
+        self.mark = mark
         self.previous: dict | None = None  # the lock file left by a holder that died
         self._fd: int | None = None
         self._depth = 0
@@ -127,7 +129,9 @@ class RunLock:
             if os.environ.get(ENV) == key:
                 del os.environ[ENV]
             try:
-                if exc is None or _nothing_written(self.run):
+                if self.previous and self.command not in ("capture", "replay"):
+                    self._write(self.previous)  # only a new capture or replay clears its mark
+                elif exc is None or not self.mark or _nothing_written(self.run):
                     (self.run / LOCK).unlink(missing_ok=True)
                 else:
                     info = read_holder(self.run) or {}
