@@ -250,6 +250,17 @@ def test_replay_with_a_named_model_does_not_sign_an_edited_run(run_copy, tmp_pat
     assert not planted.exists()
 
 
+def test_a_capture_over_an_older_run_is_signed(run_copy):
+    """capture(overwrite=True) of another model into a signed run: the new run is the
+    user's own, signed too (the older signature named another model)."""
+    run, _, _ = run_copy
+    model = nn.Sequential(nn.Linear(2, 2))
+    with cbtrace.capture(model, run, trace=False, overwrite=True):
+        model(torch.ones(1, 2))
+    m = read_manifest(run)
+    assert m.model.spec is None and signature.signed_manifest(run) == m
+
+
 def test_cbtrace_trust_shows_the_code_then_signs(run_copy, tmp_path):
     run, spec, sentinel = run_copy
     signature.unsign(run)
