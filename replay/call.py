@@ -86,37 +86,62 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
 
 
 def in_context(c: CallUnderTest, context: list) -> None:
-    """Set ``c.timed``: ``c.run`` preceded by its context (``replay.context``). ``timed.before(j)``
-    runs the context calls for slot j (untimed work a timer puts before the timed call);
-    ``timed(j)`` then runs the call on copy j, each input that equals a context output taken
-    from slot j's fresh output. A context that fails to run is dropped (the note says why)."""
+    """Set ``c.timed``: ``c.run`` preceded by its context (``replay.context``) when one of the
+    call's inputs is an output of that context (its producer ran just before it in the step).
+    ``timed.before(j)`` runs the context calls for slot j (untimed work a timer puts before
+    the timed call); ``timed(j)`` then runs the call on copy j, each input that equals a context
+    output taken from slot j's fresh output. A context that fails to run is dropped (the note
+    says why); ``timed.release()`` drops what the slots still hold."""
     from cbtrace.replay.context import chained_positions, describe, substitute
 
     if not context:
         return
     try:
-        first = [flat_tensors(x()) for x in context]
+        first = [flat_tensors(x(0)) for x in context]
     except Exception as e:  # noqa: BLE001 - a predecessor that cannot run alone: time without
         c.context_note = f"no context: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         return
-    copies = c.run.copies
+    copies, run_on, n = c.run.copies, c.run.on, c.n_copies  # no reference back to c
     chained = chained_positions(first, copies[0])
     del first
+    if not chained:
+        return
     slots: dict = {}
 
     def before(j: int) -> None:
-        slots[j] = [flat_tensors(x()) for x in context]
+        slots[j] = [flat_tensors(x(j)) for x in context]
 
     def timed(j: int = 0):
         outs = slots.pop(j, None)
-        inputs = copies[j % c.n_copies]
+        inputs = copies[j % n]
         if outs is not None:
             inputs = substitute(inputs, chained, outs)
-        return c.run.on(inputs, j)
+        return run_on(inputs, j)
 
-    timed.before = before
-    timed.copies = copies
+    timed.before, timed.copies, timed.release = before, copies, slots.clear
     c.timed, c.context_note = timed, describe(context, chained)
+
+
+def with_table_copies(c: CallUnderTest) -> None:
+    """Set ``c.timed`` for an embedding lookup whose table would stay in the cache across its
+    back-to-back timed runs (in the step each table is read once, after all the others): run
+    j reads table copy j, enough copies to overflow the cache twice (``copies.table_copies``)."""
+    from torch.func import functional_call
+
+    from cbtrace.replay.copies import table_copies
+
+    tables = table_copies(c.module, c.device, c.cfg.max_copies)
+    if tables is None:
+        return
+    module = c.module  # no reference back to c
+    runs = [c.run.runner(lambda *a, w=w, **k: functional_call(module, {"weight": w}, a, k))
+            for w in tables]
+
+    def timed(j: int = 0):
+        return runs[j % len(runs)](j)
+
+    timed.copies = c.run.copies
+    c.timed, c.context_note = timed, f"{len(tables)} copies of the table, one a run"
 
 
 WARM_MIN_BYTES = 64 << 10  # smaller inputs stay cached whatever happens; not worth a kernel

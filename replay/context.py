@@ -22,6 +22,7 @@ from cbtrace.calltree import CallTree
 from cbtrace.cost.dtypes import meta_bytes
 from cbtrace.nested import flat_tensors
 from cbtrace.replay.call import InputState, call_context
+from cbtrace.replay.copies import clone_like, n_copies, tensor_bytes
 from cbtrace.schema.modules import COPY_FAILED
 
 
@@ -63,19 +64,21 @@ def predecessors(records, max_calls: int, max_bytes: int) -> dict[int, list[int]
 
 @dataclass
 class ContextCall:
-    """One predecessor, ready to run: its module (train flag as captured), record and inputs."""
+    """One predecessor, ready to run on input copy i: its module (train flag as captured),
+    record and rotating input copies (its runs in the timed graph and in the graph of contexts
+    alone then read equally cold inputs, whatever the call in between did to the cache)."""
 
     module: torch.nn.Module
     rec: object
-    inputs: tuple  # (args, kwargs) on the replay device
-    state: InputState | None
+    copies: list  # (args, kwargs) per copy, on the replay device
+    states: list | None
     device: torch.device
 
-    def __call__(self):
-        cuda = self.device.type == "cuda"
-        if self.state is not None:
-            self.state.restore(cuda)
-        a, k = self.inputs
+    def __call__(self, i: int = 0):
+        i %= len(self.copies)
+        if self.states is not None:
+            self.states[i].restore(self.device.type == "cuda")
+        a, k = self.copies[i]
         with call_context(self.rec, self.device.type):
             return self.module(*a, **k)
 
@@ -86,13 +89,13 @@ class ContextSource:
     calls share predecessors)."""
 
     def __init__(self, records, model, device, load, flags=None, *, max_calls: int = 4,
-                 max_bytes: int | None = None, keep_bytes: int = 1 << 30):
+                 max_bytes: int | None = None, keep_bytes: int = 1 << 30, max_copies: int = 8):
         self.device = torch.device(device)
         self.by_id = {r.call_id: r for r in records}
         self.model, self.load, self.flags = model, load, flags
         budget = max_bytes if max_bytes is not None else cache_bytes(self.device)
         self.before = predecessors(records, max_calls, budget)
-        self.keep_bytes = keep_bytes
+        self.keep_bytes, self.max_copies = keep_bytes, max_copies
         self._cache: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._cached = 0
 
@@ -104,24 +107,28 @@ class ContextSource:
             module = module_tree.get_submodule(self.model, rec.fqn)
             if self.flags is not None:
                 self.flags.apply(module, rec)
-            inputs = self._inputs(rec)
-            state = InputState(inputs)
-            out.append(ContextCall(module, rec, inputs, state if state else None, self.device))
+            copies = self._inputs(rec)
+            states = [InputState(c) for c in copies]
+            out.append(ContextCall(module, rec, copies, states if any(states) else None,
+                                   self.device))
         return out
 
-    def _inputs(self, rec) -> tuple:
+    def _inputs(self, rec) -> list:
+        """The call's input copies: the captured inputs and clones enough to overflow the cache."""
         hit = self._cache.get(rec.call_id)
         if hit is not None:
             self._cache.move_to_end(rec.call_id)
             return hit
         inputs = self.load(rec)
-        nbytes = sum(t.numel() * t.element_size() for t in flat_tensors(inputs))
-        self._cache[rec.call_id] = inputs
-        self._cached += nbytes
+        nbytes = tensor_bytes(inputs)
+        n = n_copies(nbytes, self.device, self.max_copies)
+        copies = [inputs] + [clone_like(inputs) for _ in range(n - 1)]
+        self._cache[rec.call_id] = copies
+        self._cached += n * nbytes
         while self._cached > self.keep_bytes and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
-            self._cached -= sum(t.numel() * t.element_size() for t in flat_tensors(old))
-        return inputs
+            self._cached -= len(old) * tensor_bytes(old[0])
+        return copies
 
 
 def chained_positions(outputs: list, inputs: tuple) -> dict:

@@ -56,6 +56,24 @@ def n_copies(input_bytes: int, device: torch.device, max_copies: int) -> int:
     return max(1, min(max_copies, -(-2 * cache // input_bytes)))
 
 
+def table_copies(module, device, max_copies: int = 8):
+    """The table of an Embedding/EmbeddingBag and copies of it for back-to-back runs to rotate
+    among, enough to overflow the GPU's L2 twice; None when one table already does (or on a
+    CPU, or when fewer than two would do)."""
+    if not isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        return None
+    if device.type != "cuda":
+        return None
+    w = module.weight
+    nbytes = w.numel() * w.element_size()
+    cache = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    n = min(max_copies, -(-2 * cache // max(nbytes, 1)))
+    if n < 2:
+        return None
+    with torch.no_grad():
+        return [w] + [w.detach().clone() for _ in range(n - 1)]
+
+
 def embedding_copies(module, args, kwargs, device, max_copies: int = 64):
     """Input copies for an Embedding/EmbeddingBag whose ids touch *different* table rows.
 

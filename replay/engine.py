@@ -348,7 +348,7 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
                                           chunks_read=read[1])[0]
                          if cfg.backward and rec.grads_ref else None)
             with phase(timings, "context"):
-                ctx = context.calls(rec.call_id) if context is not None else []
+                ctx = context.calls(rec.call_id) if context is not None else None
             (flags or TrainingFlags(None)).apply(module, rec)
             return measure_call(module, rec, args, kwargs, device, cfg, plan, grads, timings,
                                 context=ctx)

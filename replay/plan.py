@@ -12,7 +12,7 @@ import time
 from typing import Protocol
 
 from cbtrace.replay import timers
-from cbtrace.replay.call import CallUnderTest, in_context, prepare
+from cbtrace.replay.call import CallUnderTest, in_context, prepare, with_table_copies
 from cbtrace.replay.reuse import ProfileCache
 from cbtrace.replay.steps import HostIssue, OpCount, OutputCheck, ProfilerPass, Timed
 
@@ -52,8 +52,10 @@ def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads
     (``replay.context``)."""
     t0 = time.perf_counter()
     call = prepare(module, rec, args, kwargs, device, cfg, grads)
-    if context:
+    if context is not None:  # the step's cache state (replay.context): on unless None
         in_context(call, context)
+        if call.timed is None:
+            with_table_copies(call)
     row = call.row
     row["status"] = "ok"
     timings = {} if timings is None else timings

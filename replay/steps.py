@@ -52,8 +52,12 @@ class Timed:
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")
         run.expected_ms = expected * (2 if c.timed is not None else 1) if expected else None
-        t, fallback = timers.measure(run, c.n_copies, c.device, self.chain, self.backends,
-                                     self.tcfg)
+        try:
+            t, fallback = timers.measure(run, c.n_copies, c.device, self.chain, self.backends,
+                                         self.tcfg)
+        finally:
+            if hasattr(run, "release"):
+                run.release()
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy)
         check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
