@@ -144,7 +144,7 @@ def test_full_disk_in_capture_is_one_line_and_marks_the_run(tmp_path, monkeypatc
     info = read_holder(tmp_path / "r")
     assert info["state"] == "failed" and "disk full" in info["error"]
     assert any((tmp_path / "r").glob("*.pt.trace.json.gz"))  # what was written is kept
-    with pytest.raises(RunDirError, match="a dead capture: capture .* stopped"):
+    with pytest.raises(RunDirError, match="a failed capture: capture .* stopped .*disk full"):
         check_new_run(tmp_path / "r")
 
 
@@ -223,3 +223,11 @@ def test_annotate_takes_the_lock_and_leaves_a_dead_runs_mark(tmp_path):
     (run / LOCK).write_text(json.dumps(stale))
     annotate(run, pftrace=False)
     assert read_holder(run) == stale  # a replay's mark stays until a replay clears it
+    with pytest.raises(RunDirError) as e:  # a new capture into it is told what it is
+        check_new_run(run)
+    assert str(e.value) == (f"{run}: a failed replay: replay (pid 1 on elsewhere) stopped "
+                            f"(KeyboardInterrupt); cbtrace replay {run} --resume (or remove {run})")
+    (run / LOCK).write_text(json.dumps({"pid": 1, "host": "elsewhere", "command": "replay"}))
+    with pytest.raises(RunDirError, match=r"a dead replay: replay \(pid 1 on elsewhere\) gone "
+                                          r"without a word \(killed or crashed\); cbtrace replay"):
+        check_new_run(run)

@@ -236,13 +236,15 @@ def check_new_run(run) -> None:
 
 
 def dead_text(run, info: dict) -> str:
-    """'a dead capture (pid ..., ...; error: ...): remove it (...) ...'."""
+    """'a dead capture: capture (pid ...) gone without a word ...; remove it (...)', or 'a
+    failed replay: ... stopped (error); cbtrace replay RUN --resume ...'."""
     command = info.get("command") or "cbtrace command"
-    how = (f"stopped ({info['error']})" if info.get("error") else
-           "gone without a word (killed or crashed)")
+    if info.get("error"):
+        state, how = "failed", f"stopped ({info['error']})"
+    else:
+        state, how = "dead", "gone without a word (killed or crashed)"
     what = "capture" if "capture" in command or not _complete(run) else "replay"
-    return (f"a dead {what}: {describe(info)} {how}; "
-            f"{resume_hint(run, 'replay' if what == 'replay' else 'capture')}")
+    return f"a {state} {what}: {describe(info)} {how}; {resume_hint(run, what)}"
 
 
 def _check_manifest(run: Path) -> None:
