@@ -193,8 +193,8 @@ def _attributed(model, x, run, **capture_options):
 def _owner(a, j) -> str:
     from cbtrace.attribution import insitu
 
-    assert a.key[j] % 5 == insitu.BWD
-    return a.labels[a.lab[a.key[j] // 5 - 1]]
+    assert a.key[j] % insitu.KINDS == insitu.BWD
+    return a.labels[a.lab[a.key[j] // insitu.KINDS - 1]]
 
 
 def _root_of(a, op: str) -> int:

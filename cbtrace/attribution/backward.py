@@ -98,3 +98,40 @@ def engine_work(forest: Forest, bwd_root: np.ndarray) -> np.ndarray:
     add = string_mask(forest.strings, ACCUMULATE.__contains__)[forest.name] if len(forest) \
         else outside
     return outside & (forest.nearest(outside & add) >= 0)
+
+
+RECOMPUTE = "cbtrace.recompute::"  # capture's range around a call recomputed in the backward
+
+
+def recompute_of(forest: Forest, lab: np.ndarray, labels: list) -> tuple[np.ndarray, np.ndarray]:
+    """Activation checkpointing: per host event, the forward module call (its node) whose
+    recomputation in the backward encloses it, else -1; and which events are the outermost
+    ``cbtrace.recompute::<fqn>`` ranges.
+
+    The k-th recomputation of an fqn in a step belongs to its k-th forward call from the last
+    (the backward runs in reverse); a module called several times inside one checkpointed
+    region breaks that pairing."""
+    n = len(forest)
+    none = np.full(n, -1, np.int64)
+    if not n:
+        return none, np.zeros(0, bool)
+    outer = forest.outermost(string_mask(forest.strings, lambda x: x.startswith(RECOMPUTE))
+                             [forest.name])
+    ranges = np.flatnonzero(outer == np.arange(n))
+    if not len(ranges):
+        return none, np.zeros(n, bool)
+    step = forest.step_of_host
+    calls: dict = {}  # (step, fqn) -> forward module nodes in time order
+    mods = np.flatnonzero(lab >= 0)
+    for m in mods[np.argsort(forest.ts[mods], kind="stable")].tolist():
+        calls.setdefault((int(step[m]), labels[lab[m]]), []).append(m)
+    seen: dict = {}
+    target = np.full(n + 1, -1, np.int64)  # [-1]: events outside every recomputation
+    for r in ranges[np.argsort(forest.ts[ranges], kind="stable")].tolist():
+        key = (int(step[r]), forest.strings[forest.name[r]][len(RECOMPUTE):])
+        k = seen[key] = seen.get(key, -1) + 1
+        fwd = calls.get(key)
+        if fwd:
+            target[r] = fwd[max(len(fwd) - 1 - k, 0)]
+    rcp = target[outer]
+    return rcp, (outer == np.arange(n)) & (rcp >= 0)

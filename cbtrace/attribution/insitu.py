@@ -1,8 +1,10 @@
 """Per-module in-situ time, kernels and FLOPs of one loaded trace (one rank).
 
 Every host event gets one owner: cbtrace overhead (inside a ``cbtrace.copy::`` range), the
-backward of a module (inside an autograd evaluate_function op, see backward.py), the innermost
-enclosing module call (forward), or nobody. A device event belongs to the owner of the host event
+recomputation of a module call in the backward (inside a ``cbtrace.recompute::`` range:
+activation checkpointing; phase "recompute"), the backward of a module (inside an autograd
+evaluate_function op, see backward.py), the innermost enclosing module call (forward), or
+nobody. A device event belongs to the owner of the host event
 that launched it; one with no launcher, or whose launcher has no owner, is unattributed (NCCL
 kernels too: their launch sits inside the collective's ops, inside the issuing module). Each
 device event is counted exactly once, so per step::
@@ -25,19 +27,24 @@ from cbtrace.cost.metrics import suspect
 UNATTRIBUTED = "<unattributed>"
 OVERHEAD = "<cbtrace-overhead>"
 _OPS = ("cpu_op", "Operator")
-FWD, BWD, UFWD, UBWD, OVH = range(5)  # owner kinds; a key is (id + 1) * 5 + kind
+FWD, BWD, UFWD, UBWD, OVH, RCP = range(6)  # owner kinds; a key is (id + 1) * KINDS + kind
+KINDS = 6
+PHASES = np.array(["fwd", "bwd", "recompute"])
 
 
 def _key(kind, ident):
-    return (np.asarray(ident, np.int64) + 1) * 5 + kind
+    return (np.asarray(ident, np.int64) + 1) * KINDS + kind
 
 
-def owners(forest: Forest, module_of, copy_of, roots, b_owner, engine=None) -> np.ndarray:
+def owners(forest: Forest, module_of, copy_of, roots, b_owner, engine=None,
+           recompute=None) -> np.ndarray:
     """Owner key per host event (see the module docstring). ``engine`` (backward.engine_work):
     gradient adds of the autograd engine inside a backward op, which go to the parent of the
     op's module: where a residual stream's two consumers meet. Where a tensor's consumers sit
     further apart (a LayerNorm output feeding parallel attention and MLP blocks) they meet
-    higher up, and the add lands below that (the trace does not say which consumer came first)."""
+    higher up, and the add lands below that (the trace does not say which consumer came first).
+    ``recompute`` (backward.recompute_of): per event, the forward module call whose
+    recomputation encloses it, else -1."""
     step = forest.step_of_host
     rs = np.maximum(roots, 0)
     bo = b_owner[rs]
@@ -45,9 +52,11 @@ def owners(forest: Forest, module_of, copy_of, roots, b_owner, engine=None) -> n
         par = forest.parent[np.maximum(bo, 0)]
         up = np.where(par >= 0, module_of[np.maximum(par, 0)], -1)
         bo = np.where(engine & (bo >= 0) & (up >= 0), up, bo)
-    return np.where(copy_of >= 0, _key(OVH, step),
-                    np.where(roots >= 0, np.where(bo >= 0, _key(BWD, bo), _key(UBWD, step[rs])),
-                             np.where(module_of >= 0, _key(FWD, module_of), _key(UFWD, step))))
+    key = np.where(roots >= 0, np.where(bo >= 0, _key(BWD, bo), _key(UBWD, step[rs])),
+                   np.where(module_of >= 0, _key(FWD, module_of), _key(UFWD, step)))
+    if recompute is not None:
+        key = np.where(recompute >= 0, _key(RCP, recompute), key)
+    return np.where(copy_of >= 0, _key(OVH, step), key)
 
 
 def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = None,
@@ -65,9 +74,11 @@ def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = 
     b_owner = backward.backward_owner(
         forest, roots, backward.forward_owner_by_seq(forest, module_of, roots, copy_of))
     engine = backward.engine_work(forest, roots)
-    key = owners(forest, module_of, copy_of, roots, b_owner, engine)
+    rcp, rcp_root = backward.recompute_of(forest, lab, labels)
+    key = owners(forest, module_of, copy_of, roots, b_owner, engine, rcp)
     copy_root = is_copy & (copy_of == np.arange(len(forest)))  # outermost cbtrace.copy ranges
-    b = _Buckets(forest, key, roots, copy_root, module_of, copy_of, costs, engine)
+    b = _Buckets(forest, key, roots, copy_root, module_of, copy_of, costs, engine,
+                 rcp, rcp_root)
     m_cols, m_figs = _module_rows(forest, b, lab, labels, module_of, copy_root, source,
                                   class_map)
     u_cols, u_figs = _unattributed_rows(forest, b, every_step)
@@ -119,20 +130,25 @@ class _Buckets:
     a formula, FLOPs and bytes per dtype (``acc``, aligned with the sorted ``keys``)."""
 
     def __init__(self, forest: Forest, key, roots, copy_root, module_of, copy_of, costs,
-                 engine=None):
+                 engine=None, rcp=None, rcp_root=None):
         s, n, ar = forest.strings, len(forest), np.arange(len(forest))
         is_op = string_mask(s, _OPS.__contains__)[forest.cat] if n else np.zeros(0, bool)
         aten = string_mask(s, lambda x: x.startswith("aten::"))[forest.name] if n else is_op
         table = np.array([c[:3] for c in costs or []], np.float64).reshape(-1, 3)
         f_anc = forest.strict_any(forest.cost >= 0)
-        # host time: backward roots, overhead ranges, top-level ops outside every module
-        top_op = is_op & ~forest.strict_any(is_op) & (roots < 0) & (copy_of < 0) & (module_of < 0)
-        cpu_at = np.flatnonzero((roots == ar) | copy_root | top_op)
+        rcp = np.full(n, -1, np.int64) if rcp is None else rcp
+        rcp_root = np.zeros(n, bool) if rcp_root is None else rcp_root
+        # host time: backward roots, overhead ranges, recomputations, top-level ops outside
+        # every module
+        top_op = (is_op & ~forest.strict_any(is_op) & (roots < 0) & (copy_of < 0)
+                  & (module_of < 0) & (rcp < 0))
+        cpu_at = np.flatnonzero((roots == ar) | copy_root | top_op | rcp_root)
         # a backward op's host time less the input copies of cbtrace's gradient hooks in it and
         # the engine's gradient adds (those count for the module that owns them: the parent)
         eng = np.zeros(n, bool) if engine is None else engine
         adds = np.flatnonzero(eng & ~forest.strict_any(eng))
-        nest = np.r_[np.flatnonzero(copy_root & (roots >= 0) & (roots != ar)), adds]
+        nest = np.r_[np.flatnonzero((copy_root | rcp_root) & (roots >= 0) & (roots != ar)),
+                     adds]
         # device time: the launcher's owner, else unattributed in the step of the event
         la = forest.launcher
         d_key = np.where(la >= 0, key[np.maximum(la, 0)] if n else 0,
@@ -194,8 +210,8 @@ def _module_rows(forest: Forest, b: _Buckets, lab, labels, module_of, copy_root,
     mparent = mi[np.where(par[mods] >= 0, module_of[par[mods]], -1)]  # -1 at the top
     fqn, depth, parent_fqn = _names(mods, mparent, lab, labels, source, class_map)
     mtree = _ModTree(mparent, depth)
-    fself, bself = b.lookup(_key(FWD, mods)), b.lookup(_key(BWD, mods))
-    fincl, bincl = mtree.inclusive(fself), mtree.inclusive(bself)
+    fself, bself, rself = (b.lookup(_key(k, mods)) for k in (FWD, BWD, RCP))
+    fincl, bincl, rincl = (mtree.inclusive(f) for f in (fself, bself, rself))
     # cpu: the call's range minus cbtrace's input copies inside it; self: minus child calls
     copies = np.flatnonzero(copy_root)
     copy_us = np.zeros(len(mods) + 1)  # [-1]: copies outside every module
@@ -206,13 +222,17 @@ def _module_rows(forest: Forest, b: _Buckets, lab, labels, module_of, copy_root,
     step_m = forest.step_of_host[mods]
     call_index = _call_index(forest.ts[mods], step_m, fqn)
 
-    has_b = (bincl["cpu"] != 0) | (bincl["kernels"] != 0) | (bincl["flops"] != 0)
-    mrow = np.r_[np.arange(len(mods)), np.flatnonzero(has_b)]
-    order = np.lexsort((np.r_[np.zeros(len(mods)), np.ones(has_b.sum())], mrow))
-    mrow, is_b = mrow[order], order >= len(mods)
+    has_b, has_r = ((x["cpu"] != 0) | (x["kernels"] != 0) | (x["flops"] != 0)
+                    for x in (bincl, rincl))
+    mrow = np.r_[np.arange(len(mods)), np.flatnonzero(has_b), np.flatnonzero(has_r)]
+    ph = np.r_[np.zeros(len(mods)), np.ones(has_b.sum()), np.full(has_r.sum(), 2)].astype(int)
+    order = np.lexsort((ph, mrow))  # per call: fwd, bwd, recompute
+    mrow, ph = mrow[order], ph[order]
 
-    def pick(f, bw):
-        return np.where(is_b.reshape((-1,) + (1,) * (f.ndim - 1)), bw[mrow], f[mrow])
+    def pick(f, bw, rc=None):
+        p = ph.reshape((-1,) + (1,) * (f.ndim - 1))
+        rc = np.zeros_like(f) if rc is None else rc
+        return np.where(p == 1, bw[mrow], np.where(p == 2, rc[mrow], f[mrow]))
 
     h = mods[mrow]
     cols = dict(step=step_m[mrow], fqn=[fqn[m] for m in mrow], source=source or "unattributed",
@@ -220,17 +240,17 @@ def _module_rows(forest: Forest, b: _Buckets, lab, labels, module_of, copy_root,
                 parent_fqn=[parent_fqn[m] for m in mrow],
                 module_label=[labels[lab[x]] for x in h], pid=forest.pid[h], tid=forest.tid[h],
                 ts_us=forest.ts[h], dur_us=forest.dur[h], ev_index=forest.idx[h],
-                phase=np.where(is_b, "bwd", "fwd"),
-                cpu=pick(cpu_incl, bincl["cpu"]),
-                cpu_self=pick(cpu_incl - child_cpu[:-1], bself["cpu"]),
-                gpu_self=pick(fself["gpu"], bself["gpu"]))
-    return cols, {k: pick(fincl[k], bincl[k]) for k in fincl}
+                phase=PHASES[ph],
+                cpu=pick(cpu_incl, bincl["cpu"], rincl["cpu"]),
+                cpu_self=pick(cpu_incl - child_cpu[:-1], bself["cpu"], rself["cpu"]),
+                gpu_self=pick(fself["gpu"], bself["gpu"], rself["gpu"]))
+    return cols, {k: pick(fincl[k], bincl[k], rincl[k]) for k in fincl}
 
 
 def _unattributed_rows(forest: Forest, b: _Buckets, every_step: bool):
     """Unattributed fwd / bwd and overhead rows, per step (fwd: every step)."""
     steps = sorted({st for st, _, _ in forest.steps}) or ([-1] if every_step else [])
-    kinds, ids = b.keys % 5, b.keys // 5 - 1
+    kinds, ids = b.keys % KINDS, b.keys // KINDS - 1
     u_kind, u_step = [], []
     for kind in (UFWD, UBWD, OVH):
         have = set(ids[kinds == kind].tolist()) | (set(steps) if kind == UFWD else set())

@@ -21,13 +21,30 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         insitu = _by_call(df, insitu_for_run(run, manifest))
     bwd = (_by_call(df, insitu_for_run(run, manifest, phase="bwd"))
            if df["bwd_ms"].notna().any() else {})
+    recompute = _recompute(run, manifest, df)
     out = {}
     for cid, iso, bwd_ms in zip(df["call_id"], df["isolated_ms"], df["bwd_ms"]):
         ins, bwd_ins = _number(insitu.get(cid)), _number(bwd.get(cid))
         out[int(cid)] = {"insitu_ms": ins, "error_pct": _error_pct(_number(iso), ins),
                          "bwd_insitu_ms": bwd_ins,
-                         "bwd_error_pct": _error_pct(_number(bwd_ms), bwd_ins)}
+                         "bwd_error_pct": _error_pct(_number(bwd_ms), bwd_ins),
+                         "recompute_insitu_ms": _number(recompute.get(cid))}
     return out
+
+
+def _recompute(run, manifest, df) -> dict:
+    """call_id -> ms of its recomputation in the backward (activation checkpointing), from the
+    capture trace; empty where nothing was recomputed or the run has no trace."""
+    from cbtrace.errors import RunDirError
+
+    if "recomputed" not in df or not df["recomputed"].fillna(False).astype(bool).any():
+        return {}  # no trace read where capture saw no recomputation
+    try:
+        return {c: v for c, v in _by_call(df, insitu_for_run(run, manifest,
+                                                               phase="recompute")).items()
+                if v is not None}
+    except RunDirError:
+        return {}
 
 
 def _by_call(df, ins) -> dict:

@@ -28,6 +28,17 @@ def in_backward() -> bool:
     return _GRAPH_TASK() != -1
 
 
+def mark_recomputed(records, counts: dict) -> None:
+    """Set ``recomputed`` on the forward calls that ``counts`` (fqn -> recomputations) says were
+    recomputed: the last ones of each fqn, as the backward runs in reverse."""
+    by_fqn: dict = {}
+    for rec in records:
+        by_fqn.setdefault(rec.fqn, []).append(rec)
+    for fqn, k in counts.items():
+        for rec in by_fqn.get(fqn, [])[-k:]:
+            rec.recomputed = True
+
+
 def why_boundary(module) -> str | None:
     """Why ``module`` is recorded at its boundary only, or None for an ordinary module."""
     if isinstance(module, torch.jit.ScriptModule):

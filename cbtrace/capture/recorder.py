@@ -151,6 +151,7 @@ class capture:
         self._names: dict[int, list[str]] = {}
         self._selected: dict[str, bool] = {}
         self._bounds: dict[str, str] = {}  # fqn -> why it is recorded at its boundary only
+        self._recomputed: dict[str, int] = {}  # fqn -> calls recomputed in the backward
         self._prof = None
         self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread under with_stack)
         self._lock = threading.RLock()
@@ -354,6 +355,7 @@ class capture:
                     self._push((None, module, None, pending))
                     return
             if boundaries.in_backward():  # checkpointing recomputes it: backward work, no call
+                self._recomputed[fqn] = self._recomputed.get(fqn, 0) + 1
                 self._push((None, module, RANGE_ENTER(boundaries.RECOMPUTE + fqn, None), pending))
                 return
             grad = _GRAD_ENABLED()  # this thread's modes
@@ -484,6 +486,7 @@ class capture:
                     self.trace_path = self._write_trace()
                     t["trace_write"] = time.perf_counter() - t1
                 t1 = time.perf_counter()
+                boundaries.mark_recomputed(self.records, self._recomputed)
                 for rec in self.records:
                     rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
                     if any(r is not None for r in self._grads.get(rec.call_id, ())):

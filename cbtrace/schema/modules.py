@@ -61,6 +61,8 @@ class ModuleRecord:
     grads_ref: str | None = column(CAPTURE, "JSON", "--step train: the gradients that reached the "
                                                     "call's outputs in the backward, stored like "
                                                     "its inputs", default=None)
+    recomputed: bool = column(CAPTURE, doc="activation checkpointing recomputed the call in the "
+                                           "backward (not a call of its own)", default=False)
     boundary: str | None = column(CAPTURE, doc="why the call was recorded at its boundary, its "
                                                "submodules not hooked (TorchScript, a fast path "
                                                "hooks would switch off)", default=None)
@@ -188,6 +190,9 @@ class ModuleRecord:
                                          default=None)
     bwd_error_pct: float | None = column(INSITU, "%", "100 * (bwd_ms / bwd_insitu_ms - 1)",
                                          default=None)
+    recompute_insitu_ms: float | None = column(
+        INSITU, "ms", "activation checkpointing: the call recomputed in the step's backward "
+        "(backward work, not in insitu_ms)", default=None)
 
     @property
     def key(self) -> tuple[str, int]:
