@@ -201,3 +201,21 @@ def test_tb_logdir_places_a_view_and_leaves_the_run(annotated_run, tmp_path):
     with pytest.raises(RunDirError, match="already exists"):
         logdir_target(annotated_run, logdir)  # before any work, not after
     assert place_in_logdir(annotated_run, tmp_path) == annotated_run  # already under it
+
+
+def test_profile_tb_logdir_keeps_the_run_at_out(tmp_path):
+    from cbtrace.plugins.reporters.logdir import annotated_traces, find_runs
+
+    out, tb = tmp_path / "runs" / "d", tmp_path / "tb"
+    res = subprocess.run([sys.executable, "-m", "cbtrace", "profile", "--model", "dlrm:tiny",
+                          "--device", "cpu", "--max-depth", "1", "--out", str(out),
+                          "--tb-logdir", str(tb)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / "inputs").is_dir() and annotated_traces(out)  # the run where --out said
+    assert find_runs(tb) == ["d"] and annotated_traces(tb / "d") == annotated_traces(out)
+    assert f"TensorBoard: {tb / 'd'}" in res.stdout
+    # a second profile into the same view is refused before it captures anything
+    again = tmp_path / "runs2" / "d"
+    line = _one_line_error(["profile", "--model", "dlrm:tiny", "--device", "cpu", "--out",
+                            str(again), "--tb-logdir", str(tb)])
+    assert "already exists" in line and str(tb / "d") in line and not again.exists()
