@@ -29,7 +29,6 @@ CNN_BATCH, CNN_SIDE = 64, 224  # a timm / torchvision CNN: batch 64 of 224 x 224
 REPLAY = dict(budget_s=0.03, timeout_s=300.0)
 STEPS_K = 20      # steps back to back per timed repeat (the host runs ahead as in training)
 REPEATS = 5       # timed repeats per configuration; the median is reported
-REL_TOL, ABS_TOL_MS = 0.15, 0.1  # the bound on estimate vs measured saving
 
 
 def build(name: str, device: str, dtype):
@@ -65,11 +64,9 @@ def cnn(name: str):
     return torchvision.models.get_model(name, weights=None)
 
 
-def within(estimated, measured) -> bool:
-    return abs(estimated - measured) <= max(REL_TOL * abs(measured), ABS_TOL_MS)
-
-
 def table(rows, types: dict, calls: dict) -> str:
+    from cbtrace.plugins.reporters.opportunities import within
+
     head = ("module", "type", "calls", "estimated ms", "measured ms", "error ms", "error %",
             "eager step ms", "compiled step ms", "compile s", "ok?")
     out = [head]
@@ -96,6 +93,7 @@ def main(argv=None) -> None:
     import cbtrace
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.plugins.reporters.icicle_tree import record_rows
+    from cbtrace.plugins.reporters.opportunities import ABS_TOL_MS, REL_TOL, within
     from cbtrace.replay import opportunity as opp
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -276,3 +276,25 @@ def verify_in_place(model, run_step, fqns: list[str], estimates: dict[str, float
             row.status = f"error: {one_line(e)}"
         rows.append(row)
     return rows
+
+
+def verify_spec(spec: str, df, top: int, *, device=None, dtype: str | None = None,
+                step: str = "forward", seed: int = 0, options: dict | None = None,
+                mode: str = "default", k: int = 20, repeats: int = 5) -> list[InPlace]:
+    """``verify_in_place`` for a profiled run: the root and the ``top`` modules by
+    ``compile_estimates`` of its modules frame ``df``, in the model of ``spec`` built again
+    (same seed, options, dtype and step as the capture)."""
+    from cbtrace.capture.from_spec import run_step
+    from cbtrace.cost.dtypes import torch_dtype
+    from cbtrace.device import resolve_device
+    from cbtrace.model.spec import resolve
+
+    rows = df.astype(object).where(df.notna(), None).to_dict("records")
+    estimates = compile_estimates(rows)
+    dev = resolve_device(device)
+    provider = resolve(spec, seed=seed, options=dict(options or {}))
+    model, batch = provider.model_and_batch(dev, torch_dtype(dtype) if dtype else None)
+    model.train(step == "train")
+    return verify_in_place(model, lambda m: run_step(provider, m, batch, step),
+                           pick_modules(estimates, top), estimates, dev, mode=mode, k=k,
+                           repeats=repeats)

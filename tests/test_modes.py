@@ -370,6 +370,27 @@ def test_verify_in_place_measures_each_chosen_module_in_the_whole_step(tmp_path)
     torch.testing.assert_close(step(model), want)
 
 
+@pytest.mark.slow
+def test_profile_verify_opportunity_prints_a_row_per_chosen_module(tmp_path):
+    from click.testing import CliRunner
+
+    from cbtrace.cli.main import cli
+
+    # the root only (depth 0): one compile in replay, one in place
+    res = CliRunner().invoke(cli, ["profile", "--model", "benchmarks/zoo.py:cnn", "--device",
+                                   "cpu", "--max-depth", "0", "--out", str(tmp_path / "r"),
+                                   "--verify-opportunity", "1"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.split("Compiled in place:", 1)[1].splitlines()
+    row = lines[3].split()  # title, header, rule, then one row per module
+    assert row[:2] == ["(root)", "SmallCNN"]
+    # estimated, measured and error: each a figure with its unit
+    assert row[3] in ("ms", "µs") and row[5] in ("ms", "µs") and row[7] in ("ms", "µs"), row
+    assert "of the measured saving:" in lines[4] and "of 1 modules (0 not measured)" in lines[4]
+    df = load_run(tmp_path / "r")[1]
+    assert len(df) == 1 and (df["compile_status"] == "ok").all()
+
+
 def test_verify_in_place_keeps_a_row_for_a_module_that_fails(tmp_path):
     model = nn.Sequential(nn.Linear(8, 8), NoCompile()).eval()
     x = torch.randn(4, 8)

@@ -23,10 +23,14 @@ from cbtrace.replay.config import ReplayConfig
 @click.option("--reuse-timing", is_flag=True,
               help="time once the calls that are the same work and cannot depend on values "
                    "(as cbtrace replay --reuse-timing)")
+@click.option("--verify-opportunity", "verify_top", type=click.IntRange(min=0), default=None,
+              metavar="N", help="also replay each call compiled, then compile the root and the "
+                                "N modules of largest estimated saving in place in the model "
+                                "and time the whole step with and without each")
 @click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthesize_above_bytes,
             with_stack, seed, out, timer, cold, context, tb_logdir, timeout_s, reuse_timing,
-            strict):
+            verify_top, strict):
     """Capture, replay and attribute: isolated vs in-situ time per module.
 
     Adds insitu_ms and error_pct (isolated / in-situ - 1) to RUN/modules.parquet and prints the
@@ -42,9 +46,11 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
         from cbtrace.workflows.tb_logdir import logdir_target
 
         logdir_target(out, tb_logdir)  # an existing view is refused before any work
-    df = profile(spec, out, replay_options=dict(timer=timer, cold=cold, context=context,
-                                                timeout_s=timeout_s, reuse_timing=reuse_timing),
-                 device=device,
+    replay_options = dict(timer=timer, cold=cold, context=context, timeout_s=timeout_s,
+                          reuse_timing=reuse_timing)
+    if verify_top is not None:
+        replay_options["modes"] = ("compile",)
+    df = profile(spec, out, replay_options=replay_options, device=device,
                  dtype=dtype, step=step, seed=seed, options=parse_kv(opts), include=include,
                  exclude=exclude, max_depth=max_depth,
                  synthesize_above_bytes=synthesize_above_bytes, with_stack=with_stack)
@@ -60,6 +66,14 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
         annotate(run=out)
         click.echo(f"TensorBoard: {place_in_logdir(out, tb_logdir)}; "
                    f"tensorboard --logdir {tb_logdir}")
+    if verify_top is not None:
+        from cbtrace.plugins.reporters.opportunities import verified_table
+        from cbtrace.replay.opportunity import verify_spec
+
+        checked = verify_spec(spec, df, verify_top, device=device, dtype=dtype, step=step,
+                              seed=seed, options=parse_kv(opts))
+        types = dict(zip(df["fqn"].fillna(""), df["module_type"]))
+        click.echo("\n" + verified_table(checked, types))
     click.echo(f"run: {out}")
     click.echo(status_text(df))
     strict_exit(df, strict)
