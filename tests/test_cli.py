@@ -203,14 +203,29 @@ def test_tb_logdir_places_a_view_and_leaves_the_run(annotated_run, tmp_path):
     assert place_in_logdir(annotated_run, tmp_path) == annotated_run  # already under it
 
 
+def test_timer_warning_names_the_fallback_once():
+    import pandas as pd
+
+    from cbtrace.cli.options import timer_warning
+
+    why = "graph: graph timer needs a CUDA device, got cpu"
+    df = pd.DataFrame({"timer": ["cpu", "cpu", None], "timer_fallback": [why, why, None]})
+    assert timer_warning(df, "graph") == f"Warning: --timer graph: 2 of 2 calls timed with cpu instead ({why})"
+    assert timer_warning(df, "cpu") is None and timer_warning(df, "auto") is None
+
+
 def test_profile_tb_logdir_keeps_the_run_at_out(tmp_path):
+    """(and --timer graph on a CPU says, on stderr, that the CPU timer was used)"""
     from cbtrace.plugins.reporters.logdir import annotated_traces, find_runs
 
     out, tb = tmp_path / "runs" / "d", tmp_path / "tb"
     res = subprocess.run([sys.executable, "-m", "cbtrace", "profile", "--model", "dlrm:tiny",
                           "--device", "cpu", "--max-depth", "1", "--out", str(out),
-                          "--tb-logdir", str(tb)], capture_output=True, text=True)
+                          "--tb-logdir", str(tb), "--timer", "graph"], capture_output=True,
+                         text=True)
     assert res.returncode == 0, res.stderr[-2000:]
+    warned = [ln for ln in res.stderr.splitlines() if ln.startswith("Warning: --timer graph")]
+    assert len(warned) == 1 and "timed with cpu instead" in warned[0] and "CUDA" in warned[0]
     assert (out / "inputs").is_dir() and annotated_traces(out)  # the run where --out said
     assert find_runs(tb) == ["d"] and annotated_traces(tb / "d") == annotated_traces(out)
     assert f"TensorBoard: {tb / 'd'}" in res.stdout

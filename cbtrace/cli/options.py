@@ -76,6 +76,21 @@ def timer_option(f):
                              "recorded per row)")(f)
 
 
+def timer_warning(df, requested: str) -> str | None:
+    """One line when --timer named a timer that some calls could not use (they fell back, and
+    each row's timer_fallback says why), else None."""
+    if requested == "auto" or "timer" not in df:
+        return None
+    timed = df[df["timer"].notna()]
+    other = timed[timed["timer"] != requested]
+    if not len(other):
+        return None
+    why = other["timer_fallback"].dropna() if "timer_fallback" in other else []
+    return (f"Warning: --timer {requested}: {len(other)} of {len(timed)} calls timed with "
+            f"{', '.join(sorted(set(other['timer'])))} instead"
+            + (f" ({why.iloc[0]})" if len(why) else ""))
+
+
 def strict_exit(df, strict: bool) -> None:
     """Exit 1 when no call ended ok (figures of nothing are no result), and with --strict when
     any call ended other than ok (the counts are already printed)."""

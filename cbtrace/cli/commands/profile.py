@@ -1,6 +1,7 @@
 import click
 
-from cbtrace.cli.options import model_options, parse_kv, strict_exit, timer_option
+from cbtrace.cli.options import (model_options, parse_kv, strict_exit, timer_option,
+                                 timer_warning)
 from cbtrace.replay.config import ReplayConfig
 
 
@@ -76,4 +77,7 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
         click.echo("\n" + verified_table(checked, types))
     click.echo(f"run: {out}")
     click.echo(status_text(df))
+    warning = timer_warning(df, timer)
+    if warning:
+        click.echo(warning, err=True)
     strict_exit(df, strict)

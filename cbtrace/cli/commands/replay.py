@@ -2,7 +2,7 @@ import os
 
 import click
 
-from cbtrace.cli.options import parse_modes, strict_exit, timer_option
+from cbtrace.cli.options import parse_modes, strict_exit, timer_option, timer_warning
 from cbtrace.replay.config import ReplayConfig
 
 
@@ -90,6 +90,9 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, re
     skipped = modes_note(df)
     if skipped:
         click.echo(f"modes:\n{skipped}")
+    warning = timer_warning(df, timer)
+    if warning:
+        click.echo(warning, err=True)
     strict_exit(df, strict)
 
 
