@@ -42,6 +42,7 @@ class CallUnderTest:
     timed: Callable[[int], object] | None = None  # what the timers run: ``run`` in its context
     context_note: str | None = None  # how ``timed`` differs from ``run`` (the row's timer_notes)
     writes_inputs: bool = False    # a forward moves its inputs' version counters (in place)
+    context: list | None = None    # its predecessors in the step (replay.context); None: off
 
 
 def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest:
@@ -94,7 +95,7 @@ def in_context(c: CallUnderTest, context: list) -> None:
     says why); ``timed.release()`` drops what the slots still hold."""
     from cbtrace.replay.context import chained_positions, describe, substitute
 
-    if not context:
+    if not context or not _small(c):
         return
     try:
         first = [flat_tensors(x(0)) for x in context]
@@ -120,6 +121,28 @@ def in_context(c: CallUnderTest, context: list) -> None:
 
     timed.before, timed.copies, timed.release = before, copies, slots.clear
     c.timed, c.context_note = timed, describe(context, chained)
+
+
+# Calls timed in their context: those whose device time (the profiled pass) is under this (ms).
+# Longer calls read the same alone (their own traffic sets their cache state), and subtracting
+# a context's graph from a long one adds its noise (benchmarks/RESULTS.md, context replay).
+CONTEXT_MAX_MS = 0.015
+
+
+def _small(c: CallUnderTest) -> bool:
+    ms = c.row.get("device_ms")
+    return c.device.type != "cuda" or (ms is not None and 0 < ms < CONTEXT_MAX_MS)
+
+
+def in_step_cache_state(c: CallUnderTest) -> None:
+    """Set ``c.timed`` so that the call meets the cache state it had in the step, where that is
+    on (``c.context`` not None): its context before it (``in_context``), else, for an embedding
+    lookup, a table copy per run (``with_table_copies``)."""
+    if c.context is None or c.timed is not None:
+        return
+    in_context(c, c.context)
+    if c.timed is None:
+        with_table_copies(c)
 
 
 def with_table_copies(c: CallUnderTest) -> None:

@@ -79,7 +79,11 @@ def root_cause(e: BaseException) -> BaseException:
 
 
 def end_pool_routing(g: torch.cuda.CUDAGraph) -> None:
-    """Stop routing allocations to a failed capture's pool.
+    """Undo what a failed capture leaves behind: allocations routed to its pool, and the CUDA
+    generators left in capture mode (capture_end raised before giving them back, and every
+    later random op outside a capture fails: "Offset increment outside graph capture
+    encountered unexpectedly"). Each default generator gets a fresh state object with the same
+    seed and offset, which is not capturing.
 
     Before pytorch#180395 (torch < 2.12), capture_end skipped this when cudaStreamEndCapture
     failed, and a later empty_cache died on 'captures_underway.empty() INTERNAL ASSERT'.
@@ -87,3 +91,6 @@ def end_pool_routing(g: torch.cuda.CUDAGraph) -> None:
     """
     with contextlib.suppress(Exception):
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), g.pool())
+    for gen in torch.cuda.default_generators:
+        with contextlib.suppress(Exception):  # torch without graph-safe generator states
+            gen.graphsafe_set_state(gen.clone_state())

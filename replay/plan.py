@@ -12,7 +12,7 @@ import time
 from typing import Protocol
 
 from cbtrace.replay import timers
-from cbtrace.replay.call import CallUnderTest, in_context, prepare, with_table_copies
+from cbtrace.replay.call import CallUnderTest, prepare
 from cbtrace.replay.reuse import ProfileCache
 from cbtrace.replay.steps import HostIssue, OpCount, OutputCheck, ProfilerPass, Timed
 
@@ -52,10 +52,7 @@ def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads
     (``replay.context``)."""
     t0 = time.perf_counter()
     call = prepare(module, rec, args, kwargs, device, cfg, grads)
-    if context is not None:  # the step's cache state (replay.context): on unless None
-        in_context(call, context)
-        if call.timed is None:
-            with_table_copies(call)
+    call.context = context  # the Timed step sets it up once the call's device time is known
     row = call.row
     row["status"] = "ok"
     timings = {} if timings is None else timings

@@ -11,7 +11,7 @@ import time
 import torch
 
 from cbtrace.replay import timers
-from cbtrace.replay.call import CallUnderTest
+from cbtrace.replay.call import CallUnderTest, in_step_cache_state
 from cbtrace.replay.timing import TimingConfig, join_notes
 from cbtrace.replay.reuse import COPIED
 
@@ -48,6 +48,7 @@ class Timed:
             fqn, fields = hit
             return {**fields, "runs": 0, "timed_ms": 0.0, "timer_notes": join_notes(
                 c.row.get("timer_notes"), f"{COPIED}{fqn or '(root)'} (--reuse-timing)")}
+        in_step_cache_state(c)
         run = c.timed or c.run
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")

@@ -60,3 +60,25 @@ def test_dropout_and_inplace_relu_under_the_graph_timer(tmp_path):
     assert (df.bwd_status == "ok").all(), df.bwd_status_reason.dropna().to_dict()
     assert df.loc["drop", "timer"] == "graph", df.loc["drop", "timer_fallback"]
     assert df.loc["drop", "bwd_timer"] == "graph", df.loc["drop", "bwd_timer_notes"]
+
+
+class SyncsUnderCapture(nn.Module):
+    """Dropout, then a host read: its graph capture fails after a random op was captured."""
+
+    def forward(self, x):
+        y = nn.functional.dropout(x, 0.5, training=True)
+        return y * float(y.sum().item() > -1e9)
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_leaves_random_ops_usable(tmp_path):
+    model = nn.Sequential(SyncsUnderCapture(), nn.Dropout(0.1)).cuda().train()
+    x = torch.randn(64, 64, device="cuda")
+    with cbtrace.capture(model, tmp_path / "run"):
+        model(x)
+    df = cbtrace.replay(tmp_path / "run", model=model, device="cuda", timer="graph",
+                        **{**FAST, "backward": False}).set_index("fqn")
+    assert (df.status == "ok").all(), df.status_reason.dropna().to_dict()
+    assert df.loc["0", "timer"] != "graph" and "graph capture failed" in df.loc["0", "timer_fallback"]
+    assert df.loc["1", "timer"] == "graph"
+    torch.nn.functional.dropout(x, 0.5, training=True)  # the caller's random ops still run

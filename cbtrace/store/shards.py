@@ -210,6 +210,9 @@ class _Shard:
             self.starts.append(self.starts[-1] + meta.row_group(i).num_rows)
         self.num_rows = self.starts[-1]
         self._cached = (None, None)
+        # one reader at a time: pyarrow's read of one ParquetFile from two threads (replay's
+        # read-ahead and its context loads) fails ("ReadRangeCache did not find matching ...")
+        self._lock = threading.Lock()
 
     def row(self, i: int):
         """(row group table, index within it) of row ``i``; the last group read is kept."""
@@ -217,7 +220,8 @@ class _Shard:
         cached = self._cached  # one read: a read-ahead thread may replace it meanwhile
         if cached[0] == g:
             return cached[1], i - self.starts[g]
-        table = self.pf.read_row_group(g)
+        with self._lock:
+            table = self.pf.read_row_group(g)
         self._cached = (g, table) if table.nbytes <= 2 * GROUP_BYTES else (None, None)
         return table, i - self.starts[g]
 
