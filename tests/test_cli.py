@@ -234,3 +234,18 @@ def test_profile_tb_logdir_keeps_the_run_at_out(tmp_path):
     line = _one_line_error(["profile", "--model", "dlrm:tiny", "--device", "cpu", "--out",
                             str(again), "--tb-logdir", str(tb)])
     assert "already exists" in line and str(tb / "d") in line and not again.exists()
+
+
+def test_readme_is_a_short_page_whose_links_exist():
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    links = set(re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme))
+    assert {"docs/trust.md", "docs/timers.md", "benchmarks/RESULTS.md"} <= links
+    for link in links:
+        if not link.startswith("http"):
+            assert (REPO / link).exists(), link
+    for doc in (REPO / "docs").glob("*.md"):  # the docs' own relative links too
+        for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / link).exists(), f"{doc.name}: {link}"
