@@ -210,16 +210,16 @@ def resume_hint(run, command: str) -> str:
 
 def check_new_run(run) -> None:
     """Before a capture into ``run``: a one-line RunDirError if a command is writing it or one
-    died in it (nothing is said of any other content; ``prepare_new_run`` judges that)."""
+    died in it, or a capture left it unfinished (any other content is ``prepare_new_run``'s
+    "not empty")."""
     run = Path(run)
     if not run.is_dir() or _key(run) in _HELD:
         return
     info = read_holder(run)
     if info is None:
-        if any(run.iterdir()) and not (run / "manifest.json").is_file():
-            raise RunDirError(f"{run}: holds no manifest.json: a capture that did not finish "
-                              f"(or not a run); {resume_hint(run, 'capture')}, or choose a "
-                              "new --out")
+        if (run / "inputs").is_dir() and not (run / "manifest.json").is_file():
+            raise RunDirError(f"{run}: holds inputs/ but no manifest.json: a capture that did "
+                              f"not finish; {resume_hint(run, 'capture')}, or choose a new --out")
         _check_manifest(run)
         return
     try:
