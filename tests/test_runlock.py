@@ -231,3 +231,16 @@ def test_annotate_takes_the_lock_and_leaves_a_dead_runs_mark(tmp_path):
     with pytest.raises(RunDirError, match=r"a dead replay: replay \(pid 1 on elsewhere\) gone "
                                           r"without a word \(killed or crashed\); cbtrace replay"):
         check_new_run(run)
+
+
+def test_a_folder_is_named_an_unfinished_capture_only_when_it_holds_inputs(tmp_path):
+    from cbtrace.rundir.layout import prepare_new_run
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="already exists and is not empty; choose a new --out"):
+        prepare_new_run(tmp_path)
+    (tmp_path / "inputs").mkdir()
+    with pytest.raises(RunDirError, match=r"holds inputs/ but no manifest.json: a capture that "
+                                          r"did not finish; remove it \(rm -r "):
+        prepare_new_run(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
