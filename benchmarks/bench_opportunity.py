@@ -151,6 +151,18 @@ def main(argv=None) -> None:
     print(f"\nin place, {len(fqns)} modules ({time.perf_counter() - t0:.1f} s; one step = median "
           f"of {a.repeats} x {a.k} steps back to back; saving = eager step - compiled step)")
     print(table(checked, types, calls))
+    root = next((r for r in rows if r.get("parent_call_id") not in {x["call_id"] for x in rows}),
+                None)
+    whole = next((r for r in checked if r.fqn == "" and r.status == "ok"), None)
+    if root is not None and whole is not None:  # which side of the root's estimate is off
+
+        def f(v):
+            return "-" if v is None else f"{v:.3f}"
+
+        print(f"root, estimated: eager step {f(root.get('eager_step_ms'))} ms = max(device "
+              f"{f(root.get('isolated_ms'))}, host {f(root.get('host_ms'))}); compiled max(device "
+              f"{f(root.get('compile_ms'))}, host {f(root.get('compile_host_ms'))}); measured: "
+              f"eager step {whole.eager_ms:.3f} ms, compiled step {whole.compiled_ms:.3f} ms")
     done = [r for r in checked if r.error_ms is not None]
     good = sum(within(r.estimated_ms, r.measured_ms) for r in done)
     print(f"within +-{REL_TOL:.0%} or {ABS_TOL_MS} ms: {good} of {len(done)} "
