@@ -111,16 +111,25 @@ def _cuda_peak(call, device) -> int:
 
 
 def _profile_rows(call, device, runs: int) -> list[Row]:
-    # autograd's profiler, the one torch.profiler.profile drives: the latter's start asks
-    # hasattr(torch, "_inductor"), which imports inductor and dynamo (a second in a fresh process)
+    cuda = device.type == "cuda"
+    if cuda:
+        # torch.profiler: autograd's profiler with use_device="cuda" recorded no kernel on the
+        # H200 (torch 2.11: kernel_count and device_ms 0 for every call)
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with quiet_kineto(), profile(activities=acts) as prof:
+            for _ in range(runs):
+                call()
+                _sync(device)
+        return rows_from_kineto(prof.profiler.kineto_results.events())
+    # on a CPU, autograd's profiler, which torch.profiler.profile drives: the latter's start
+    # asks hasattr(torch, "_inductor"), importing inductor and dynamo (a second, fresh process)
     from torch.autograd.profiler import profile
 
-    cuda = device.type == "cuda"
-    with quiet_kineto(), profile(use_device="cuda" if cuda else None,
-                                 profile_memory=not cuda) as prof:
+    with quiet_kineto(), profile(profile_memory=True) as prof:
         for _ in range(runs):
             call()
-            _sync(device)
     return rows_from_kineto(prof.kineto_results.events())
 
 
