@@ -368,6 +368,7 @@ class CudaGraphed:
         self.tcfg = timing_config(cfg)
         self.streams: dict[int, torch.cuda.Stream] = {}  # device index -> capture stream
         self.pools: dict[int, object] = {}  # device index -> torch.cuda.MemPool of the graphs
+        self.pool_works: set[int] = set()  # devices where a capture into the pool succeeded
 
     def _stream_and_pool(self, device: torch.device):
         """This device's capture stream and graph pool id, made on its first call."""
@@ -379,15 +380,31 @@ class CudaGraphed:
             except (AttributeError, RuntimeError):  # an allocator without pools: one per call
                 self.pools[i] = None
         pool = self.pools[i]
-        return self.streams[i], None if pool is None else pool.id
+        return i, self.streams[i], None if pool is None else pool.id
+
+    def _capture(self, c: CallUnderTest) -> list:
+        """The call's graphs; should the shared pool fail before any capture into it has
+        worked, one retry into a pool of the call's own, and the shared pool is dropped if
+        that works."""
+        i, stream, pool = self._stream_and_pool(c.device)
+        try:
+            graphs = capture_graphs(c, self.tcfg.warmup_runs, stream, pool)
+        except GraphUnavailable:
+            if pool is None or i in self.pool_works:
+                raise
+            graphs = capture_graphs(c, self.tcfg.warmup_runs, stream, None)
+            self.pools[i] = None
+            return graphs
+        if pool is not None:
+            self.pool_works.add(i)
+        return graphs
 
     def run(self, c: CallUnderTest) -> dict:
         if c.device.type != "cuda":
             return dict(cudagraph_status="unavailable: needs CUDA")
         try:
             with torch.cuda.device(c.device):
-                stream, pool = self._stream_and_pool(c.device)
-                graphs = capture_graphs(c, self.tcfg.warmup_runs, stream, pool)
+                graphs = self._capture(c)
                 try:
                     touch = getattr(c.run, "touch", None) if self.tcfg.warm_inputs else None
                     ms = replay_samples(graphs, touch, self.tcfg, c.device)

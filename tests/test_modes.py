@@ -551,6 +551,38 @@ def test_modes_on_nanogpt_cuda(tmp_path):
     assert df["best_mode"].notna().all() and (df["opportunity_ms"] >= 0).all()
 
 
+def test_the_shared_graph_pool_is_dropped_only_if_it_never_worked(monkeypatch):
+    from types import SimpleNamespace
+
+    from cbtrace.replay import modes
+    from cbtrace.replay.config import ReplayConfig
+
+    def step_with(fails_in_pool):
+        step, tried = modes.CudaGraphed(ReplayConfig(**FAST)), []
+        step.pools[0] = SimpleNamespace(id=(0, 1))
+        monkeypatch.setattr(step, "_stream_and_pool", lambda device: (
+            0, None, None if step.pools[0] is None else step.pools[0].id))
+
+        def capture(c, warmup_runs, stream, pool):
+            tried.append(pool)
+            if pool is not None and fails_in_pool.pop(0):
+                raise modes.GraphUnavailable("graph capture failed: x")
+            return ["graph"]
+
+        monkeypatch.setattr(modes, "capture_graphs", capture)
+        return step, tried
+
+    call = SimpleNamespace(device=None)
+    step, tried = step_with([True])  # the first capture into the pool fails: retried alone
+    assert step._capture(call) == ["graph"] and tried == [(0, 1), None]
+    assert step.pools[0] is None  # later calls capture into pools of their own
+    step, tried = step_with([False, True])  # it worked once: a later failure is the call's
+    assert step._capture(call) == ["graph"]
+    with pytest.raises(modes.GraphUnavailable):
+        step._capture(call)
+    assert tried == [(0, 1), (0, 1)] and step.pools[0] is not None
+
+
 @pytest.mark.gpu
 def test_cudagraph_mode_memory_returns_to_its_level_between_calls():
     from types import SimpleNamespace
