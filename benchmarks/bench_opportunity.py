@@ -133,7 +133,8 @@ def main(argv=None) -> None:
     print(f"=== {a.model} on {a.device} ({dtype_name or 'fp32'}): {len(df)} calls; replay with "
           f"modes {','.join(modes)} {wall:.1f} s (compiling {df['compile_s'].sum():.1f} s; "
           f"{int((df['compile_graphs'] > 0).sum())} calls compiled a graph)")
-    print(f"statuses {statuses}; out-of-memory rows {oom}")
+    print(f"statuses: eager {df['status'].value_counts().to_dict()}, {statuses}; "
+          f"out-of-memory rows {oom}")
 
     rows = record_rows(df)
     est = opp.compile_estimates(rows)
