@@ -21,7 +21,9 @@ modules cannot be compiled at once in one process.
 ``cudagraph``: the eager call captured into one CUDA graph per input copy (on one capture stream
 per device, warmed up on it, so what torch keeps per stream is made outside any capture; into
 one memory pool per device held by the step, so each call's captures reuse the blocks the last
-call's graphs left free, and the graphs are reset before the next call) and timed from
+call's graphs left free, and the graphs are reset before the next call; a call that runs out
+of memory hands the pool and torch's cached blocks back to the driver and tries once more) and
+timed from
 ``g.replay()`` between two CUDA events with the GPU idle before the start event (no spin
 kernel): the graph's launch latency is inside the figure, the host synchronisation is not (a
 host wall clock around replay + sync would add a sync latency a step never pays). Where a real
@@ -399,23 +401,40 @@ class CudaGraphed:
             self.pool_works.add(i)
         return graphs
 
+    def _release(self, i: int) -> None:
+        """Hand the device's graph pool and torch's unused cached blocks back to the driver
+        (an allocation outside torch's allocator, such as a graph's instantiation, cannot make
+        torch free its cache); a fresh pool for the next capture."""
+        shared = self.pools.get(i) is not None
+        self.pools[i] = None  # the pool's last reference: its blocks become freeable
+        torch.cuda.empty_cache()
+        if shared:
+            self.pools[i] = torch.cuda.MemPool()
+
     def run(self, c: CallUnderTest) -> dict:
         if c.device.type != "cuda":
             return dict(cudagraph_status="unavailable: needs CUDA")
+        for attempt in range(2):
+            try:
+                with torch.cuda.device(c.device):
+                    return self._run(c)
+            except CallTimeout:
+                raise
+            except Exception as e:  # noqa: BLE001 - the eager figures of the row stay
+                why = str(e) if isinstance(e, GraphUnavailable) else one_line(e)
+                if attempt == 0 and "out of memory" in why.lower():
+                    with torch.cuda.device(c.device):
+                        self._release(self._stream_and_pool(c.device)[0])
+                    continue  # once more, with what torch had cached handed back
+                return dict(cudagraph_status=f"error: {why}")
+
+    def _run(self, c: CallUnderTest) -> dict:
+        graphs = self._capture(c)
         try:
-            with torch.cuda.device(c.device):
-                graphs = self._capture(c)
-                try:
-                    touch = getattr(c.run, "touch", None) if self.tcfg.warm_inputs else None
-                    ms = replay_samples(graphs, touch, self.tcfg, c.device)
-                finally:
-                    for g in graphs:
-                        g.reset()
-                    graphs.clear()  # the pool's blocks are free for the next call's captures
-        except GraphUnavailable as e:
-            return dict(cudagraph_status=f"error: {e}")
-        except CallTimeout:
-            raise
-        except Exception as e:  # noqa: BLE001 - the eager figures of the row stay
-            return dict(cudagraph_status=f"error: {one_line(e)}")
+            touch = getattr(c.run, "touch", None) if self.tcfg.warm_inputs else None
+            ms = replay_samples(graphs, touch, self.tcfg, c.device)
+        finally:
+            for g in graphs:
+                g.reset()
+            graphs.clear()  # the pool's blocks are free for the next call's captures
         return dict(cudagraph_ms=statistics.median(ms), cudagraph_status="ok")

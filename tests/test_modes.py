@@ -583,6 +583,40 @@ def test_the_shared_graph_pool_is_dropped_only_if_it_never_worked(monkeypatch):
     assert tried == [(0, 1), (0, 1)] and step.pools[0] is not None
 
 
+def test_a_graph_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypatch):
+    import contextlib
+    from types import SimpleNamespace
+
+    from cbtrace.replay import modes
+    from cbtrace.replay.config import ReplayConfig
+
+    def step_with(results):
+        step, released = modes.CudaGraphed(ReplayConfig(**FAST)), []
+
+        def run(c):
+            r = results.pop(0)
+            if isinstance(r, Exception):
+                raise r
+            return r
+
+        monkeypatch.setattr(step, "_run", run)
+        monkeypatch.setattr(step, "_stream_and_pool", lambda device: (0, None, None))
+        monkeypatch.setattr(step, "_release", released.append)
+        return step, released
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    call = SimpleNamespace(device=torch.device("cuda"))
+    oom = modes.GraphUnavailable("graph capture failed: OutOfMemoryError: CUDA out of memory")
+    ok = dict(cudagraph_ms=1.0, cudagraph_status="ok")
+    step, released = step_with([oom, ok])
+    assert step.run(call) == ok and released == [0]
+    step, released = step_with([oom, oom])  # once only: then the row says why
+    assert step.run(call)["cudagraph_status"] == f"error: {oom}" and released == [0]
+    step, released = step_with([modes.GraphUnavailable("graph capture failed: x")])
+    assert step.run(call)["cudagraph_status"] == "error: graph capture failed: x"
+    assert released == []  # another failure: nothing handed back, no retry
+
+
 @pytest.mark.gpu
 def test_cudagraph_mode_memory_returns_to_its_level_between_calls():
     from types import SimpleNamespace
