@@ -107,7 +107,7 @@ class _FreshBackward:
         c = self.c
         if not c.writes_inputs or getattr(c.run, "on", None) is None:
             return _grad_outputs(c.run(i)), None
-        fresh = _fresh_autograd(c.run.copies[i % c.n_copies])
+        fresh = _fresh_autograd(c.run.copies[i % c.n_copies], view=False)
         return _grad_outputs(c.run.on(fresh, i % c.n_copies)), _input_leaves(fresh)
 
     def leaves(self, i: int) -> list:
@@ -142,7 +142,7 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
         if on is None:
             slots[j] = _grad_outputs(c.run(j % n)), None
         else:  # its own autograd leaves: their nodes made now, on the capture stream
-            fresh = _fresh_autograd(c.run.copies[j % n])
+            fresh = _fresh_autograd(c.run.copies[j % n], view=not c.writes_inputs)
             slots[j] = _grad_outputs(on(fresh, j % n)), _input_leaves(fresh)
 
     def bwd(i: int) -> None:
@@ -172,7 +172,7 @@ def _note_inplace(c: CallUnderTest) -> None:
     c.writes_inputs = any(t._version != v for t, v in zip(ts, before))
 
 
-def _fresh_autograd(inputs):
+def _fresh_autograd(inputs, view: bool = True):
     """``inputs`` (one copy's args and kwargs) with each tensor that requires grad derived
     anew from a leaf of its own over the same bytes (a non-leaf input's base cloned again, a
     leaf input detached and made to require grad). Autograd keeps the stream a node was made
@@ -191,7 +191,7 @@ def _fresh_autograd(inputs):
         if not t.requires_grad:
             return t
         if is_non_leaf(t):
-            return as_non_leaf(t.detach(), bases)
+            return as_non_leaf(t.detach(), bases, view=view)
         return t.detach().requires_grad_(True)
 
     return map_tensors(fresh, inputs)
