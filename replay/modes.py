@@ -43,7 +43,7 @@ import warnings
 
 import torch
 
-from cbtrace.replay.call import CallUnderTest
+from cbtrace.replay.call import CallUnderTest, in_context
 from cbtrace.replay.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing, root_cause,
                                           side_stream_warmup, watch_capture_checks)
 from cbtrace.replay.steps import Timed, timing_config
@@ -255,8 +255,13 @@ class Compiled:
             return self._failed(f"not compiled, dynamo ran it eagerly ({why})", compile_s=seconds,
                                 compile_graphs=0)
         try:
-            # the eager row's device_ms sizes K; the same timer chain and settings as eager
-            timed = self.timed.run(dataclasses.replace(c, run=run, row=dict(c.row)))
+            # the eager row's device_ms sizes K; the same timer chain and settings as eager,
+            # after the same predecessors (the eager call's own timed function never)
+            cc = dataclasses.replace(c, run=run, timed=None, context_note=None, row=dict(c.row))
+            if cc.context is not None:
+                in_context(cc, cc.context)
+                cc.context = None  # no embedding table copies: they would run the eager module
+            timed = self.timed.run(cc)
             host = steady_issue_ms(run, c.n_copies, c.device) if c.device.type == "cuda" \
                 else None
         except CallTimeout:
@@ -267,9 +272,11 @@ class Compiled:
         later = counted_since(before).graphs - first.graphs
         # a call replayed again (CPU: timed twice) keeps the figures of its first compile
         seconds, graphs = self.compiles.setdefault(c.rec.call_id, (seconds, first.graphs))
+        alone = ("compile timed without the eager call's in-step cache state"
+                 if c.timed is not None and cc.timed is None else None)
         return dict(compile_ms=timed["isolated_ms"], compile_status="ok", compile_s=seconds,
                     compile_graphs=graphs, compile_host_ms=host,
-                    timer_notes=join_notes(c.row.get("timer_notes"),
+                    timer_notes=join_notes(c.row.get("timer_notes"), alone,
                                            *self._notes(c, timed, first, later, host)))
 
     @staticmethod

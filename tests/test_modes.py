@@ -318,6 +318,42 @@ def test_steady_issue_time_runs_warm_calls_back_to_back():
     assert copies[:4] == [0, 1, 2, 0] and copies[4:7] == [0, 1, 2]  # input copies rotate
 
 
+class CountsEager(nn.Module):
+    """Counts its eager runs (a compiled run skips the branch: dynamo folds it away)."""
+
+    def __init__(self):
+        super().__init__()
+        self.eager = 0
+
+    def forward(self, x):
+        if not torch.compiler.is_compiling():
+            self.eager += 1
+        return x * 2
+
+
+def test_the_compiled_call_is_timed_not_the_eager_calls_timed_function():
+    from types import SimpleNamespace
+
+    from cbtrace import registry
+    from cbtrace.replay import timers
+    from cbtrace.replay.call import prepare
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.modes import Compiled
+
+    cfg, dev, backends = ReplayConfig(modes=("compile",), **FAST), torch.device("cpu"), \
+        registry.backends()
+    module = CountsEager()
+    rec = SimpleNamespace(grad_enabled=False, autocast_dtype=None, fqn="m", call_id=0,
+                          input_meta="[]", inputs_ref="", training=False)
+    c = prepare(module, rec, (torch.randn(4, 8),), {}, dev, cfg)
+    c.timed = c.run  # the eager call's timed function, as the eager Timed step leaves it
+    c.context = [lambda j: torch.randn(4, 8)]  # a predecessor whose output it does not read
+    row = Compiled(cfg, timers.chain(cfg.timer, dev, backends), backends).run(c)
+    assert row["compile_status"] == "ok" and row["compile_ms"] > 0
+    assert module.eager == 0  # every run of the step was the compiled call
+    assert "compile timed without the eager call's in-step cache state" in row["timer_notes"]
+
+
 def test_a_shared_entry_runs_each_module_with_its_own_parameters():
     from cbtrace.replay.modes import EntryCache
 
