@@ -80,7 +80,10 @@ def _tip(d: dict) -> list[list[str]]:
                            f"({_pct(d['isolated_ms_rel'])})"],
             ["peak mem A → B", f"{fmt.nbytes(d['peak_mem_bytes_a'])} → "
                                f"{fmt.nbytes(d['peak_mem_bytes_b'])} "
-                               f"({_pct(d['peak_mem_bytes_rel'])})"]]
+                               f"({_pct(d['peak_mem_bytes_rel'])})"],
+            ["work changed", ", ".join(f"{c} {_pct(d[f'{c}_rel'])}"
+                                       for c in (d.get("work_changed") or "").split(",") if c)
+                             or "none"]]
 
 
 def _recolour(node: dict, d: dict | None) -> None:
