@@ -244,3 +244,18 @@ def test_a_folder_is_named_an_unfinished_capture_only_when_it_holds_inputs(tmp_p
                                           r"did not finish; remove it \(rm -r "):
         prepare_new_run(tmp_path)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_attribute_into_a_run_waits_for_no_one_and_is_refused_while_replay_writes(tmp_path):
+    from cbtrace.attribution.join import join_insitu
+
+    run = capture_model("dlrm:tiny", tmp_path / "r", device="cpu").out
+    code = ("import sys\nfrom cbtrace.attribution.join import join_insitu\n"
+            "try:\n    join_insitu(sys.argv[1])\nexcept Exception as e:\n    print(e)")
+    env = {k: v for k, v in os.environ.items() if k != "CBTRACE_RUN_LOCK"}
+    with RunLock(run, "replay"):
+        out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True,
+                             text=True, env=env)
+        assert f"in use by replay (pid {os.getpid()} on " in out.stdout, out
+    df = join_insitu(run)  # free again: it writes the in-situ columns
+    assert df["insitu_ms"].notna().any() and not (run / LOCK).exists()

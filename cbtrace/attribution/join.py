@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from cbtrace.rundir.lock import locked
+
 
 def insitu_columns(run, manifest, df) -> dict[int, dict]:
     """call_id -> {insitu_ms, error_pct, bwd_insitu_ms, bwd_error_pct} for every row of the
@@ -88,6 +90,7 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd"):
     return out.reset_index(drop=True)
 
 
+@locked("attribute", mark=False)  # rewrites modules.parquet: not while a replay writes it
 def join_insitu(run):
     """Write the in-situ stage of ``run``; returns the modules DataFrame."""
     from cbtrace.rundir.read import load_run

@@ -164,12 +164,12 @@ class RunLock:
         return False
 
 
-def locked(command: str):
+def locked(command: str, *, mark: bool = True):
     """Decorator: hold the lock of the run (the function's first argument) while it runs."""
     def wrap(fn):
         @functools.wraps(fn)
         def inner(run, *args, **kwargs):
-            with RunLock(run, command):
+            with RunLock(run, command, mark=mark):
                 return fn(run, *args, **kwargs)
         return inner
     return wrap
