@@ -103,7 +103,8 @@ def in_context(c: CallUnderTest, context: list) -> None:
         c.context_note = f"no context: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         return
     copies, run_on, n = c.run.copies, c.run.on, c.n_copies  # no reference back to c
-    chained = chained_positions(first, copies[0])
+    # the last copy: steps before timing ran copy 0, which an in-place call has rewritten
+    chained = chained_positions(first, copies[-1])
     del first
     if not chained:
         return
