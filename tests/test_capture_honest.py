@@ -86,7 +86,10 @@ def test_checkpointing_records_each_call_once_and_keeps_recompute_out_of_the_for
     for b in ("blocks.0", "blocks.1"):
         assert 0 < figs["recompute"][b] <= figs["fwd"][b]
     assert set(figs["recompute"]) == {"", "blocks.0", "blocks.1"}  # the root: its blocks' sum
-    if mode == "nonreentrant":  # the backward's own work is the plain step's, call by call
+    # every call has its backward; non-reentrant, the same work as the plain step's, call by
+    # call (a reentrant checkpoint's block input is a detached leaf: its gradient adds work)
+    assert set(figs["bwd"]) == set(plain_figs["bwd"])
+    if mode == "nonreentrant":
         assert figs["bwd"] == plain_figs["bwd"]
     # the in-situ stage: recompute time in its own column, beside the forward's
     manifest, df = load_run(tmp_path / "r")

@@ -16,25 +16,32 @@ EVALUATE = "autograd::engine::evaluate_function: "
 
 
 def backward_roots(forest: Forest) -> np.ndarray:
-    """Per host event: index of its outermost enclosing evaluate_function op (itself), else -1."""
+    """Per host event: index of its innermost enclosing evaluate_function op (itself), else -1.
+
+    Such ops nest only in a reentrant backward (``checkpoint(use_reentrant=True)`` runs one
+    inside its node's): each inner op is a root of its own, the enclosing one keeps the rest."""
     is_eval = string_mask(forest.strings, lambda s: s.startswith(EVALUATE))
     mark = is_eval[forest.name] if len(forest) else np.zeros(0, bool)
-    return forest.outermost(mark)
+    return forest.nearest(mark)
 
 
 def forward_owner_by_seq(forest: Forest, module_of: np.ndarray, bwd_root: np.ndarray,
-                         skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                         skip: np.ndarray, recomputed=None) -> tuple[np.ndarray, np.ndarray]:
     """Sequence numbers and the module node of the last forward op with each (outside backward).
 
     Ops that create no autograd node still record the current number, so several forward ops
     share one; the node is created by the last of them (by start time). Ops with
-    ``skip[i] >= 0`` (cbtrace's input copies) are ignored. Returns sorted (seq, module) arrays,
-    only numbers whose last op is inside a module.
+    ``skip[i] >= 0`` (cbtrace's input copies) are ignored. ``recomputed`` (recompute_of's
+    innermost map): ops a checkpoint recomputed in the backward count for the module call
+    they recompute (a reentrant checkpoint's inner backward differentiates them). Returns
+    sorted (seq, module) arrays, only numbers whose last op is inside a module.
     """
-    ok = np.flatnonzero((forest.seq >= 0) & (bwd_root < 0) & (skip < 0))
+    rc = np.full(len(forest), -1, np.int64) if recomputed is None else recomputed
+    mod = np.where(rc >= 0, rc, module_of)
+    ok = np.flatnonzero((forest.seq >= 0) & ((bwd_root < 0) | (rc >= 0)) & (skip < 0))
     order = ok[np.lexsort((ok, forest.ts[ok]))][::-1]  # latest first
     seqs, first = np.unique(forest.seq[order], return_index=True)
-    owner = module_of[order[first]]
+    owner = mod[order[first]]
     keep = owner >= 0
     return seqs[keep], owner[keep]
 
@@ -103,10 +110,12 @@ def engine_work(forest: Forest, bwd_root: np.ndarray) -> np.ndarray:
 RECOMPUTE = "cbtrace.recompute::"  # capture's range around a call recomputed in the backward
 
 
-def recompute_of(forest: Forest, lab: np.ndarray, labels: list) -> tuple[np.ndarray, np.ndarray]:
+def recompute_of(forest: Forest, lab: np.ndarray, labels: list
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Activation checkpointing: per host event, the forward module call (its node) whose
-    recomputation in the backward encloses it, else -1; and which events are the outermost
-    ``cbtrace.recompute::<fqn>`` ranges.
+    recomputation in the backward encloses it (the outermost ``cbtrace.recompute::<fqn>``
+    range), else -1; which events are those outermost ranges; and the same call for the
+    innermost range (the module whose op it recomputes).
 
     The k-th recomputation of an fqn in a step belongs to its k-th forward call from the last
     (the backward runs in reverse); a module called several times inside one checkpointed
@@ -114,12 +123,12 @@ def recompute_of(forest: Forest, lab: np.ndarray, labels: list) -> tuple[np.ndar
     n = len(forest)
     none = np.full(n, -1, np.int64)
     if not n:
-        return none, np.zeros(0, bool)
-    outer = forest.outermost(string_mask(forest.strings, lambda x: x.startswith(RECOMPUTE))
-                             [forest.name])
-    ranges = np.flatnonzero(outer == np.arange(n))
+        return none, np.zeros(0, bool), none
+    mark = string_mask(forest.strings, lambda x: x.startswith(RECOMPUTE))[forest.name]
+    outer, inner = forest.outermost(mark), forest.nearest(mark)
+    ranges = np.flatnonzero(mark)
     if not len(ranges):
-        return none, np.zeros(n, bool)
+        return none, np.zeros(n, bool), none
     step = forest.step_of_host
     calls: dict = {}  # (step, fqn) -> forward module nodes in time order
     mods = np.flatnonzero(lab >= 0)
@@ -134,4 +143,4 @@ def recompute_of(forest: Forest, lab: np.ndarray, labels: list) -> tuple[np.ndar
         if fwd:
             target[r] = fwd[max(len(fwd) - 1 - k, 0)]
     rcp = target[outer]
-    return rcp, (outer == np.arange(n)) & (rcp >= 0)
+    return rcp, (outer == np.arange(n)) & (rcp >= 0), target[inner]

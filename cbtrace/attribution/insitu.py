@@ -71,10 +71,11 @@ def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = 
     lab, is_copy, labels = identity.labels(forest, source)
     module_of, copy_of = forest.nearest(lab >= 0), forest.outermost(is_copy)
     roots = backward.backward_roots(forest)
+    rcp, rcp_root, rcp_inner = backward.recompute_of(forest, lab, labels)
     b_owner = backward.backward_owner(
-        forest, roots, backward.forward_owner_by_seq(forest, module_of, roots, copy_of))
+        forest, roots, backward.forward_owner_by_seq(forest, module_of, roots, copy_of,
+                                                     rcp_inner))
     engine = backward.engine_work(forest, roots)
-    rcp, rcp_root = backward.recompute_of(forest, lab, labels)
     key = owners(forest, module_of, copy_of, roots, b_owner, engine, rcp)
     copy_root = is_copy & (copy_of == np.arange(len(forest)))  # outermost cbtrace.copy ranges
     b = _Buckets(forest, key, roots, copy_root, module_of, copy_of, costs, engine,
@@ -149,6 +150,11 @@ class _Buckets:
         adds = np.flatnonzero(eng & ~forest.strict_any(eng))
         nest = np.r_[np.flatnonzero((copy_root | rcp_root) & (roots >= 0) & (roots != ar)),
                      adds]
+        # a backward op run inside another (a reentrant checkpoint's): out of the enclosing one
+        par = np.maximum(forest.parent, 0)
+        inner = np.flatnonzero((roots == ar) & (forest.parent >= 0) & (roots[par] >= 0))
+        nest_key = np.r_[key[roots[nest]], key[roots[par[inner]]]]
+        nest_dur = np.r_[forest.dur[nest], forest.dur[inner]]
         # device time: the launcher's owner, else unattributed in the step of the event
         la = forest.launcher
         d_key = np.where(la >= 0, key[np.maximum(la, 0)] if n else 0,
@@ -159,13 +165,13 @@ class _Buckets:
         nof_at = np.flatnonzero(is_op & aten & ~forest.subtree_any(forest.cost >= 0) & ~f_anc
                                 & ~forest.strict_any(aten))
         self.keys, inv = np.unique(np.r_[key[cpu_at], d_key, key[cost_at], key[nof_at],
-                                         key[roots[nest]], key[adds]], return_inverse=True)
+                                         nest_key, key[adds]], return_inverse=True)
         i_cpu, i_dev, i_cost, i_nof, i_nest, i_add = np.split(
             inv.ravel(), np.cumsum([len(cpu_at), len(d_key), len(cost_at), len(nof_at),
-                                    len(nest)]))
+                                    len(nest_key)]))
         nb, d_ts, d_dur = len(self.keys), forest.d_ts, forest.d_dur
         acc = {"cpu": np.bincount(i_cpu, forest.dur[cpu_at], nb)
-               - np.bincount(i_nest, forest.dur[nest], nb)
+               - np.bincount(i_nest, nest_dur, nb)
                + np.bincount(i_add, forest.dur[adds], nb),
                "gpu": np.bincount(i_dev, d_dur, nb),
                "comm": np.bincount(i_dev, np.where(forest.d_comm, d_dur, 0.0), nb),
