@@ -337,3 +337,24 @@ def test_packed_weight_missing_gives_no_figure():
     assert op_cost("quantized::linear_dynamic", [(4, 64), None, None], ["float32"]) is None
     assert trace_op_cost("quantized::linear_dynamic", [[4, 64], [], []],
                          ["float", "ScriptObject", "Scalar"], ["", "", "True"]) is None
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_transformer_fast_path_ops_count_like_the_unfused_path(activation):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0,
+                                       activation=activation).eval()
+    x = torch.randn(4, 10, 32)
+    with torch.no_grad(), OpCounter() as fused:  # eval without grad: PyTorch's fast path
+        layer(x)
+    with OpCounter() as unfused:  # grad enabled: the module-by-module path
+        layer(x)
+    assert [op.name for op in fused.cost().ops] == ["aten::_transformer_encoder_layer_fwd"]
+    assert fused.cost().unknown_ops == 0
+    # the unfused path adds the in-projection bias separately (T * 3E = 3840 FLOPs)
+    assert unfused.cost().flops - fused.cost().flops == 40 * 96
+    with torch.no_grad(), OpCounter() as mha:
+        layer.self_attn(x, x, x, need_weights=False)
+    assert [op.name for op in mha.cost().ops] == ["aten::_native_multi_head_attention"]
+    # by hand, T = 40 tokens, E = 32: qkv 2*T*E*3E + attention 4*B*S*S*E + out 2*T*E*E
+    assert mha.cost().flops == 2 * 40 * 32 * 96 + 4 * 4 * 10 * 10 * 32 + 2 * 40 * 32 * 32

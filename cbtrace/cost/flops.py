@@ -854,3 +854,37 @@ def _quantized_conv(x):
     c_out = weight[1] * p.groups() if transposed else weight[0]
     return _cost(_conv_flops(inp, weight, out_sp, transposed), x, inp[0] * c_out * _numel(out_sp),
                  read=_read_all(x) + w_bytes)
+
+
+# ---------------------------------------------------------------- fused transformer fast paths
+# nn.TransformerEncoderLayer / nn.MultiheadAttention in eval run one fused op; counted as the
+# ops of the unfused path are: projections 2*T*K*N, attention as SDPA (2*B*S*S*E for QK^T and
+# as much for PV), layer norms and the activation by their per-element constants, the two
+# residual adds 1 per element (the unfused path's separate in-projection bias add is not, as
+# addmm's bias is not). A nested src (padding mask) has no single shape: no figure.
+
+def _mha_core(b, s_q, s_k, e) -> int:
+    t_q, t_k = b * s_q, b * s_k
+    qkv = 2 * t_q * e * e + 2 * 2 * t_k * e * e  # q from the query, k and v from the key/value
+    return qkv + 4 * b * s_q * s_k * e + 2 * t_q * e * e  # attention, out projection
+
+
+@flop_formula("aten::_native_multi_head_attention", params=(
+    "query", "key", "value", "embed_dim", "num_head", "qkv_weight", "qkv_bias", "proj_weight",
+    "proj_bias", "mask", "need_weights", "average_attn_weights", "mask_type"))
+def _native_mha(x):
+    (b, s_q, e), (_, s_k, _) = x.shape("query"), x.shape("key")
+    return _cost(_mha_core(b, s_q, s_k, e), x, b * s_q * e)
+
+
+@flop_formula("aten::_transformer_encoder_layer_fwd", params=(
+    "src", "embed_dim", "num_heads", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias",
+    "use_gelu", "norm_first", "eps", "norm_weight_1", "norm_bias_1", "norm_weight_2",
+    "norm_bias_2", "ffn_weight_1", "ffn_bias_1", "ffn_weight_2", "ffn_bias_2", "mask",
+    "mask_type"))
+def _encoder_layer(x):
+    b, s, e = x.shape("src")
+    f, t = x.shape("ffn_weight_1")[0], b * s
+    act = ELEMENTWISE_FLOPS["gelu"] if x.get("use_gelu") else ELEMENTWISE_FLOPS["relu"]
+    ffn = 2 * t * e * f * 2 + act * t * f
+    return _cost(_mha_core(b, s, s, e) + ffn + 2 * 7 * t * e + 2 * t * e, x, t * e)
