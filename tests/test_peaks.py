@@ -83,7 +83,9 @@ def test_calibrate_cli_on_cpu(tmp_path):
     elapsed = time.perf_counter() - start
     assert result.exit_code == 0, result.output
     assert "matmul fp32" in result.output and "copy" in result.output
-    assert elapsed < 20   # ~5 s on the 2-core CI machine; the budget is < 10 s unloaded
+    # a runaway loop, not speed (benchmarks time it): each figure stops after its budget once
+    # its minimum runs are in, so only a loop that never stops reaches this on a busy machine
+    assert elapsed < 120
     name = peaks.device_name("cpu")
     entry = json.loads(out.read_text())[name]
     assert set(entry["matmul_flops_per_s"]) == {"fp32", "bf16"}

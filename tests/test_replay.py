@@ -287,11 +287,13 @@ class Sleeper(nn.Module):
         super().__init__()
         self.ok = nn.Linear(4, 4)
         self.hang = False  # set after capture: replay's calls then hang
+        self.slept = 0     # hangs that ran their whole 60 s
 
     def forward(self, x):
         y = self.ok(x)
         if self.hang:
             time.sleep(60)
+            self.slept += 1
         return y
 
 
@@ -305,9 +307,8 @@ def test_a_hanging_call_times_out_and_replay_goes_on_with_honest_counts(tmp_path
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randn(3, 4))
     model[0].hang = True
-    t0 = time.perf_counter()
     df = cbtrace.replay(tmp_path / "r", model=model, timeout_s=1.0, progress=False, **FAST)
-    assert time.perf_counter() - t0 < 30  # the 60 s sleep did not stall it
+    assert model[0].slept == 0  # every 60 s sleep was cut short, however busy the machine
     by = df.set_index("fqn")
     assert by.loc["0", "status"] == "timeout" and "longer than 1 s" in by.loc["0", "status_reason"]
     assert by.loc["", "status"] == "timeout"  # the root runs the sleeper too
@@ -379,7 +380,8 @@ def test_calls_of_the_same_work_reuse_one_profiled_pass_value_dependent_ones_do_
     assert "profiled as m.0" in df.loc["m.1", "timer_notes"]  # same work: the pass reused
     assert df.loc["m.1", "kernel_count"] == df.loc["m.0", "kernel_count"]
     assert df.loc["m.2", "flops"] != df.loc["m.3", "flops"]  # routing: other work...
-    assert "profiled as" not in str(df.loc["m.3", "timer_notes"])  # ...profiled on its own
+    # ...profiled on its own (a busy CPU may time it again, from its own pass: "profiled as m.3")
+    assert "profiled as m.2" not in str(df.loc["m.3", "timer_notes"])
 
 
 class Mlp(nn.Module):
