@@ -166,3 +166,20 @@ def test_torchscript_submodule_is_a_leaf_captured_and_replayed(tmp_path, kind):
     assert list(df["status"]) == ["ok"] * 4, df["status_reason"].tolist()
     assert df.set_index("fqn").loc["inner", "flops"] == 2 * 4 * 16 * 16 + 2 * 4 * 16 * 8 + 4 * 16
     assert torch.equal(model(x), y)
+
+
+def test_a_forward_set_on_the_instance_is_kept(tmp_path):
+    enc, x = _encoder(), torch.randn(2, 5, 32)
+    layer = enc.layers[0]
+    calls = []
+    plain = layer.forward
+
+    def own(*args, **kwargs):  # e.g. a library's wrapper set on the instance
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    layer.forward = own
+    with torch.no_grad(), cbtrace.capture(enc, tmp_path / "r", trace=False) as cap:
+        enc(x)
+    assert [r.fqn for r in cap.records] == ["", "layers.0", "layers.1"] and calls == [1]
+    assert vars(layer)["forward"] is own

@@ -68,11 +68,15 @@ def inside(fqn: str, bounds) -> bool:
         fqn != "" and "" in bounds)
 
 
+_NONE = object()
+
+
 class _Wrapped:
     """Handle of a forward wrapped on the instance (``remove()`` restores it)."""
 
     def __init__(self, module, pre, post):
         self.module, forward = module, module.forward
+        self._own = vars(module).get("forward", _NONE)  # a forward the user set on the instance
 
         def call(*args, **kwargs):
             pre(module, args, kwargs)
@@ -87,7 +91,9 @@ class _Wrapped:
         module.forward = call
 
     def remove(self) -> None:
-        if "forward" in vars(self.module):
+        if self._own is not _NONE:
+            self.module.forward = self._own
+        elif "forward" in vars(self.module):
             del self.module.forward
 
 
