@@ -2,6 +2,7 @@
 nested-tensor inputs and TorchScript submodules, on small models written for each."""
 import gzip
 import json
+import types
 import warnings
 
 import pytest
@@ -161,7 +162,8 @@ def test_torchscript_submodule_is_a_leaf_captured_and_replayed(tmp_path, kind):
     inner = cap.records[2]
     assert inner.boundary.startswith("TorchScript") and inner.capture_error is None
     assert json.loads(inner.input_shapes) == [[4, 16]]
-    assert "forward" not in vars(model.inner)
+    # no wrapper left on the instance (a scripted module caches its script method there)
+    assert not isinstance(vars(model.inner).get("forward"), types.FunctionType)
     df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
     assert list(df["status"]) == ["ok"] * 4, df["status_reason"].tolist()
     assert df.set_index("fqn").loc["inner", "flops"] == 2 * 4 * 16 * 16 + 2 * 4 * 16 * 8 + 4 * 16
