@@ -298,8 +298,10 @@ def test_identical_blocks_compile_once_and_run_with_their_own_weights(tmp_path):
     assert (df["compile_status"] == "ok").all(), df[["fqn", "compile_status"]]
     blocks = df[df["fqn"].isin([str(i) for i in range(12)])].sort_values("call_id")
     assert list(blocks["compile_graphs"]) == [1] + [0] * 11  # one compile for the 12 blocks
-    # dynamo's own count: the root, one block, the last Linear
-    assert counters["stats"]["unique_graphs"] - before == 3
+    # dynamo's own count: the root, one block, the last Linear (3), and at most once more each
+    # where a busy CPU's timer retried on one thread (dynamo guards on the thread count); a
+    # compile per block would need 14
+    assert 3 <= counters["stats"]["unique_graphs"] - before <= 6
 
 
 def test_steady_issue_time_runs_warm_calls_back_to_back():
