@@ -185,3 +185,17 @@ def test_a_forward_set_on_the_instance_is_kept(tmp_path):
         enc(x)
     assert [r.fqn for r in cap.records] == ["", "layers.0", "layers.1"] and calls == [1]
     assert vars(layer)["forward"] is own
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_jagged_nested_input_is_stored_and_replayed(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    x = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], layout=torch.jagged)
+    with torch.no_grad(), cbtrace.capture(model, tmp_path / "r", trace=False) as cap:
+        model(x)
+    ref = json.loads(cap.records[1].inputs_ref)["args"][0]
+    assert ref["t"] == "nested" and ref["layout"] == "jagged"
+    assert [p["shape"] for p in ref["parts"]] == [[3, 8], [5, 8]]
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    assert list(df["status"]) == ["ok"] * 2, df["status_reason"].tolist()

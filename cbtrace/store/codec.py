@@ -40,6 +40,12 @@ def by_name(serializers) -> dict:
     return table
 
 
+def _is_tensor(obj) -> bool:
+    import torch
+
+    return isinstance(obj, torch.Tensor)
+
+
 class EncodeContext:
     """Given to ``Serializer.encode``: ``encode(child)`` recurses, ``tensor(t)`` stores a tensor."""
 
@@ -71,7 +77,7 @@ class EncodeContext:
     def encode(self, obj) -> dict:
         if self._depth >= MAX_DEPTH:
             return unsupported(obj, f"nested more than {MAX_DEPTH} levels deep")
-        if getattr(obj, "is_nested", False) is True and type_name(obj) == "torch.Tensor":
+        if getattr(obj, "is_nested", False) is True and _is_tensor(obj):  # strided or jagged
             return self._nested(obj)
         s = self._find(obj)
         if s is not None:
