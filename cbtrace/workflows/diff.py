@@ -31,7 +31,7 @@ METRICS = ("work", "time", "memory")  # the order they are named in ``regressed`
 class DiffConfig:
     min_time_rel: float = 0.05
     """A time change counts from this much (relative: B / A - 1, or A / B - 1 for a gain),
-    raised to the runs' own spread and noise (``spread_q``, ``noise_k``)."""
+    raised to the runs' own spread and noise (``spread_q``, ``noise_k``, ``tail_k``)."""
     min_time_ms: float = 0.001
     """... and from this much (ms)."""
     spread_q: float = 0.5
@@ -43,7 +43,8 @@ class DiffConfig:
     p10-p90 does not show; 0: off."""
     tail_k: float = 2.5
     """... and at least exp(tail_k * d) - 1, d the 90th percentile of |log(B / A) - median|
-    over those calls: how far a busy machine threw its worst calls; 0: off."""
+    over the leaf calls timed in both runs: how far a busy machine threw its worst calls;
+    0: off."""
     min_mem_rel: float = 0.01
     """A peak-memory change counts from this much (relative)."""
     min_mem_bytes: int = 4096

@@ -7,10 +7,11 @@ rounding is the code's, and more work is a regression on any device.
 Time (``time_change``): B's median at least ``min_rel`` and ``min_ms`` above A's, and B's p10
 above A's p90 (the intervals do not overlap), A's p90 counted at most ``min_rel`` above its
 median: a longer tail is the machine's (preempted samples), not the call's. ``min_rel`` is
-measured from the two runs themselves: the larger of the calls' own p10-p90 spread
-(``spread_floor``) and the run-to-run noise between them (``time_noise``), which one replay's
-p10-p90 cannot see. On a busy machine a whole call's samples can be slowed together (2-4x on a
-loaded 2-core CPU), so a change must also show where the call tree says it must: a change that
+measured from the two runs themselves: the largest of the calls' own p10-p90 spread
+(``spread_floor``), the run-to-run noise between them (``time_noise``), which one replay's
+p10-p90 cannot see, and how far their worst calls strayed (``time_tail``); B is first divided
+by how much slower all of it ran (``time_shift``). A busy machine can slow all of one call's
+samples together, so a change must also show where the call tree says it must: a change that
 an enclosing call does not show is dropped (``contradicts``), and so is a top call's change
 that its children do not show (``unexplained``). Peak memory has no spread
 (``memory_change``).
