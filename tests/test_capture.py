@@ -568,3 +568,26 @@ def test_cpu_capture_records_host_insitu_and_profile_uses_it(tmp_path):
     assert out.loc[timed, "error_pct"].notna().all() and out.loc[~timed, "error_pct"].isna().all()
     leaves = ~out["call_id"].isin(out["parent_call_id"])
     assert timed[leaves | (out["depth"] == 0)].all(), out.loc[~timed, ["fqn", "insitu_host_ms"]]
+
+
+def test_host_times_take_a_median_of_three_when_the_first_step_is_slow(monkeypatch):
+    """A one-off cost in the first unprofiled step (a fresh machine's first run) is not the
+    call's in-situ time, even with no budget for repeats."""
+    from cbtrace.capture import host_times
+
+    clock = HookedClock(read_ms=0.0)
+    monkeypatch.setattr(host_times, "time", clock)
+    first = [True]
+
+    class OnceSlow(Leaf):
+        def forward(self, x):
+            if first[0]:
+                first[0] = False
+                self.clock.us += 100_000  # 100 ms, once
+            return super().forward(x)
+
+    model = torch.nn.Sequential(OnceSlow(clock, 1.0))
+    Rec = collections.namedtuple("Rec", "call_id parent_call_id fqn")
+    records = [Rec(0, -1, ""), Rec(1, 0, "0")]
+    got = host_times.host_times(model, records, lambda: model(torch.zeros(1)), budget_s=0.0)
+    assert got[1] == pytest.approx(1.0, abs=0.01) and got[0] == pytest.approx(1.0, abs=0.01)
