@@ -218,12 +218,10 @@ def ensure_calibrated(device) -> None:
 def recheck(done: dict, by_id: dict) -> list[int]:
     """Calls (CPU) to time again: flagged noisy, or slower than their parent, which runs them.
     Not the calls ``--reuse-timing`` copied, nor those they copied (the pair stays equal)."""
-    from cbtrace.replay.reuse import copied_from
-
-    sources = {copied_from(r.get("timer_notes")) for r in done.values()} - {None}
+    sources = {r.get("timing_copied_from") for r in done.values()} - {None}
     out = []
     for cid, row in done.items():
-        if copied_from(row.get("timer_notes")) is not None or by_id[cid].fqn in sources:
+        if row.get("timing_copied_from") is not None or by_id[cid].fqn in sources:
             continue
         iso, parent = row.get("isolated_ms"), done.get(by_id[cid].parent_call_id, {})
         above = iso is not None and parent.get("isolated_ms") is not None and (

@@ -169,15 +169,7 @@ def value_free(input_meta: str, op_names) -> bool:
     return not (set(op_names) & VALUE_OPS)
 
 
-COPIED = "timed as "
-
-
-def copied_from(notes: str | None) -> str | None:
-    """The fqn a row's timing was copied from under --reuse-timing ("" for the root), else None."""
-    if not notes or COPIED not in notes:
-        return None
-    name = notes.split(COPIED, 1)[1].split(" (--reuse-timing)", 1)[0]
-    return "" if name == "(root)" else name
+COPIED = "timed as "  # the display note of a copied timing; decisions read timing_copied_from
 
 
 class TimingReuse:
@@ -191,11 +183,12 @@ class TimingReuse:
         self._groups: dict[tuple, dict] = {}
 
     def lookup(self, key) -> tuple[str, dict] | None:
-        """(fqn, timing fields) to copy, or None: time the call (then ``record`` it)."""
+        """(fqn, timing fields with ``timing_copied_from``) to copy, or None: time the call
+        (then ``record`` it)."""
         g = self._groups.get(key) if key is not None else None
         if g is None or not g.get("verified"):
             return None
-        return g["fqn"], g["fields"]
+        return g["fqn"], {**g["fields"], "timing_copied_from": g["fqn"]}
 
     def record(self, key, fqn: str, fields: dict) -> str | None:
         """A timed call of group ``key``; returns a note for the verification call."""

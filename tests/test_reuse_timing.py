@@ -38,6 +38,7 @@ def test_repeated_blocks_are_timed_once_and_checked(tmp_path, monkeypatch):
         ref = row["timer_notes"].split("timed as ")[1].split(" ")[0]
         src = df[df["fqn"] == ref].iloc[0]
         assert row["runs"] == 0 and row["isolated_ms"] == src["isolated_ms"]
+        assert row["timing_copied_from"] == ref
         assert row["module_type"] == src["module_type"] and row["fqn"] != ref
     checks = df[notes.str.contains("timing-reuse check")]
     assert len(checks) >= 1 and checks["runs"].gt(0).all()
@@ -116,13 +117,28 @@ def test_check_decides_the_group(second, verified):
     assert r.lookup(None) is None and r.record(None, "x", {"isolated_ms": 1}) is None
 
 
-def test_copied_from_reads_the_note():
-    from cbtrace.replay.reuse import copied_from
+def test_a_copy_names_its_source_in_a_column():
+    r = TimingReuse(tol=0.03)
+    r.record("k", "h.0", {"isolated_ms": 1.0})
+    r.record("k", "h.1", {"isolated_ms": 1.0})
+    fqn, fields = r.lookup("k")
+    assert fqn == "h.0" and fields == {"isolated_ms": 1.0, "timing_copied_from": "h.0"}
 
-    assert copied_from("K=1; timed as transformer.h.0 (--reuse-timing)") == "transformer.h.0"
-    assert copied_from("timed as (root) (--reuse-timing)") == ""
-    assert copied_from("K=20; timing-reuse check against x: 1.0 % (each timed)") is None
-    assert copied_from(None) is None
+
+def test_recheck_reads_the_column_not_the_note():
+    """A copy and its source are left out of the CPU's recheck by ``timing_copied_from``; a
+    note that merely reads like a copy's decides nothing."""
+    from types import SimpleNamespace
+
+    from cbtrace.replay.engine import recheck
+
+    by_id = {i: SimpleNamespace(fqn=f, parent_call_id=0 if i else None)
+             for i, f in enumerate(["", "h.0", "h.1", "h.2"])}
+    row = dict(status="ok", isolated_ms=1.0, noisy=True)
+    done = {0: dict(status="ok", isolated_ms=5.0), 1: dict(row),
+            2: dict(row, timing_copied_from="h.0", timer_notes="timed as h.0 (--reuse-timing)"),
+            3: dict(row, timer_notes="timed as h.0 (--reuse-timing)")}
+    assert recheck(done, by_id) == [3]
 
 
 def test_profile_and_replay_commands_take_the_flag(tmp_path):

@@ -79,6 +79,9 @@ class ModuleRecord:
                                         default=None)
     timer_notes: str | None = column(REPLAY, doc='how it timed: "K=20", spin, "cold", ...',
                                      default=None)
+    timing_copied_from: str | None = column(REPLAY, doc="--reuse-timing: the fqn whose timing "
+                                            "this call copied (\"\" for the root), else None",
+                                            default=None)
     isolated_ms: float | None = column(REPLAY, "ms", "median of the timed runs", default=None)
     isolated_ms_p10: float | None = column(REPLAY, "ms", "10th percentile", default=None)
     isolated_ms_p90: float | None = column(REPLAY, "ms", "90th percentile", default=None)
