@@ -35,3 +35,18 @@ class PluginError(CbtraceError):
 
 class SchemaError(CbtraceError):
     """A stage or plugin wrote a column the run-directory schema does not declare for it."""
+
+
+def one_line(e: BaseException | str, limit: int = 300, *, with_type: bool = True) -> str:
+    """The first non-blank line of an exception's message (or of a text), cut to ``limit``.
+
+    With ``with_type`` an exception reads ``"TypeName: first line"``, or ``"TypeName"`` when its
+    message is empty; a text is returned as its own first line ("" when blank).
+    """
+    text = e if isinstance(e, str) else str(e)
+    line = next((s.strip() for s in text.splitlines() if s.strip()), "")
+    if not isinstance(e, str) and with_type:
+        line = f"{type(e).__name__}: {line}" if line else type(e).__name__
+    elif not isinstance(e, str) and not line:
+        line = type(e).__name__
+    return line[:limit]

@@ -8,7 +8,7 @@ import torch
 from cbtrace import module_tree
 from cbtrace.capture.recorder import CaptureConfig, capture
 from cbtrace.cost.dtypes import CLI_DTYPES, torch_dtype
-from cbtrace.errors import CaptureError
+from cbtrace.errors import CaptureError, one_line
 from cbtrace.global_state import GlobalSettings
 
 
@@ -90,11 +90,10 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
         raise
     except torch.OutOfMemoryError as e:
         raise CaptureError(f"{spec}: out of memory building or warming up the model "
-                           f"({str(e).splitlines()[0][:200]})") from None
+                           f"({one_line(e, with_type=False)})") from None
     except Exception as e:  # the user's model or options: one line, naming the spec
         raise ProviderError(f"{spec}: failed to build or run the model "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})"
-                            ) from e
+                            f"({one_line(e)})") from e
     cls = type(module_tree.unwrap(model))
     source = ModelSource(model_class=f"{cls.__module__}.{cls.__qualname__}", spec=spec,
                          options=options, seed=seed)

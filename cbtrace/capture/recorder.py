@@ -26,7 +26,7 @@ from cbtrace import module_tree
 from cbtrace.capture import boundaries
 from cbtrace.console import quiet_kineto
 from cbtrace.cost.dtypes import name_of
-from cbtrace.errors import CaptureError
+from cbtrace.errors import CaptureError, one_line
 from cbtrace.global_state import GlobalSettings
 from cbtrace.rundir import writer
 from cbtrace.rundir.files import atomic_path
@@ -695,6 +695,4 @@ def profiler_activities():
 
 
 def _short(exc) -> str | None:
-    if exc is None:
-        return None
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
+    return None if exc is None else one_line(exc)

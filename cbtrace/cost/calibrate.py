@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 
 from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.cost.peaks import device_name, save_calibration
-from cbtrace.errors import CbtraceError
+from cbtrace.errors import CbtraceError, one_line
 
 # Settings. CPU: grow the matrix until one matmul takes MIN_CALL_S; stay within BUDGET_S per figure.
 CPU_DTYPES = ("fp32", "bf16")
@@ -144,7 +144,7 @@ def _measure(device: str | None) -> dict:
             with _Float32Precision(tf32=key == "tf32"):
                 rates[key], sizes[key] = _matmul_rate(key, device)
         except (RuntimeError, TypeError, AttributeError) as e:   # e.g. fp8 before Hopper/Ada
-            skipped[key] = str(e).splitlines()[0][:200]
+            skipped[key] = one_line(e, with_type=False)
     copy_rate, copy_bytes = _copy_rate(device)
     return {
         "device": device, "name": device_name(device),

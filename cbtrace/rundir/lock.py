@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from cbtrace.errors import RunDirError
+from cbtrace.errors import RunDirError, one_line
 
 LOCK = ".cbtrace.lock"
 ENV = "CBTRACE_RUN_LOCK"  # the run a parent process holds, for its children
@@ -135,7 +135,7 @@ class RunLock:
                     (self.run / LOCK).unlink(missing_ok=True)
                 else:
                     info = read_holder(self.run) or {}
-                    info.update(state="failed", error=_short(exc), ended=time.time())
+                    info.update(state="failed", error=one_line(exc), ended=time.time())
                     self._write(info)
             finally:
                 os.close(self._fd)  # closing gives the flock back
@@ -271,8 +271,3 @@ def _complete(run) -> bool:
         return json.loads((Path(run) / "manifest.json").read_bytes()).get("complete") is True
     except (ValueError, OSError, AttributeError):
         return False
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__

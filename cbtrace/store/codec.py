@@ -6,7 +6,7 @@ fails) becomes ``{"t": "unsupported", "type": ...}``, and decoding that node rai
 """
 from __future__ import annotations
 
-from cbtrace.errors import PluginError, SerializationError
+from cbtrace.errors import PluginError, SerializationError, one_line
 
 UNSUPPORTED = "unsupported"
 NESTED = "nested"  # a nested tensor: its components, each a tensor node, and its layout
@@ -23,7 +23,7 @@ def type_name(obj) -> str:
 def unsupported(obj, why: str | None = None) -> dict:
     node = {"t": UNSUPPORTED, "type": type_name(obj)}
     if why:
-        node["why"] = why.splitlines()[0][:200] if why.strip() else why
+        node["why"] = one_line(why) or why
     return node
 
 

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from cbtrace.errors import SerializationError
+from cbtrace.errors import SerializationError, one_line
 
 ALLOWED_MODULES = ("torch", "transformers", "torchrec")
 """Packages (and their submodules) whose classes stored inputs may name before they are
@@ -122,9 +122,7 @@ def _import_installed(module_name: str, spec: str):
     try:
         return importlib.import_module(module_name)
     except Exception as e:
-        first = (str(e).splitlines() or [""])[0][:200]
-        raise SerializationError(f"{spec} cannot be imported ({type(e).__name__}: {first})"
-                                 ) from None
+        raise SerializationError(f"{spec} cannot be imported ({one_line(e)})") from None
 
 
 def _locations(found) -> list[Path]:

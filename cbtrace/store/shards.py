@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cbtrace.errors import SerializationError
+from cbtrace.errors import SerializationError, one_line
 
 try:  # ISA-L's CRC-32 is zlib's checksum (same values), 11x faster here (benchmarks/RESULTS.md)
     from isal.isal_zlib import crc32
@@ -194,11 +194,6 @@ def _write_rows(where, fd: int, rows) -> int:
     return total
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
 class _Shard:
     """An open shard and the first row of each of its row groups."""
 
@@ -241,7 +236,7 @@ def open_shard(path: Path) -> _Shard:
         shard = _open(str(path), st.st_mtime_ns, st.st_size)
     except (pa.ArrowException, OSError) as e:
         raise SerializationError(f"{path}: corrupt or truncated Parquet "
-                                 f"({_first_line(e)})") from None
+                                 f"({one_line(e, with_type=False)})") from None
     names = shard.pf.schema_arrow.names
     if names != SCHEMA.names:
         raise SerializationError(f"{path}: not a cbtrace input shard (columns {names})")
@@ -260,7 +255,7 @@ def read_chunk(path: Path, row: int, nparts: int, chunk_id: int) -> tuple[str, l
             table, j = shard.row(row + i)
         except (pa.ArrowException, OSError) as e:
             raise SerializationError(f"{path}: corrupt Parquet near row {row + i} "
-                                     f"({_first_line(e)})") from None
+                                     f"({one_line(e, with_type=False)})") from None
         rec = {name: table.column(name)[j].as_py() for name in ("chunk", "part", "kind", "crc32")}
         if rec["chunk"] != chunk_id or rec["part"] != i:
             raise SerializationError(f"{path}: row {row + i} holds chunk {rec['chunk']} part "
