@@ -1,6 +1,8 @@
 """Errors at the edge and the public API (issue 32): one helper makes the one-line text of an
 exception, the CLI range-checks numeric options in one line with exit 2, and ``cbtrace.capture``
 / ``replay`` / ``annotate`` are plain functions whose signatures tools can read."""
+import pytest
+
 from cbtrace.errors import one_line
 
 
@@ -15,3 +17,49 @@ def test_one_line_cuts_to_the_limit_and_reads_text():
     assert one_line("x" * 1000) == "x" * 300
     assert one_line(ValueError("y" * 50), limit=20) == "ValueError: " + "y" * 8
     assert one_line("   \n") == ""
+
+
+def _numeric_options_without_range(name):
+    import importlib
+
+    import click
+
+    from cbtrace.cli.main import COMMANDS
+
+    command = importlib.import_module(COMMANDS[name][0]).command
+    plain = (click.types.IntParamType, click.types.FloatParamType)
+    return [p.opts[0] for p in command.params
+            if isinstance(p.type, plain) and not isinstance(p.type, (click.IntRange,
+                                                                     click.FloatRange))]
+
+
+@pytest.mark.parametrize("name", ["annotate", "attribute", "calibrate", "capture", "demo", "diff",
+                                  "models", "report", "trust"])
+def test_every_numeric_option_has_a_range(name):
+    assert _numeric_options_without_range(name) == []
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["attribute", "t.json", "--top", "0"], "--top"),
+    (["attribute", "t.json", "--steps-per-window", "-1"], "--steps-per-window"),
+    (["report", "run", "--top", "-3"], "--top"),
+    (["capture", "--model", "nanogpt:tiny", "--out", "x", "--seed", "-1"], "--seed"),
+    (["capture", "--model", "nanogpt:tiny", "--out", "x", "--synthesize-above", "-5"],
+     "--synthesize-above"),
+    (["diff", "a", "b", "--spread-q", "2"], "--spread-q"),
+])
+def test_a_value_out_of_range_is_one_line_and_exit_2(args, flag, tmp_path, capsys,
+                                                     monkeypatch):
+    from cbtrace.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("t.json", "run", "a", "b"):  # paths that exist, so the range check is what fails
+        (tmp_path / name).mkdir() if name != "t.json" else (tmp_path / name).write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"'{flag}'" in lines[0] and "range" in lines[0], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "x").exists()

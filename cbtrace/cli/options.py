@@ -40,12 +40,12 @@ def model_options(f):
         click.option("--exclude", multiple=True, metavar="GLOB", help="skip matching fqns"),
         click.option("--max-depth", type=click.IntRange(min=0), default=None,
                      help="deepest module level captured (0: the root only)"),
-        click.option("--synthesize-above", "synthesize_above_bytes", type=int, default=None,
-                     metavar="BYTES", help="store larger inputs as metadata only"),
+        click.option("--synthesize-above", "synthesize_above_bytes", type=click.IntRange(min=0),
+                     default=None, metavar="BYTES", help="store larger inputs as metadata only"),
         click.option("--with-stack", is_flag=True,
                      help="profile the captured step with Python frames (slower; attribution "
                           "does not need them)"),
-        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
     ]):
         f = deco(f)
     return f

@@ -16,9 +16,10 @@ OUT_SUFFIXES = (".parquet", ".csv")
                    "events by their real paths, built on the meta device (no weights, no capture)")
 @click.option("--option", "-o", "opts", multiple=True, metavar="KEY=VALUE",
               help="provider option for --model, e.g. -o batch_size=8 (repeatable)")
-@click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
+              help="rows in the summary")
 @click.option("--force", is_flag=True, help="overwrite an existing --out file")
-@click.option("--steps-per-window", type=int, default=None, metavar="N",
+@click.option("--steps-per-window", type=click.IntRange(min=1), default=None, metavar="N",
               help="read N profiler steps at a time (bounded memory, for traces larger than RAM)")
 @click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
               help="processes reading traces in parallel, one file at a time each "

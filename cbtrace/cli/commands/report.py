@@ -8,7 +8,8 @@ import click
 @click.option("--svg", is_flag=True, help="also write icicle.svg (static, for docs and papers)")
 @click.option("--reporter", "-r", "extra", multiple=True, metavar="NAME",
               help="also run this registered reporter (repeatable; see `cbtrace models`)")
-@click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
+              help="rows in the summary")
 @click.option("--opportunities", is_flag=True,
               help="also print the modules ranked by what compile or a CUDA graph saves a step "
                    "(a replay with --modes compile,cudagraph)")
