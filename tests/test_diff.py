@@ -3,7 +3,8 @@
 Real runs on this CPU: nanogpt:tiny (batch 4) captured and replayed twice as it is (A, A2) and
 once with a planted regression (B): transformer.h.0 and transformer.h.1 allocate a temporary
 of 2.8x their peak memory in A, and transformer.h.1.attn.c_proj spins 20 ms on the host. The
-memory plant is exact on any machine; the spin is 100x the call, beyond any load's noise.
+memory plant is exact on any machine; the spin, 100x the call, counts unless the runs show a
+machine busy enough to hide it.
 """
 from __future__ import annotations
 
