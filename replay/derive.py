@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cbtrace.cost import metrics
 from cbtrace.cost.compute_dtype import dominant_dtype
+from cbtrace.cost.peaks import PeakLookup
 from cbtrace.calltree import CallTree
 from cbtrace.replay.opportunity import add_opportunities
 
@@ -22,7 +23,7 @@ def finalize(records, *, device_name: str) -> None:
                 if c.isolated_ms is not None and rec.isolated_ms is not None and (
                         c.isolated_ms > rec.isolated_ms):
                     c.noisy = True
-    peaks = peak_lookup(device_name)
+    peaks = PeakLookup(device_name)
     for rec in records:
         add_utilisation(rec, device_name, peaks)
         add_backward_utilisation(rec, device_name, peaks)
@@ -47,42 +48,25 @@ def aggregate_from_children(rec, children) -> None:
                                        for c in children)
 
 
-def peak_lookup(device_name: str):
-    """``peak_for(device_name, dtype, calibrated=...)``, each dtype looked up once (a lookup
-    of the calibrated peak reads the calibration file: 0.16 ms, 1,021 times for dlrm:large)."""
-    from functools import lru_cache
-
-    from cbtrace.cost.peaks import peak_for
-
-    @lru_cache(maxsize=None)
-    def peaks(dtype, calibrated: bool = False):
-        return peak_for(device_name, dtype, calibrated=calibrated)
-
-    return peaks
-
-
-def add_utilisation(rec, device_name: str, peaks=None) -> None:
-    """mfu/hfu/mbu against datasheet peaks (and calibrated ones), and the bound.
-    ``peaks``: a ``peak_lookup(device_name)`` shared by the records of one replay."""
+def add_utilisation(rec, device_name: str, peaks: PeakLookup | None = None) -> None:
+    """mfu/hfu/mbu against the peak of ``PeakLookup``'s rule (datasheet, else calibrated),
+    mfu/mbu_calibrated against the calibrated peak, and the bound.
+    ``peaks``: a ``PeakLookup(device_name)`` shared by the records of one replay."""
     if not rec.isolated_ms:
         return
-    peaks = peaks or peak_lookup(device_name)
+    peaks = peaks or PeakLookup(device_name)
     seconds = rec.isolated_ms / 1e3
-    dtype = rec.compute_dtype or "float32"
-    datasheet = peaks(dtype)
-    measured = peaks(dtype, True)
-    # mfu/mbu use the datasheet peak; without one (a CPU) the calibrated peak is the peak
-    for peak, suffix in ((datasheet or measured, ""), (measured, "_calibrated")):
-        if peak is None:
+    peak = peaks(rec.compute_dtype)
+    for p, suffix in ((peak, ""), (peaks.calibrated(rec.compute_dtype), "_calibrated")):
+        if p is None:
             continue
-        if peak.flops_per_s and rec.flops is not None:
-            setattr(rec, "mfu" + suffix, metrics.mfu(rec.flops, seconds, peak.flops_per_s))
+        if p.flops_per_s and rec.flops is not None:
+            setattr(rec, "mfu" + suffix, metrics.mfu(rec.flops, seconds, p.flops_per_s))
             if not suffix and rec.flops_executed is not None:
-                rec.hfu = metrics.hfu(rec.flops_executed, seconds, peak.flops_per_s)
-        if peak.bytes_per_s and rec.bytes is not None:
-            setattr(rec, "mbu" + suffix, metrics.mbu(rec.bytes, seconds, peak.bytes_per_s))
+                rec.hfu = metrics.hfu(rec.flops_executed, seconds, p.flops_per_s)
+        if p.bytes_per_s and rec.bytes is not None:
+            setattr(rec, "mbu" + suffix, metrics.mbu(rec.bytes, seconds, p.bytes_per_s))
     rec.figures_suspect = metrics.suspect(rec.mfu, rec.hfu, rec.mbu)
-    peak = datasheet or measured
     if peak is not None and peak.flops_per_s and peak.bytes_per_s:
         # Launch-bound when issuing the call takes the host >= 1.5x its device time (metrics.bound
         # says "launch" once the idle share, host - device, reaches half the device time). Not
@@ -92,14 +76,12 @@ def add_utilisation(rec, device_name: str, peaks=None) -> None:
                                   peak.bytes_per_s, idle, rec.kernel_count or 0)
 
 
-def add_backward_utilisation(rec, device_name: str, peaks=None) -> None:
+def add_backward_utilisation(rec, device_name: str, peaks: PeakLookup | None = None) -> None:
     """bwd_mfu/bwd_mbu: the backward's counted FLOPs and bytes over its time, against the peak
-    of the dtype its FLOPs ran in (datasheet, else calibrated)."""
+    of the dtype its FLOPs ran in (``PeakLookup``'s rule)."""
     if not rec.bwd_ms:
         return
-    peaks = peaks or peak_lookup(device_name)
-    dtype = rec.bwd_compute_dtype or rec.compute_dtype or "float32"
-    peak = peaks(dtype) or peaks(dtype, True)
+    peak = (peaks or PeakLookup(device_name))(rec.bwd_compute_dtype or rec.compute_dtype)
     if peak is None:
         return
     seconds = rec.bwd_ms / 1e3

@@ -11,6 +11,7 @@ import json
 import warnings
 from pathlib import Path
 
+from cbtrace.cost.peaks import PeakLookup
 from cbtrace.errors import TraceError
 
 PREFIX = "annotated_"
@@ -171,14 +172,13 @@ def _device_name(manifest) -> str | None:
 
 
 def _peaks_used(device: str | None, modules) -> dict | None:
-    """{dtype: {flops_per_s, bytes_per_s, source}} from cbtrace.cost.peaks for the device."""
-    from cbtrace.cost.peaks import peak_for
-
+    """{dtype: {flops_per_s, bytes_per_s, source}}: the peaks the run's MFU/MBU divide by."""
     if not device or modules is None:
         return None
     out = {}
+    peaks = PeakLookup(device)
     for dtype in sorted(set(modules["compute_dtype"].dropna())):
-        peak = peak_for(device, dtype)
+        peak = peaks(dtype)
         if peak is not None:
             out[str(dtype)] = {"flops_per_s": peak.flops_per_s,
                                "bytes_per_s": peak.bytes_per_s, "source": peak.source}

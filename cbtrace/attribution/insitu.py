@@ -19,10 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from cbtrace.attribution import backward, identity
-from cbtrace.attribution.op_costs import peak_of, utilization
 from cbtrace.attribution.forest import Forest, by_level, string_mask
+from cbtrace.cost import metrics
 from cbtrace.cost.compute_dtype import dominant_dtype
-from cbtrace.cost.metrics import suspect
+from cbtrace.cost.peaks import PeakLookup
 
 UNATTRIBUTED = "<unattributed>"
 OVERHEAD = "<cbtrace-overhead>"
@@ -346,9 +346,8 @@ def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes) -> dict:
     nan = np.nan
     flops = f["flops"] if with_shapes else np.full(len(gpu_ms), nan)
     dtype = _compute_dtypes(f["dt_flops"], f["dt_bytes"], dtypes)
-    peaks = {d: peak_of(device_name, d) for d in set(dtype)}
-    pf = np.array([peaks[d][0] for d in dtype], float)
-    pb = np.array([peaks[d][1] for d in dtype], float)
+    pf, pb = _peaks(device_name, dtype)
+    gpu_s = gpu_ms / 1e3
     res = dict(step=out["step"], fqn=out["fqn"], source=out["source"],
                call_index=out["call_index"], depth=out["depth"], parent_fqn=out["parent_fqn"],
                module_label=out["module_label"], pid=out["pid"], tid=out["tid"],
@@ -361,13 +360,25 @@ def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes) -> dict:
                flops_executed=f["flops_x"] if with_shapes else np.full(len(gpu_ms), nan),
                bytes=f["bytes"] if with_shapes else np.full(len(gpu_ms), nan),
                ops_without_formula=f["nof"].astype(np.int64), compute_dtype=dtype,
-               mfu=np.where(kernels > 0, utilization(flops, gpu_ms, pf), nan),
-               mbu=np.where((kernels > 0) & with_shapes, utilization(f["bytes"], gpu_ms, pb), nan))
-    hfu = np.where(kernels > 0, utilization(res["flops_executed"], gpu_ms, pf), nan)
+               mfu=np.where(kernels > 0, metrics.mfu(flops, gpu_s, pf), nan),
+               mbu=np.where((kernels > 0) & with_shapes, metrics.mbu(f["bytes"], gpu_s, pb), nan))
+    hfu = np.where(kernels > 0, metrics.hfu(res["flops_executed"], gpu_s, pf), nan)
     res["figures_suspect"] = np.fromiter(
-        (suspect(*x) for x in zip(res["mfu"].tolist(), hfu.tolist(), res["mbu"].tolist())),
+        (metrics.suspect(*x) for x in zip(res["mfu"].tolist(), hfu.tolist(), res["mbu"].tolist())),
         bool, len(gpu_ms))
     return res
+
+
+def _peaks(device_name, dtypes: list) -> tuple[np.ndarray, np.ndarray]:
+    """Peak FLOP/s and bandwidth per row by replay's rule (``PeakLookup``); NaN without one."""
+    lookup = PeakLookup(device_name)
+    by_dtype = {}
+    for d in set(dtypes):
+        p = lookup(d)
+        by_dtype[d] = (np.nan, np.nan) if p is None else (p.flops_per_s or np.nan,
+                                                         p.bytes_per_s or np.nan)
+    return (np.array([by_dtype[d][0] for d in dtypes], float),
+            np.array([by_dtype[d][1] for d in dtypes], float))
 
 
 def _compute_dtypes(flops, nbytes, dtypes: list) -> list:

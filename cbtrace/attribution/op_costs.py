@@ -6,8 +6,6 @@ Inputs`` per op. Costs are cached by the raw JSON of those args, so each distinc
 """
 from __future__ import annotations
 
-import math
-
 import msgspec
 
 from cbtrace.attribution.loader import SHAPED
@@ -64,28 +62,3 @@ class OpCoster:
         # TF32 is invisible in a trace: fp32 matmuls count as float32
         dtype = op_dtype(kineto_name(x) for x in t if isinstance(x, str))
         return (float(cost.flops), float(cost.flops_executed), float(cost.bytes), dtype)
-
-
-def peak_of(device_name: str | None, dtype: str | None):
-    """(flops_per_s, bytes_per_s) from cbtrace.cost.peaks, or (nan, nan) for an unknown device."""
-    if not device_name:
-        return math.nan, math.nan
-    from cbtrace.cost.peaks import peak_for
-
-    try:
-        peak = peak_for(device_name, dtype or "float32")
-    except (KeyError, ValueError):
-        peak = None
-    if peak is None:
-        return math.nan, math.nan
-    return (peak.flops_per_s or math.nan), (peak.bytes_per_s or math.nan)
-
-
-def utilization(amount, ms, peak_per_s):
-    """amount / (ms / 1e3) / peak, elementwise; NaN where the time or the peak is unknown or 0."""
-    import numpy as np
-
-    amount, ms, peak = (np.asarray(x, np.float64) for x in (amount, ms, peak_per_s))
-    ok = (ms > 0) & (peak > 0) & ~np.isnan(peak) & ~np.isnan(amount)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(ok, amount / (ms / 1e3) / peak, np.nan)

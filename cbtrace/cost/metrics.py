@@ -1,12 +1,15 @@
 """Metrics: pure functions of numbers (no tensors, modules or files).
 
 Each returns None when an input it needs is missing (None) or meaningless (time <= 0, no peak),
-so callers can pass record fields straight through.
+so callers can pass record fields straight through. mfu, hfu and mbu also take numpy arrays
+(attribution's rows), so replay and attribution share one formula.
 """
 from __future__ import annotations
 
 import math
 from typing import Iterable
+
+import numpy as np
 
 # A kernel costs at least this much device+host time however little work it does (launch
 # latency of an eager CUDA launch is ~4-6 us; a CUDA-graph node ~2-3 us).
@@ -19,23 +22,31 @@ def _ok(*values) -> bool:
     return all(v is not None for v in values)
 
 
-def _rate(amount, seconds, peak_per_s) -> float | None:
-    if not _ok(amount, seconds, peak_per_s) or seconds <= 0 or peak_per_s <= 0:
+def _rate(amount, seconds, peak_per_s):
+    """amount / seconds / peak: a float, or None where an input is missing or NaN or the time
+    or peak is not > 0; on arrays (attribution's rows) the same elementwise, NaN for None."""
+    if not _ok(amount, seconds, peak_per_s):
         return None
-    return amount / seconds / peak_per_s
+    a, s, p = (np.asarray(x, np.float64) for x in (amount, seconds, peak_per_s))
+    ok = (s > 0) & (p > 0) & ~np.isnan(a)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(ok, a / s / p, np.nan)
+    if out.ndim:
+        return out
+    return float(out) if ok else None
 
 
-def mfu(flops, seconds, peak_flops_per_s) -> float | None:
+def mfu(flops, seconds, peak_flops_per_s):
     """Model FLOPs utilisation: dense-convention FLOPs / time / peak FLOP/s (0.4 = 40%)."""
     return _rate(flops, seconds, peak_flops_per_s)
 
 
-def hfu(flops_executed, seconds, peak_flops_per_s) -> float | None:
+def hfu(flops_executed, seconds, peak_flops_per_s):
     """Hardware FLOPs utilisation: FLOPs actually executed (causal attention ~halved) / time / peak."""
     return _rate(flops_executed, seconds, peak_flops_per_s)
 
 
-def mbu(bytes_moved, seconds, peak_bytes_per_s) -> float | None:
+def mbu(bytes_moved, seconds, peak_bytes_per_s):
     """Memory-bandwidth utilisation: bytes moved / time / peak bandwidth."""
     return _rate(bytes_moved, seconds, peak_bytes_per_s)
 

@@ -142,6 +142,40 @@ def peak_for(device_name: str, dtype, *, calibrated: bool = False, path: Path | 
     return Peak(peaks.flops_per_s.get(key) if key else None, peaks.bytes_per_s, peaks.url, False)
 
 
+class PeakLookup:
+    """One device's peaks by dtype, each looked up once (a calibrated lookup reads a file).
+
+    Calling it gives the one peak MFU, HFU, MBU and the bound divide by, in replay and
+    attribution alike: the datasheet's, else the calibrated one (a CPU has only that); a call
+    without a floating compute dtype is judged against the fp32 peak.
+    """
+
+    def __init__(self, device_name: str | None, *, path: Path | None = None):
+        self.device_name, self._path = device_name, path
+        self._cache: dict = {}
+
+    def _get(self, dtype, calibrated: bool) -> Peak | None:
+        key = (dtype, calibrated)
+        if key not in self._cache:
+            self._cache[key] = peak_for(self.device_name, dtype, calibrated=calibrated,
+                                        path=self._path) if self.device_name else None
+        return self._cache[key]
+
+    def datasheet(self, dtype) -> Peak | None:
+        return self._get(dtype or "float32", False)
+
+    def calibrated(self, dtype) -> Peak | None:
+        return self._get(dtype or "float32", True)
+
+    def __call__(self, dtype) -> Peak | None:
+        return self.datasheet(dtype) or self.calibrated(dtype)
+
+
+def utilisation_peak(device_name: str | None, dtype, *, path: Path | None = None) -> Peak | None:
+    """``PeakLookup(device_name)(dtype)``: the peak utilisation figures divide by."""
+    return PeakLookup(device_name, path=path)(dtype)
+
+
 def device_name(device="cpu") -> str:
     """The name peaks are keyed by: the CUDA device name, or "cpu: <model name>" on CPU."""
     device = str(device)
