@@ -24,7 +24,8 @@ from cbtrace.model.spec import resolve
 from cbtrace.workflows.align import align
 from cbtrace.workflows.diff import diff_runs
 from cbtrace.workflows.regress import (contradicts, memory_change, spread_floor, time_change,
-                                       time_noise, unexplained, work_change)
+                                       time_noise, time_shift, time_tail, unexplained,
+                                       work_change)
 
 MiB = 1 << 20
 REPLAY = dict(budget_s=0.02, min_runs=20, warmup_runs=1, profile_runs=1, progress=False)
@@ -70,6 +71,11 @@ def test_memory_change_noise_and_contradiction_by_hand():
     assert time_noise([(2.0, 2.0 * math.exp(x)) for x in xs]) == pytest.approx(0.14826)
     assert time_noise([(2.0, 2.0 * math.exp(x + 0.5)) for x in xs]) == pytest.approx(0.14826)
     assert time_noise([(2.0, 2.0 * math.exp(x)) for x in xs[:7]]) == 0.0  # too few calls
+    assert time_shift([(2.0, 2.0 * math.exp(x + 0.5)) for x in xs]) == pytest.approx(
+        math.exp(0.5))                                            # all of B 65 % slower
+    # |deviations| 0, 0, 0, 0.1, 0.1, 0.2, 0.2, 0.3: the 0.9 quantile is the 8th
+    assert time_tail([(2.0, 2.0 * math.exp(x + 0.5)) for x in xs], 0.9) == pytest.approx(0.3)
+    assert time_tail([(2.0, 2.0 * math.exp(x)) for x in xs], 0.5) == pytest.approx(0.1)
     assert contradicts(8.0, -0.01, 0.02)      # an 8 ms GELU inside a 0.15 ms MLP
     assert not contradicts(3.0, 3.1, 0.05)    # the parent slowed by as much
     assert not contradicts(0.2, -0.5, 2.0)    # 0.1 ms hides in the parent's 2 ms spread
@@ -81,6 +87,42 @@ def test_memory_change_noise_and_contradiction_by_hand():
 def _row(cid, fqn, parent, kind, k=0):
     return {"call_id": cid, "fqn": fqn, "call_index": k, "parent_call_id": parent,
             "module_type": kind}
+
+
+def _frame(ms: dict, flops: dict | None = None):
+    """A modules table of root > block > (lin, act) with these medians (ms), p10/p90 1 % off."""
+    tree = [(0, "", -1, "Net", 0), (1, "block", 0, "Seq", 1), (2, "block.0", 1, "Linear", 2),
+            (3, "block.1", 1, "GELU", 2)]
+    rows = [{**_row(c, f, p, k), "depth": d, "isolated_ms": ms[f], "isolated_ms_p10": ms[f] * .99,
+             "isolated_ms_p90": ms[f] * 1.01, "status": "ok", "noisy": False,
+             "flops": (flops or {}).get(f, 100.0)} for c, f, p, k, d in tree]
+    return pd.DataFrame(rows)
+
+
+def test_the_call_tree_confirms_time_and_carries_regressions_up():
+    from cbtrace.workflows.diff import diff_frames
+
+    a = _frame({"": 10.0, "block": 5.0, "block.0": 1.0, "block.1": 1.0})
+
+    def verdicts(ms, flops=None):
+        df = diff_frames(a, _frame(ms, flops)).set_index("fqn")
+        return df["regressed"].to_dict(), df["time_contradicted_by"].dropna().to_dict()
+
+    # the Linear 3x slower and everything above it by as much: it and its ancestors
+    assert verdicts({"": 12.0, "block": 7.0, "block.0": 3.0, "block.1": 1.0}) == (
+        {"": "time", "block": "time", "block.0": "time", "block.1": ""}, {})
+    # the Linear alone: its block did not move, so it was the machine
+    assert verdicts({"": 10.0, "block": 5.0, "block.0": 3.0, "block.1": 1.0}) == (
+        {"": "", "block": "", "block.0": "", "block.1": ""}, {"block.0": "block"})
+    # the root alone, its children unmoved: the machine again
+    assert verdicts({"": 15.0, "block": 5.0, "block.0": 1.0, "block.1": 1.0}) == (
+        {"": "", "block": "", "block.0": "", "block.1": ""}, {"": "(children)"})
+    # 3x the Linear's FLOPs at the same times: work, named up to the root
+    same = {"": 10.0, "block": 5.0, "block.0": 1.0, "block.1": 1.0}
+    assert verdicts(same, {"": 300.0, "block": 300.0, "block.0": 300.0})[0] == {
+        "": "work", "block": "work", "block.0": "work", "block.1": ""}
+    assert verdicts(same, {"block.0": 300.0})[0] == {  # an ancestor holds its call's work
+        "": "work", "block": "work", "block.0": "work", "block.1": ""}
 
 
 def test_align_by_name_then_position():
