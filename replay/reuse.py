@@ -21,6 +21,9 @@ import json
 
 import torch
 
+from cbtrace.errors import SerializationError
+from cbtrace.store import ref_format
+
 
 def signature(module, rec) -> str:
     """A digest of what decides a call's work apart from its values."""
@@ -47,8 +50,11 @@ def call_key(module, rec) -> str | None:
     miss what decides the work: an argument that is not PLAIN, a module attribute that is not
     a plain value (a callable, an object, an unregistered tensor), or a hook on a module."""
     try:
-        doc = json.loads(rec.inputs_ref or "")
-        tree = _without_data([doc["args"], doc["kwargs"]])
+        doc = ref_format.parse(rec.inputs_ref)
+        tree = [doc["args"], doc["kwargs"]]
+        if any(n["t"] not in PLAIN for n in ref_format.nodes(tree)):
+            return None
+        tree = ref_format.without_data(tree)
         h = hashlib.sha256(signature(module, rec).encode())
         h.update(json.dumps(tree, sort_keys=True).encode())
         for name, m in module.named_modules(remove_duplicate=False):
@@ -57,7 +63,7 @@ def call_key(module, rec) -> str | None:
             attrs = sorted((k, _plain(v)) for k, v in vars(m).items() if k not in MODULE_SLOTS)
             kind = f"{type(m).__module__}.{type(m).__qualname__}"
             h.update(f"{name}:{kind}:{attrs}".encode())
-    except (ValueError, TypeError, KeyError, _NotPlain):
+    except (SerializationError, ValueError, TypeError, KeyError, _NotPlain):
         return None
     return h.hexdigest()
 
@@ -83,16 +89,6 @@ def _plain(v):
 
 class _NotPlain(Exception):
     pass
-
-
-def _without_data(node):
-    if isinstance(node, list):
-        return [_without_data(n) for n in node]
-    if isinstance(node, dict):
-        if "t" in node and node["t"] not in PLAIN:
-            raise _NotPlain(node["t"])
-        return {k: _without_data(v) for k, v in node.items() if not (k == "c" and "t" in node)}
-    return node
 
 
 class CountCache:
@@ -157,8 +153,6 @@ VERIFY_TOL = 0.03  # the verification call must read within 3 % of the call it w
 def value_free(input_meta: str, op_names) -> bool:
     """Whether a call's time can depend only on its shapes: no integer or bool input (ids,
     offsets, masks, routing) and no op that reads values to decide its work."""
-    import json
-
     try:
         metas = json.loads(input_meta or "[]")
     except ValueError:

@@ -34,6 +34,7 @@ from cbtrace.rundir.layout import INPUTS, prepare_new_run
 from cbtrace.rundir.lock import RunLock
 from cbtrace.schema import manifest as manifest_schema
 from cbtrace.capture.helper_thread import HelperThread, InlineHelper, untraced
+from cbtrace.store import ref_format
 from cbtrace.store.tensor_store import run_copies
 from cbtrace.schema.modules import COPY_FAILED, ModuleRecord
 from cbtrace.nested import flat_tensors
@@ -490,7 +491,7 @@ class capture:
                 for rec in self.records:
                     rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
                     if any(r is not None for r in self._grads.get(rec.call_id, ())):
-                        rec.grads_ref = merged_ref(self._grads[rec.call_id])
+                        rec.grads_ref = ref_format.merge(self._grads[rec.call_id])
                 writer.write_records(self.out, self.records)
                 t["modules_table"] = time.perf_counter() - t1
             except BaseException as e:
@@ -580,23 +581,6 @@ def distributed_rank() -> tuple[int, int] | None:
     return None
 
 
-def merged_ref(refs: list) -> str:
-    """One inputs_ref of the gradients stored one by one (a missing one: None): the outputs'
-    gradients as its args, in output order; chunk ids are the snapshot's own, so they merge."""
-    docs = [json.loads(r) if r is not None else None for r in refs]
-    chunks: dict = {}
-    args = []
-    for d in docs:
-        if d is None:
-            args.append({"t": "none"})
-            continue
-        args.append(d["args"][0])
-        chunks.update(d["chunks"])
-    version = next(d["v"] for d in docs if d is not None)
-    return json.dumps({"v": version, "args": args, "kwargs": {}, "chunks": chunks},
-                      separators=(",", ":"))
-
-
 def _static_facts(model) -> dict[int, tuple[str, str, int, int]]:
     """id(module) -> (class name, class path, parameter bytes, buffer bytes) of every module,
     the bytes recursive with each tensor counted once, as ``module.parameters()`` sums them;
@@ -634,23 +618,10 @@ def _autocast_dtype() -> str | None:
 
 def _input_meta(inputs_ref: str) -> tuple[str, str]:
     """(input_meta, input_shapes) JSON from the tensor nodes of an inputs_ref, in order."""
-    metas = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            if node.get("t") == "tensor":
-                metas.append({"shape": node["shape"], "dtype": node["dtype"],
-                              "stride": node["stride"], "storage_offset": node.get("off"),
-                              "device": node.get("dev"), "requires_grad": bool(node.get("rg"))})
-            for k, v in node.items():
-                if k != "chunks":
-                    walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    doc = json.loads(inputs_ref)
-    walk([doc.get("args", []), doc.get("kwargs", {})])
+    nodes = ref_format.tensor_nodes(ref_format.parse(inputs_ref))
+    metas = [{"shape": n["shape"], "dtype": n["dtype"], "stride": n["stride"],
+              "storage_offset": n.get("off"), "device": n.get("dev"),
+              "requires_grad": bool(n.get("rg"))} for n in nodes]
     return json.dumps(metas), json.dumps([m["shape"] for m in metas])
 
 

@@ -16,13 +16,11 @@ import torch
 
 from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.errors import RunDirError, SerializationError
-from cbtrace.store import shards
-from cbtrace.store import synth
+from cbtrace.store import ref_format, shards, synth
 from cbtrace.store.autograd_shape import as_non_leaf
 from cbtrace.store.codec import DecodeContext
 from cbtrace.store.tensor_store import ALIGN, span_bytes
 
-FORMAT_VERSION = 1
 EXACT_OFFSET_BYTES = 1 << 20
 PAGE = 4096
 
@@ -182,32 +180,12 @@ def host_size(lo: int, nbytes: int) -> int:
     return -(-(_pad(lo) + nbytes) // PAGE) * PAGE
 
 
-def _is_data(entry) -> bool:
-    """A ``chunks`` entry (shard, row, nparts, lo, nbytes, kind) of a data chunk."""
-    return isinstance(entry, list) and len(entry) == 6 and entry[-1] == "d"
-
-
-def _parse_ref(run_dir, inputs_ref: str) -> dict:
-    """The JSON document of an ``inputs_ref``; a one-line SerializationError if it is none."""
-    try:
-        doc = json.loads(inputs_ref)
-    except (TypeError, ValueError):
-        doc = None
-    if not isinstance(doc, dict) or "chunks" not in doc:
-        raise SerializationError(f"{run_dir}: inputs_ref is not a cbtrace inputs reference "
-                                 f"({str(inputs_ref)[:60]!r})")
-    if doc.get("v") != FORMAT_VERSION:
-        raise SerializationError(f"{run_dir}: inputs_ref format v{doc.get('v')} is not supported "
-                                 f"(this cbtrace reads v{FORMAT_VERSION})")
-    return doc
-
-
 def host_bytes(run_dir: Path, inputs_ref: str) -> int:
     """What ``read_call_chunks(..., into=)`` takes of ``into`` for this ``inputs_ref``."""
-    doc = _parse_ref(run_dir, inputs_ref)
+    doc = ref_format.parse(inputs_ref, run_dir)
     try:
         return sum(host_size(int(e[3]), int(e[4])) for e in doc["chunks"].values()
-                   if _is_data(e))
+                   if ref_format.is_data_chunk(e))
     except (TypeError, ValueError):
         raise SerializationError(f"{run_dir}: inputs_ref lists a malformed chunk") from None
 
@@ -220,12 +198,12 @@ def read_call_chunks(run_dir: Path, inputs_ref: str, pin: bool = False, into=Non
     the data chunks are placed one after another (``host_size`` each) instead of in fresh
     tensors: with it no CUDA call is made, even when ``pin`` says it is pinned memory, whose
     copies to a GPU need not wait. Without it ``pin`` allocates pinned memory (CUDA calls)."""
-    doc = _parse_ref(run_dir, inputs_ref)
+    doc = ref_format.parse(inputs_ref, run_dir)
     loader = _TensorLoader(Path(run_dir) / "inputs", doc["chunks"], None)
     out, pos = {}, 0
     for cid, entry in doc["chunks"].items():
         got = loader._read(int(cid))
-        if not _is_data(entry):
+        if not ref_format.is_data_chunk(entry):
             out[cid] = got
             continue
         buf = None
@@ -249,7 +227,7 @@ def load_call_inputs(run_dir: Path, inputs_ref: str, device=None, *, serializers
         serializers: default ``cbtrace.registry.serializers()``.
         chunks_read: what ``read_call_chunks`` returned for this ``inputs_ref`` (read ahead).
     """
-    doc = _parse_ref(run_dir, inputs_ref)
+    doc = ref_format.parse(inputs_ref, run_dir)
     if serializers is None:
         from cbtrace import registry
 

@@ -3,14 +3,7 @@
 ``plan(args, kwargs)`` walks the inputs with the registered serializers, copies tensor data on
 its own device (no host sync) and returns ``inputs_ref``, a JSON string of the (args, kwargs)
 tree with tensors by reference to chunks in ``inputs/tensors-NNNNN.parquet``. ``flush()``
-moves the copies to the host and writes the shards. Format of ``inputs_ref``::
-
-    {"v": 1, "args": [node, ...], "kwargs": {name: node},
-     "chunks": {id: [shard, row, nparts, lo_bytes, nbytes, "d" | "s"]}}
-
-A tensor node: {"t": "tensor", "dtype", "shape", "stride", "off", "dev", "rg", "c": chunk id,
-optional "syn": 1 (synthesized from statistics), "conj"/"neg"/"param": 1, "nl": 1 (a non-leaf
-that requires grad: made by an op in the step).
+moves the copies to the host and writes the shards. ``store.ref_format`` owns the format.
 """
 from __future__ import annotations
 
@@ -19,18 +12,12 @@ import os
 import threading
 from pathlib import Path
 
-from cbtrace.store import shards
-
-from cbtrace.store import synth
+from cbtrace.store import ref_format, shards, synth
 from cbtrace.store.codec import EncodeContext, by_name
 from cbtrace.store.tensor_store import ShardPlan, TensorStore, run_copies, tensor_meta
 
-__all__ = ["Snapshotter", "tensor_meta", "run_copies", "FORMAT_VERSION"]
+__all__ = ["Snapshotter", "tensor_meta", "run_copies"]
 
-FORMAT_VERSION = 1
-# an inputs_ref's JSON, compact and strict; built once (json.dumps with these arguments makes a
-# new encoder per call, and capture makes one reference per module call)
-_REF_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 # 64 MB: shards are written one per thread, so a capture of a few hundred MB needs several, but
 # each is fsynced, and many small fsyncs at once queue on the disk. bench_shard_writes.py on the
 # H200 (medians of 5; DLRM b8192 240 MB / dlrm:large 1.9 GB): inputs written in 0.178 / 1.259 s
@@ -90,9 +77,8 @@ class Snapshotter:
         arg_nodes = [ctx.encode(a) for a in args]
         kw_nodes = {str(k): ctx.encode(v) for k, v in kwargs.items()}
         used, self.last_input_bytes, self.last_synthesized, copies = self._store.commit(pending)
-        doc = {"v": FORMAT_VERSION, "args": arg_nodes, "kwargs": kw_nodes,
-               "chunks": {str(i): c.ref() for i, c in sorted(used.items())}}
-        return _REF_JSON(doc), copies
+        chunks = {i: c.ref() for i, c in sorted(used.items())}
+        return ref_format.build(arg_nodes, kw_nodes, chunks), copies
 
     def flush(self) -> list[Path]:
         """Write every pending chunk; returns all shard files written so far."""
