@@ -1,6 +1,7 @@
 """cbtrace: a Component Benchmark for PyTorch.
 
-Public API (imported lazily so that ``import cbtrace`` and ``cbtrace --help`` stay light):
+Public API (each implementation is imported on first use, so that ``import cbtrace`` and
+``cbtrace --help`` stay light):
 
     cbtrace.capture(model, out_dir, ...)        context manager, capture one step
     cbtrace.load_inputs(run, fqn, call_index)   (args, kwargs) exactly as captured
@@ -9,16 +10,17 @@ Public API (imported lazily so that ``import cbtrace`` and ``cbtrace --help`` st
     cbtrace.annotate(...)                        annotated_<trace> for Perfetto / TensorBoard
     cbtrace.trace_handler(dir_name)              drop-in for tensorboard_trace_handler
 """
+# The packages of the same names are loaded first: importing a package binds its name here,
+# which would otherwise replace the function on first use of the package.
+import cbtrace.annotate
+import cbtrace.capture
+import cbtrace.replay
+from cbtrace.api import annotate, capture, replay
+from cbtrace._version import __version__
 from cbtrace.errors import CbtraceError
 
-__version__ = "0.1.0"
-
-# name -> (module, attribute). ``capture``, ``replay`` and ``annotate`` are packages that are
-# also callable (``cbtrace._callable``), so they are imported as modules.
+# name -> (module, attribute), imported on first access
 _LAZY = {
-    "capture": ("cbtrace.capture", None),
-    "replay": ("cbtrace.replay", None),
-    "annotate": ("cbtrace.annotate", None),
     "trace_handler": ("cbtrace.annotate.trace_handler", "trace_handler"),
     "CaptureConfig": ("cbtrace.capture.recorder", "CaptureConfig"),
     "load_inputs": ("cbtrace.store.load", "load_inputs"),
@@ -30,7 +32,7 @@ _LAZY = {
     "RecSysProvider": ("cbtrace.model.provider", "RecSysProvider"),
 }
 
-__all__ = ["CbtraceError", "__version__", *_LAZY]
+__all__ = ["CbtraceError", "__version__", "annotate", "capture", "replay", *_LAZY]
 
 
 def __getattr__(name):
@@ -38,6 +40,5 @@ def __getattr__(name):
 
     if name in _LAZY:
         mod, attr = _LAZY[name]
-        module = importlib.import_module(mod)
-        return module if attr is None else getattr(module, attr)
+        return getattr(importlib.import_module(mod), attr)
     raise AttributeError(f"module 'cbtrace' has no attribute '{name}'")

@@ -161,7 +161,7 @@ def test_multi_step_trace_restarts_call_index(tmp_path):
 
 
 def test_output_does_not_depend_on_chunk_size(tmp_path, run, monkeypatch):
-    import cbtrace.annotate.stream as stream
+    from cbtrace.annotate import stream
 
     ref = annotate(run, out=tmp_path / "ref.pt.trace.json", pftrace=False).read_bytes()
     for size in (4096, 777):

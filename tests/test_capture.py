@@ -217,6 +217,7 @@ def test_output_meta_of_every_call(tmp_path):
 
 def fail_second_copy(monkeypatch):
     """Make capture's second input copy (the first child call's) raise a simulated OOM."""
+    from cbtrace.capture import recorder
     from cbtrace.store import tensor_store
 
     real, calls = tensor_store.run_copies, {"n": 0}
@@ -227,7 +228,7 @@ def fail_second_copy(monkeypatch):
             raise RuntimeError("simulated OOM while copying")
         real(copies)
 
-    monkeypatch.setattr("cbtrace.capture.recorder.run_copies", flaky)
+    monkeypatch.setattr(recorder, "run_copies", flaky)
 
 
 def test_failed_copy_caught_by_the_model_is_never_reused(tmp_path, monkeypatch):

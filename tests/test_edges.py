@@ -63,3 +63,48 @@ def test_a_value_out_of_range_is_one_line_and_exit_2(args, flag, tmp_path, capsy
     assert len(lines) == 1 and f"'{flag}'" in lines[0] and "range" in lines[0], err
     assert "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name, impl", [
+    ("capture", "cbtrace.capture.recorder:capture"),
+    ("replay", "cbtrace.replay.engine:replay"),
+    ("annotate", "cbtrace.annotate.write:annotate"),
+])
+def test_the_public_functions_show_their_implementations_signatures(name, impl):
+    import importlib
+    import inspect
+
+    import cbtrace
+
+    module, attr = impl.split(":")
+    func = getattr(cbtrace, name)
+    assert inspect.isfunction(func)
+    shown = inspect.signature(func)
+    real = inspect.signature(getattr(importlib.import_module(module), attr))
+    assert list(shown.parameters) == list(real.parameters)
+    assert [p.default for p in shown.parameters.values()] == [
+        p.default for p in real.parameters.values()]
+    assert getattr(cbtrace, name) is func  # importing the package did not replace the function
+
+
+def test_replay_signature_names_its_parameters():
+    import inspect
+
+    import cbtrace
+
+    assert list(inspect.signature(cbtrace.replay).parameters) == ["run", "model", "device",
+                                                                  "options"]
+
+
+def test_capture_is_a_context_manager_and_load_inputs_returns_the_call(tmp_path):
+    import torch
+
+    import cbtrace
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    x = torch.randn(2, 4)
+    with cbtrace.capture(model, tmp_path / "run", trace=False) as cap:
+        model(x)
+    assert [r.fqn for r in cap.records] == ["", "0", "1"]
+    args, kwargs = cbtrace.load_inputs(tmp_path / "run", "0", 0)
+    assert torch.equal(args[0], x) and kwargs == {}

@@ -49,7 +49,7 @@ def test_trace_handler_plain_json_and_default_worker(tmp_path):
 
 
 def test_trace_handler_never_breaks_training(tmp_path, monkeypatch):
-    import cbtrace.annotate.write as mod
+    from cbtrace.annotate import write as mod
 
     def boom(**kw):
         raise mod.TraceError("simulated failure")

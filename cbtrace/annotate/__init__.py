@@ -1,9 +1,6 @@
 """Annotated traces: cbtrace's per-module figures put back into Kineto traces.
 
-``cbtrace.annotate(run=..., trace=...)`` is ``cbtrace.annotate.write.annotate``; the streaming
+``cbtrace.annotate(run=..., trace=...)`` (``cbtrace.api``) calls ``write.annotate``; the streaming
 rewrite is ``stream``, the figures per slice ``figures``, the appended ``cbtrace`` process
 ``layout``, the Perfetto protobuf ``pftrace``; ``trace_handler`` plugs into torch.profiler.
 """
-from cbtrace._callable import make_module_callable
-
-make_module_callable(__name__, "cbtrace.annotate.write:annotate")

@@ -115,7 +115,7 @@ def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool 
 
 def _write(run, trace: Path, own: bool, insitu, dst: Path, tmps: list[Path]) -> None:
     """The annotated trace into ``tmps[0]`` and, if asked, the .pftrace into ``tmps[1]``."""
-    import cbtrace
+    from cbtrace._version import __version__
     from cbtrace.annotate.figures import Figures, SliceAnnotator
     from cbtrace.annotate.layout import appended_events, metadata
     from cbtrace.annotate.stream import rewrite
@@ -127,7 +127,7 @@ def _write(run, trace: Path, own: bool, insitu, dst: Path, tmps: list[Path]) -> 
     fig = Figures(modules, insitu if insitu is not False else None, own_trace=own)
     ann = SliceAnnotator(fig)
     device = _device_name(manifest)
-    meta = metadata(trace.name, cbtrace.__version__, device=device,
+    meta = metadata(trace.name, __version__, device=device,
                     run_id=_run_id(run, manifest), peaks=_peaks_used(device, modules))
     rows = list(fig.calls.values())
     extra: list[dict] = []

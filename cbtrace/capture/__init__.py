@@ -1,8 +1,5 @@
 """Capture one real step of a model: module tree, live inputs and a Kineto trace.
 
-``cbtrace.capture(model, out_dir, ...)`` is ``cbtrace.capture.recorder.capture``; capturing a
+``cbtrace.capture(model, out_dir, ...)`` (``cbtrace.api``) opens ``recorder.capture``; capturing a
 model built from a provider spec is ``from_spec``; the CPU in-situ host times, ``host_times``.
 """
-from cbtrace._callable import make_module_callable
-
-make_module_callable(__name__, "cbtrace.capture.recorder:capture")

@@ -128,9 +128,9 @@ def environment() -> Environment:
     """This process's versions and host."""
     import torch
 
-    import cbtrace
+    from cbtrace._version import __version__
 
-    return Environment(cbtrace_version=cbtrace.__version__, torch_version=str(torch.__version__),
+    return Environment(cbtrace_version=__version__, torch_version=str(torch.__version__),
                        cuda_version=torch.version.cuda, python_version=platform.python_version(),
                        hostname=socket.gethostname())
 
