@@ -8,13 +8,13 @@
 # modes: bench_modes_gpu.py (eager vs compile vs cudagraph per module, whole-model compile);
 # nproc: bench_nproc.py (torchrun --nproc 1 against in-process replay);
 # probe-backward: probe_backward.py (a train step's backward kernels in situ vs replayed, three
-# backward timing methods); overhead: probe_replay_overhead.py (replay wall in laps; cProfile too
-# with OVERHEAD_CPROFILE=1); capture-probe: probe_capture_step.py (a captured step's cost above
-# the floor, by variant; PROBE_CASE); plan-call: bench_plan_call.py (capture's planning alone, with
-# and without another thread profiled); pinned: bench_pinned_ring.py (the read-ahead ring's first
+# backward timing methods); overhead: probes/probe_replay_overhead.py (replay wall in laps; cProfile too
+# with OVERHEAD_CPROFILE=1); capture-probe: probes/probe_capture_step.py (a captured step's cost above
+# the floor, by variant; PROBE_CASE); plan-call: probes/bench_plan_call.py (capture's planning alone, with
+# and without another thread profiled); pinned: probes/bench_pinned_ring.py (the read-ahead ring's first
 # pinned allocation, by way of allocating); digest: bench_state_digest.py on the GPU (whole
-# vs sampled state digests); shards: bench_shard_writes.py (capture's input writes by shard size
-# and writer count, SHARD_CASES, SHARD_CONFIGS); memory: probe_memory.py (GPU memory call by call in a train replay);
+# vs sampled state digests); shards: probes/bench_shard_writes.py (capture's input writes by shard size
+# and writer count, SHARD_CASES, SHARD_CONFIGS); memory: probes/probe_memory.py (GPU memory call by call in a train replay);
 # fidelity: fidelity_zoo.py bf16 (per model: share of calls >= 10 us within 5 %, class medians, root,
 # < 10 us median |error|; FIDELITY_MODELS comma-separated, FIDELITY_ARGS e.g. "--step train", "--no-context");
 # opportunity: bench_opportunity.py per model (the root and top 5 modules compiled in place, estimated vs
@@ -47,22 +47,22 @@ nproc)
 probe-backward)
   timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_backward.py /tmp/probe 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -40 ;;
 memory)
-  timeout ${MEMORY_TIMEOUT:-300} python3 $R/benchmarks/probe_memory.py /tmp/pmem ${MEMORY_VARIANTS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |F.linear" | tee $OUT/probe_memory.log | tail -8 ;;
+  timeout ${MEMORY_TIMEOUT:-300} python3 $R/benchmarks/probes/probe_memory.py /tmp/pmem ${MEMORY_VARIANTS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |F.linear" | tee $OUT/probe_memory.log | tail -8 ;;
 digest)
   timeout 200 python3 $R/benchmarks/bench_state_digest.py --device cuda ${DIGEST_MODELS:-dlrm dlrm:large nanogpt} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_state_digest.log | tail -5 ;;
 pinned)
-  timeout 120 python3 $R/benchmarks/bench_pinned_ring.py 2>&1 | tee $OUT/bench_pinned_ring.log | tail -8 ;;
+  timeout 120 python3 $R/benchmarks/probes/bench_pinned_ring.py 2>&1 | tee $OUT/bench_pinned_ring.log | tail -8 ;;
 plan-call)
-  timeout 120 python3 $R/benchmarks/bench_plan_call.py 2>&1 | tee $OUT/bench_plan_call.log | tail -6 ;;
+  timeout 120 python3 $R/benchmarks/probes/bench_plan_call.py 2>&1 | tee $OUT/bench_plan_call.log | tail -6 ;;
 shards)
   for C in ${SHARD_CASES:-dlrm dlrm-large}; do
-    CBTRACE_BENCH_DIR=/tmp timeout ${SHARD_TIMEOUT:-200} python3 $R/benchmarks/bench_shard_writes.py --case $C ${SHARD_CONFIGS:+--configs $SHARD_CONFIGS} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_shard_writes_$C.log | tail -9
+    CBTRACE_BENCH_DIR=/tmp timeout ${SHARD_TIMEOUT:-200} python3 $R/benchmarks/probes/bench_shard_writes.py --case $C ${SHARD_CONFIGS:+--configs $SHARD_CONFIGS} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_shard_writes_$C.log | tail -9
   done ;;
 capture-probe)
-  CBTRACE_BENCH_DIR=/tmp timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_capture_step.py ${PROBE_CASE:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_capture_step.log | tail -10 ;;
+  CBTRACE_BENCH_DIR=/tmp timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_capture_step.py ${PROBE_CASE:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_capture_step.log | tail -10 ;;
 overhead)
   for M in ${OVERHEAD_MODELS:-nanogpt}; do
-    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probe_replay_overhead.py /tmp/overhead $M --top 40 ${OVERHEAD_CPROFILE:+--cprofile} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_$M.log
+    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probes/probe_replay_overhead.py /tmp/overhead $M --top 40 ${OVERHEAD_CPROFILE:+--cprofile} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_$M.log
     head -${OVERHEAD_LINES:-30} $OUT/overhead_$M.log
   done ;;
 fidelity)

@@ -4,7 +4,7 @@ init (how they built before: a module's own init, then nanoGPT's on top) against
 generator, on a thread pool of torch.get_num_threads() threads). Float32, as the providers build
 on the CPU before any move or cast. Alternating, REPEATS of each; wall and process CPU seconds.
 
-    python benchmarks/bench_provider_build.py [SPEC ...]     (default: nanogpt dlrm dlrm:large)
+    python benchmarks/probes/bench_provider_build.py [SPEC ...]     (default: nanogpt dlrm dlrm:large)
 """
 import gc
 import sys

@@ -2,7 +2,7 @@
 
 Times GPT-2's lm_head GEMM (bf16, 8192 x 768 -> 50304) with triton's do_bench at several
 ``rep`` lengths and with cbtrace's graph timer (default K and cold), reading the SM clock
-(NVML, through torch.cuda.clock_rate) right after each. Run: python benchmarks/probe_clock.py
+(NVML, through torch.cuda.clock_rate) right after each. Run: python benchmarks/probes/probe_clock.py
 """
 import torch
 

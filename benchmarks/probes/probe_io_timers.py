@@ -4,7 +4,7 @@ Part 1 prints the write path's rates on this machine (page-cache writes, fsync, 
 device-to-host, Parquet encoding). Part 2 times a few GPT-2 modules with do_bench (twice),
 do_bench over a one-call CUDA graph, do_bench_cudagraph, and per-call CUDA events recorded
 inside one graph with an L2-flushing memset before each call (cold) or not (warm).
-Run: python benchmarks/probe_io_timers.py [DIR]
+Run: python benchmarks/probes/probe_io_timers.py [DIR]
 """
 import hashlib
 import os

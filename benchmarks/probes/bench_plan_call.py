@@ -6,7 +6,7 @@ the step's thread does under torch.profiler's ``with_stack``: under Python 3.12 
 Python on every thread (``probe_capture_step.py``), so the second side is what capture pays
 on the helper. Prints µs per call (median of 5 rounds of 3,000 calls) and their ratio.
 
-Run: python benchmarks/bench_plan_call.py
+Run: python benchmarks/probes/bench_plan_call.py
 """
 import statistics
 import sys

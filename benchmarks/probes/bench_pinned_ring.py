@@ -15,7 +15,7 @@ one process (fresh memory each time: torch's host cache emptied between):
 Each way also times one 64 MB host-to-device copy out of the buffer (non_blocking, then a
 synchronize), so a way that pins less well shows. Usage:
 
-    python benchmarks/bench_pinned_ring.py [MB ...]   (default: 64 128 256 512)
+    python benchmarks/probes/bench_pinned_ring.py [MB ...]   (default: 64 128 256 512)
 """
 import os
 import subprocess

@@ -4,7 +4,7 @@ replay mechanism: where free device memory goes when calls start being skipped f
 Captures SPEC (train step: forward and backward) once, then replays it with the capture's model
 once per variant, recording after every call the driver's free memory and torch's allocated and
 reserved bytes; prints per variant the calls skipped and the memory at the 10th, middle and last
-call. Usage: python benchmarks/probe_memory.py OUT_DIR [VARIANT ...]
+call. Usage: python benchmarks/probes/probe_memory.py OUT_DIR [VARIANT ...]
 """
 import contextlib
 import sys

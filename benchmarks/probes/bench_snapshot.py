@@ -1,6 +1,6 @@
 """Input snapshot throughput: take() + flush() of ~200 MB of fp32 tensors vs raw disk writes.
 
-Run: .venv/bin/python benchmarks/bench_snapshot.py [--device cuda] [--mb 200]
+Run: .venv/bin/python benchmarks/probes/bench_snapshot.py [--device cuda] [--mb 200]
 Prints one JSON line. The disk figure writes the same bytes to a temp file with fsync
 (dd-style), in the same directory, so both numbers share the file system.
 """

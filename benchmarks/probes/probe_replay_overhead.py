@@ -8,7 +8,7 @@ Captures SPEC once, then replays it twice with the capture's model (no rebuild):
    ``manifest.replay.timings_s``; per module class, the wall outside the timed work;
 2. under cProfile (``--cprofile``): the functions with the most own and cumulative time.
 
-Usage: python benchmarks/probe_replay_overhead.py OUT_DIR [SPEC] [--cprofile] [--top N]
+Usage: python benchmarks/probes/probe_replay_overhead.py OUT_DIR [SPEC] [--cprofile] [--top N]
 """
 import argparse
 import cProfile

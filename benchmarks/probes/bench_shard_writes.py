@@ -8,7 +8,7 @@ same bytes with fsync: one file (bench_capture.disk_bandwidth), and the same byt
 of the shipped shard size written by as many threads. Prints the median capture wall, its inputs_write phase (the shards alone) and the writer threads'
 summed fsync seconds per setting, and the raw writes' bandwidth.
 
-Run: python benchmarks/bench_shard_writes.py [--case dlrm] [--configs 32x8,64x8,128x4]
+Run: python benchmarks/probes/bench_shard_writes.py [--case dlrm] [--configs 32x8,64x8,128x4]
      [--repeats 5]
 """
 import argparse
@@ -20,10 +20,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import sys
+
 import torch
 
-import bench_capture as bc
-from cbtrace.store import snapshot
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_capture, one level up
+import bench_capture as bc  # noqa: E402
+from cbtrace.store import snapshot  # noqa: E402
 
 BLOCK = os.urandom(8 << 20)  # incompressible, as the raw writes' source
 

@@ -12,7 +12,7 @@ Profiling is without ``with_stack`` (capture's default) unless the case is named
 (bench_capture.case); ``inline`` then differs from ``capture`` only under ``+stack``, where the
 helper thread runs; the hand-off's clocks always come from a ``with_stack`` capture.
 
-Run: python benchmarks/probe_capture_step.py [CASE]   (a bench_capture.py case; default
+Run: python benchmarks/probes/probe_capture_step.py [CASE]   (a bench_capture.py case; default
 dlrm-large on a GPU, dlrm-large-cpu without; PROBE_CPROFILE=1 adds a cProfile of the hooks
 without the profiler)
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_capture, one level up
 import bench_capture as bc  # noqa: E402
 
 REPEATS = int(os.environ.get("CBTRACE_BENCH_REPEATS", 5))
