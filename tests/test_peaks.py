@@ -90,8 +90,10 @@ def test_calibrate_cli_on_cpu(tmp_path):
     entry = json.loads(out.read_text())[name]
     assert set(entry["matmul_flops_per_s"]) == {"fp32", "bf16"}
     p = peak_for(name, "float32", calibrated=True, path=out)
-    # any CPU this runs on does > 1 GFLOP/s fp32 and copies > 0.5 GB/s
-    assert p.flops_per_s > 1e9 and p.bytes_per_s > 0.5e9
+    # the figures read back are the ones measured (how fast a busy CPU was is no test's claim)
+    assert p.flops_per_s == entry["matmul_flops_per_s"]["fp32"] > 0
+    assert p.bytes_per_s == entry["copy_bytes_per_s"] > 0
+    assert entry["matmul_n"]["fp32"] >= 256 and entry["copy_bytes"] > 0
 
 
 def test_calibrate_cuda_without_gpu_is_a_clear_error(tmp_path):
