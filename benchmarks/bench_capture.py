@@ -33,7 +33,6 @@ Run: python benchmarks/bench_capture.py [CASE ...]   (default: nanogpt-tiny-cpu,
 nanogpt dlrm dlrm-large and the zoo's GPU models; CASES lists the names; the -cpu DLRM cases are
 the GPU cases' shapes scaled down to a 2-core CPU)
 """
-import gzip
 import os
 import shutil
 import tempfile
@@ -96,7 +95,8 @@ def plain_profiled_step(provider, model, batch, device, out_dir, hooks=False, wi
     module also gets the pre/post hooks a capture needs, doing nothing but open and close its
     two ranges (the floor of what any capture adds to the step, before copying or writing
     anything)."""
-    from cbtrace.capture.recorder import RANGE_ENTER, RANGE_EXIT, TRACE_GZIP_LEVEL, profiler_activities
+    from cbtrace.capture.recorder import RANGE_ENTER, RANGE_EXIT, profiler_activities
+    from cbtrace.trace_io import gzip_trace
 
     stack, handles = [], []
 
@@ -124,9 +124,7 @@ def plain_profiled_step(provider, model, batch, device, out_dir, hooks=False, wi
     laps.append(("stop", time.perf_counter()))  # profiler stop, hooks removed
     raw = Path(out_dir) / "plain.json"
     p.export_chrome_trace(str(raw))
-    with open(raw, "rb") as src, \
-            gzip.open(str(raw) + ".gz", "wb", compresslevel=TRACE_GZIP_LEVEL) as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
+    gzip_trace(raw, str(raw) + ".gz")
     laps.append(("trace_write", time.perf_counter()))
     phases = {name: t - laps[i][1] for i, (name, t) in enumerate(laps[1:])}  # seconds
     return laps[-1][1] - t0, phases

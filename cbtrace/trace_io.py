@@ -1,4 +1,6 @@
-"""Reading and writing Kineto traces: the only place that touches trace files (STYLE habit 4).
+"""Reading and writing Kineto traces (docs/ARCHITECTURE.md): whole traces read and written, the
+capture trace compressed (``gzip_trace``) and traces streamed; the annotated copy is the one trace
+written elsewhere, by ``annotate/stream.py``'s byte-preserving rewrite.
 
 ``.json`` and ``.json.gz`` are told apart by suffix. ``read_trace`` loads a whole trace as a
 dict (for small traces and for writing annotated copies); ``stream_trace`` decodes the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 from typing import Callable, Iterator
@@ -112,6 +115,15 @@ def read_trace(path) -> dict:
     if not isinstance(obj, dict):
         raise TraceError(f"{path}: not a Kineto trace (top level is {type(obj).__name__})")
     return obj
+
+
+CAPTURE_GZIP_LEVEL = 1  # the fastest level: a capture waits on it, and the trace is read once or twice
+
+
+def gzip_trace(raw, path, level: int = CAPTURE_GZIP_LEVEL) -> None:
+    """Compress the trace file ``raw`` (as exported by torch.profiler) into ``path``."""
+    with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=level) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def write_trace(path, trace: dict) -> None:
