@@ -69,7 +69,7 @@ def test_report_errors_are_one_line(tmp_path, run, capsys):
 
 
 def test_report_command_is_lazy_and_runs_as_a_process(run):
-    # `cbtrace report --help` imports neither torch nor pyarrow (STYLE habit 9)
+    # `cbtrace report --help` imports neither torch nor pyarrow
     code = ("import sys; from cbtrace.cli.main import main\n"
             "try: main(['report', '--help'])\nexcept SystemExit: pass\n"
             "print(sorted(m for m in ('torch', 'pyarrow', 'tensorboard') if m in sys.modules))")
