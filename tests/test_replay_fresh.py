@@ -8,13 +8,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a new Python process in the repository root."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
