@@ -89,8 +89,6 @@ def methods(c, backward, backends, tcfg):
 
 
 def main(out_dir, spec=SPEC, fqns=None):
-    import dataclasses
-
     import pandas as pd
 
     from cbtrace import module_tree, registry
@@ -98,7 +96,6 @@ def main(out_dir, spec=SPEC, fqns=None):
     from cbtrace.replay.backward import _FreshBackward, _gradients, _grad_outputs
     from cbtrace.replay.call import prepare
     from cbtrace.replay.config import ReplayConfig
-    from cbtrace.replay.steps import timing_config
     from cbtrace.rundir.read import find_trace, load_run
     from cbtrace.schema.modules import frame_to_records
     from cbtrace.store.load import load_call_inputs
@@ -113,7 +110,7 @@ def main(out_dir, spec=SPEC, fqns=None):
     manifest, df = load_run(run)
     ins = insitu_kernels(find_trace(run, manifest))
     cfg = ReplayConfig()
-    tcfg = dataclasses.replace(timing_config(cfg), warm_inputs=True)
+    tcfg = cfg.timing()
     backends = registry.backends()
     rows = []
     for fqn in fqns:

@@ -4,25 +4,21 @@ The backward is timed on its own: ``torch.autograd.backward(outputs, grads)`` is
 work (grad-input where an input required grad, grad-weight for parameters), and the call's
 forward runs untimed before it. The graph timer stages one forward per captured slot, eagerly on
 the capture stream, and captures only the K backwards (``retain_graph``: each replay runs them
-again over the same saved tensors); the events timer runs the forward as its untimed ``touch``,
-queued before the start event. Nothing is subtracted (a graph of K forward+backward pairs less a
-graph of K forwards was the method before). Gradients
-come from the capture (``grads_ref``: ``cbtrace capture --step train``), else random ones of
-the outputs' shape and dtype (``grad_source``). Parameters' ``.grad`` come back as they were
+again over the same saved tensors); the events timer runs the forward as its untimed
+``before``, queued before the start event; nothing is subtracted. Gradients come from the
+capture (``grads_ref``: ``cbtrace capture --step train``), else random ones of the outputs'
+shape and dtype (``grad_source``). Parameters' ``.grad`` come back as they were
 (the engine's StateGuard). The forward's saved tensors, the backward's peak memory and the
 parameter gradients it writes make the call's memory split.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
 from cbtrace.nested import flat_tensors
 from cbtrace.replay import timers
 from cbtrace.replay.call import CallUnderTest
-from cbtrace.replay.steps import timing_config
-from cbtrace.replay.timing import join_notes
+from cbtrace.replay.timing import CallRunner, join_notes
 
 
 class BackwardStep:
@@ -32,8 +28,7 @@ class BackwardStep:
 
     def __init__(self, cfg, chain: list[str], backends: dict):
         self.chain, self.backends = chain, backends
-        # the untimed forward is the timers' touch: always on, whatever warm_inputs says
-        self.tcfg = dataclasses.replace(timing_config(cfg), warm_inputs=True)
+        self.tcfg = cfg.timing()
 
     def run(self, c: CallUnderTest) -> dict:
         outs = _grad_outputs(c.run(0))
@@ -105,23 +100,22 @@ class _FreshBackward:
         copy extends its base's history, and a backward through it meets an earlier run's
         saved output at a newer version ("modified by an inplace operation")."""
         c = self.c
-        if not c.writes_inputs or getattr(c.run, "on", None) is None:
+        if not c.writes_inputs:
             return _grad_outputs(c.run(i)), None
         fresh = _fresh_autograd(c.run.copies[i % c.n_copies], view=False)
         return _grad_outputs(c.run.on(fresh, i % c.n_copies)), _input_leaves(fresh)
 
     def leaves(self, i: int) -> list:
         if i not in self._leaves:
-            copies = getattr(self.c.run, "copies", None)
-            self._leaves[i] = _input_leaves(copies[i]) if copies else []
+            self._leaves[i] = _input_leaves(self.c.run.copies[i])
         return self._leaves[i]
 
 
-def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
+def _backward_runner(c: CallUnderTest, backward: _FreshBackward) -> CallRunner:
     """bwd(i): the backward of copy i's forward. Its forward ran untimed before it: staged
     for slot i (``bwd.stage(i)``, the graph timer: kept until ``bwd.unstage()``, every
-    backward over it retains it), or just before (``bwd.touch(i)``, the events timer's
-    untimed hook, used by the next backward of the same copy only, inside the same CUDA graph
+    backward over it retains it), or just before (``bwd.before(i)``, the events timer's
+    untimed work, used by the next backward of the same copy only, inside the same CUDA graph
     capture or outside one); without either (a warm-up call) bwd runs the forward itself."""
     n = c.n_copies
     last: dict = {}
@@ -138,12 +132,9 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
         last.update(i=i % n, capturing=capturing(), outs=outs, leaves=leaves)
 
     def stage(j: int) -> None:
-        on = getattr(c.run, "on", None)
-        if on is None:
-            slots[j] = _grad_outputs(c.run(j % n)), None
-        else:  # its own autograd leaves: their nodes made now, on the capture stream
-            fresh = _fresh_autograd(c.run.copies[j % n], view=not c.writes_inputs)
-            slots[j] = _grad_outputs(on(fresh, j % n)), _input_leaves(fresh)
+        # its own autograd leaves: their nodes made now, on the capture stream
+        fresh = _fresh_autograd(c.run.copies[j % n], view=not c.writes_inputs)
+        slots[j] = _grad_outputs(c.run.on(fresh, j % n)), _input_leaves(fresh)
 
     def bwd(i: int) -> None:
         if i in slots:
@@ -156,17 +147,15 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward):
         last.clear()
         backward(outs, i, leaves=leaves)
 
-    bwd.touch = forward
-    bwd.stage = stage
-    bwd.unstage = slots.clear
-    return bwd
+    # the forward is the backward's input state: timers skip it in warm-up, as a rewrite's
+    return CallRunner(run=bwd, n_copies=n, before=forward, warms_inputs=True, stage=stage,
+                      unstage=slots.clear)
 
 
 def _note_inplace(c: CallUnderTest) -> None:
     """Whether the call writes its inputs in place (their version counters move in one
     forward of copy 0): its backwards then run on inputs rebuilt for each forward."""
-    ts = [t for t in flat_tensors(c.run.copies[0]) if t.requires_grad] if hasattr(
-        c.run, "copies") else []
+    ts = [t for t in flat_tensors(c.run.copies[0]) if t.requires_grad]
     before = [t._version for t in ts]
     c.run(0)
     c.writes_inputs = any(t._version != v for t, v in zip(ts, before))

@@ -13,6 +13,7 @@ import torch
 from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.nested import flat_tensors
 from cbtrace.replay.copies import clone_like, embedding_copies, n_copies, tensor_bytes
+from cbtrace.replay.timing import CallRunner
 
 
 def call_context(rec, device_type: str | None = None):
@@ -25,13 +26,46 @@ def call_context(rec, device_type: str | None = None):
     return stack
 
 
+@dataclass(frozen=True, eq=False)
+class OnCopies:
+    """``self(i)``: ``fn`` on input copy i as the module is called (objects in the inputs put
+    back, grad mode and autocast as captured); ``on(inputs, i)``: the same on other
+    (args, kwargs) that share copy i's objects; ``with_fn(other)``: another callable (the module
+    compiled) over the same copies."""
+
+    fn: Callable
+    copies: list                  # (args, kwargs) per copy (the backward clears its leaves' .grad)
+    states: list | None           # InputState per copy, None when no copy holds objects
+    rec: object                   # the call's ModuleRecord (grad mode, autocast)
+    device: torch.device
+    touch: Callable[[int], None] | None = None  # input_toucher(copies) where warm inputs are on
+
+    def on(self, inputs, i: int = 0):
+        if self.states is not None:
+            self.states[i % len(self.copies)].restore(self.device.type == "cuda")
+        a, k = inputs
+        with call_context(self.rec, self.device.type):
+            return self.fn(*a, **k)
+
+    def __call__(self, i: int = 0):
+        return self.on(self.copies[i % len(self.copies)], i)
+
+    def with_fn(self, fn: Callable) -> "OnCopies":
+        return dataclasses.replace(self, fn=fn)
+
+    def timed(self) -> CallRunner:
+        """What the timers get of it: a run per copy, after the inputs' rewrite if warm."""
+        return CallRunner(run=self, n_copies=len(self.copies), before=self.touch,
+                          warms_inputs=self.touch is not None)
+
+
 @dataclass
 class CallUnderTest:
     """What every step of a replay plan works on."""
 
     module: torch.nn.Module
     rec: object                    # the call's ModuleRecord
-    run: Callable[[int], object]   # run(i): the module on input copy i (0 = the captured inputs)
+    run: OnCopies                  # run(i): the module on input copy i (0 = the captured inputs)
     n_copies: int                  # copies to rotate among (against a warm L2)
     device: torch.device
     cfg: object                    # ReplayConfig
@@ -39,7 +73,7 @@ class CallUnderTest:
     row: dict = dataclasses.field(default_factory=dict)  # what the plan's steps measured so far
     value_free: bool = False       # OpCount: its time cannot depend on values (replay.reuse)
     outputs: object = None         # HostIssue's last run's, for OutputCheck (no run of its own)
-    timed: Callable[[int], object] | None = None  # what the timers run: ``run`` in its context
+    timed: CallRunner | None = None  # what the timers run: ``run`` in its in-step cache state
     context_note: str | None = None  # how ``timed`` differs from ``run`` (the row's timer_notes)
     writes_inputs: bool = False    # a forward moves its inputs' version counters (in place)
     context: list | None = None    # its predecessors in the step (replay.context); None: off
@@ -52,47 +86,21 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
     if copies is None:
         n = n_copies(tensor_bytes((args, kwargs)), device, cfg.max_copies)
         copies = [(args, kwargs)] + [clone_like((args, kwargs)) for _ in range(n - 1)]
-    n = len(copies)
     states = [InputState(c) for c in copies]
-    if not any(states):
-        states = None
-    cuda = device.type == "cuda"
-
     # the warm-inputs toucher only where asked for: finding what it may write costs a kernel
     # per large input, and every call is prepared
     touch = input_toucher(copies) if cfg.warm_inputs and not cfg.cold else None
-
-    def runner(fn):
-        """run(i): ``fn`` on input copy i as the module is called (objects in the inputs put
-        back, grad mode and autocast as captured); run.on(inputs, i): the same on other
-        (args, kwargs) that share copy i's objects; run.runner(other) wraps another callable
-        (the module compiled) over the same copies."""
-        def on(inputs, i: int = 0):
-            if states is not None:
-                states[i % n].restore(cuda)
-            a, k = inputs
-            with call_context(rec, device.type):
-                return fn(*a, **k)
-
-        def run(i: int = 0):
-            return on(copies[i % n], i)
-
-        run.touch = touch  # timers that keep inputs warm call it before run(i)
-        run.copies = copies  # (args, kwargs) per copy (the backward clears its leaves' .grad)
-        run.on = on
-        run.runner = runner
-        return run
-
-    return CallUnderTest(module, rec, runner(module), n, device, cfg, grads)
+    run = OnCopies(module, copies, states if any(states) else None, rec, device, touch)
+    return CallUnderTest(module, rec, run, len(copies), device, cfg, grads)
 
 
 def in_context(c: CallUnderTest, context: list) -> None:
     """Set ``c.timed``: ``c.run`` preceded by its context (``replay.context``) when one of the
     call's inputs is an output of that context (its producer ran just before it in the step).
-    ``timed.before(j)`` runs the context calls for slot j (untimed work a timer puts before
-    the timed call); ``timed(j)`` then runs the call on copy j, each input that equals a context
-    output taken from slot j's fresh output. A context that fails to run is dropped (the note
-    says why); ``timed.release()`` drops what the slots still hold."""
+    ``before(j)`` runs the context calls for slot j (untimed work a timer puts before the timed
+    call); ``run(j)`` then runs the call on copy j, each input that equals a context output
+    taken from slot j's fresh output. A context that fails to run is dropped (the note says
+    why); ``release()`` drops what the slots still hold."""
     from cbtrace.replay.context import chained_positions, describe, substitute
 
     if not context or not _small(c):
@@ -120,8 +128,8 @@ def in_context(c: CallUnderTest, context: list) -> None:
             inputs = substitute(inputs, chained, outs)
         return run_on(inputs, j)
 
-    timed.before, timed.copies, timed.release = before, copies, slots.clear
-    c.timed, c.context_note = timed, describe(context, chained)
+    c.timed = CallRunner(run=timed, n_copies=n, before=before, release=slots.clear)
+    c.context_note = describe(context, chained)
 
 
 # Calls timed in their context: those whose device time (the profiled pass) is under this (ms).
@@ -158,14 +166,14 @@ def with_table_copies(c: CallUnderTest) -> None:
     if tables is None:
         return
     module = c.module  # no reference back to c
-    runs = [c.run.runner(lambda *a, w=w, **k: functional_call(module, {"weight": w}, a, k))
+    runs = [c.run.with_fn(lambda *a, w=w, **k: functional_call(module, {"weight": w}, a, k))
             for w in tables]
 
     def timed(j: int = 0):
         return runs[j % len(runs)](j)
 
-    timed.copies = c.run.copies
-    c.timed, c.context_note = timed, f"{len(tables)} copies of the table, one a run"
+    c.timed = CallRunner(run=timed, n_copies=c.n_copies)
+    c.context_note = f"{len(tables)} copies of the table, one a run"
 
 
 WARM_MIN_BYTES = 64 << 10  # smaller inputs stay cached whatever happens; not worth a kernel

@@ -1,7 +1,11 @@
-"""Replay settings: one keyword-only dataclass; each CLI flag maps to one field."""
+"""Replay settings: one keyword-only dataclass; each CLI flag maps to one field. The settings it
+shares with the timers take their defaults from ``TimingConfig``, and ``ReplayConfig.timing``
+is the one place the timers' settings are derived."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from cbtrace.replay.timing import TimingConfig
 
 
 MODES = ("compile", "cudagraph")  # besides eager, which every replay times
@@ -11,19 +15,18 @@ MODES = ("compile", "cudagraph")  # besides eager, which every replay times
 class ReplayConfig:
     timer: str = "auto"
     """graph | events | cpu | auto (graph on CUDA where capture works, else events; cpu on CPU)."""
-    budget_s: float = 0.03
+    budget_s: float = TimingConfig.budget_s
     """Time budget for the timed runs of one call (adaptive count within it, >= min_runs)."""
-    min_runs: int = 10
+    min_runs: int = TimingConfig.min_runs
     """At least this many timed calls, whatever the budget."""
-    converge_spread: float = 0.01
+    converge_spread: float = TimingConfig.converge_spread
     """Stop timing a call early once p10..p90 of its samples is within this share of their
     median (its median would not move); 0: always spend the budget. Not in cold mode."""
-    warmup_runs: int = 1
+    warmup_runs: int = TimingConfig.warmup_runs
     """Untimed calls before timing (graph timer: on its capture stream, what capture needs made
     outside it: lazy init, per-stream workspaces; a warm replay of the graph follows before any
-    timed one). Three took 0.22 s of a 5 s GPT-2 replay on the H200; with one, its error table
-    stayed within run-to-run noise (benchmarks/RESULTS.md, session 7)."""
-    graph_k: int = 20
+    timed one; more cost wall time without moving the figures: benchmarks/RESULTS.md)."""
+    graph_k: int = TimingConfig.graph_k
     """Calls captured in one CUDA graph by the graph timer."""
     cold: bool = False
     """Time each call alone after an L2 flush, as ``triton.testing.do_bench`` does, instead of
@@ -109,3 +112,12 @@ class ReplayConfig:
             bad["modes_budget_s"] = self.modes_budget_s
         if bad:
             raise ValueError(f"replay settings must be >= 0: {bad}")
+
+    def timing(self) -> TimingConfig:
+        """The timers' settings; cold: do_bench's convention, one call per graph for its warm-up
+        and run durations, never stopped early."""
+        mode = (dict(budget_s=self.cold_budget_s, graph_k=1, warmup_s=self.cold_warmup_s,
+                     settle_tol=self.cold_settle_tol, converge_spread=0.0) if self.cold
+                else dict(budget_s=self.budget_s, graph_k=self.graph_k,
+                          converge_spread=self.converge_spread))
+        return TimingConfig(min_runs=self.min_runs, warmup_runs=self.warmup_runs, **mode)

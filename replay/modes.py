@@ -46,7 +46,7 @@ import torch
 from cbtrace.replay.call import CallUnderTest, in_context
 from cbtrace.replay.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing, root_cause,
                                           side_stream_warmup, watch_capture_checks)
-from cbtrace.replay.steps import Timed, timing_config
+from cbtrace.replay.steps import Timed
 from cbtrace.replay.limits import CallTimeout
 from cbtrace.replay.timing import join_notes
 
@@ -237,7 +237,7 @@ class Compiled:
         before = _counters()
         key = self.cache.key(c.module, c.rec)
         try:
-            run = c.run.runner(self.cache.runner_fn(key, c.module))
+            run = c.run.with_fn(self.cache.runner_fn(key, c.module))
             t0 = time.perf_counter()
             run(0)  # compiles: never inside the timed runs
             if c.device.type == "cuda":
@@ -374,7 +374,7 @@ class CudaGraphed:
     name = "cudagraph"
 
     def __init__(self, cfg):
-        self.tcfg = timing_config(cfg)
+        self.tcfg = cfg.timing()
         self.streams: dict[int, torch.cuda.Stream] = {}  # device index -> capture stream
         self.pools: dict[int, object] = {}  # device index -> torch.cuda.MemPool of the graphs
         self.pool_works: set[int] = set()  # devices where a capture into the pool succeeded
@@ -438,8 +438,7 @@ class CudaGraphed:
     def _run(self, c: CallUnderTest) -> dict:
         graphs = self._capture(c)
         try:
-            touch = getattr(c.run, "touch", None) if self.tcfg.warm_inputs else None
-            ms = replay_samples(graphs, touch, self.tcfg, c.device)
+            ms = replay_samples(graphs, c.run.touch, self.tcfg, c.device)
         finally:
             for g in graphs:
                 g.reset()

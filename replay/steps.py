@@ -6,25 +6,15 @@ plan (``cbtrace.replay.plan``) runs them in order on one prepared call. A new me
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from cbtrace.replay import timers
 from cbtrace.replay.call import CallUnderTest, in_step_cache_state
-from cbtrace.replay.timing import TimingConfig, join_notes
+from cbtrace.replay.timing import join_notes
 from cbtrace.replay.reuse import COPIED
-
-
-def timing_config(cfg) -> TimingConfig:
-    """The timers' settings for a ReplayConfig; cold: do_bench's convention, one call per graph
-    for its warm-up and run durations."""
-    mode = (dict(budget_s=cfg.cold_budget_s, graph_k=1, warmup_s=cfg.cold_warmup_s,
-                 settle_tol=cfg.cold_settle_tol) if cfg.cold
-            else dict(budget_s=cfg.budget_s, graph_k=cfg.graph_k))
-    return TimingConfig(min_runs=cfg.min_runs, warmup_runs=cfg.warmup_runs,
-                        warm_inputs=cfg.warm_inputs and not cfg.cold,
-                        converge_spread=0.0 if cfg.cold else cfg.converge_spread, **mode)
 
 
 class Timed:
@@ -34,7 +24,7 @@ class Timed:
 
     def __init__(self, chain: list[str], backends: dict, cfg):
         self.chain, self.backends = chain, backends
-        self.tcfg, self.cold = timing_config(cfg), cfg.cold
+        self.tcfg, self.cold = cfg.timing(), cfg.cold
         self.reuse = None
         if cfg.reuse_timing:
             from cbtrace.replay.reuse import TimingReuse
@@ -49,15 +39,15 @@ class Timed:
             return {**fields, "runs": 0, "timed_ms": 0.0, "timer_notes": join_notes(
                 c.row.get("timer_notes"), f"{COPIED}{fqn or '(root)'} (--reuse-timing)")}
         in_step_cache_state(c)
-        run = c.timed or c.run
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")
-        run.expected_ms = expected * (2 if c.timed is not None else 1) if expected else None
+        expected = expected * (2 if c.timed is not None else 1) if expected else None
+        run = dataclasses.replace(c.timed or c.run.timed(), expected_ms=expected)
         try:
             t, fallback = timers.measure(run, c.n_copies, c.device, self.chain, self.backends,
                                          self.tcfg)
         finally:
-            if hasattr(run, "release"):
+            if run.release is not None:
                 run.release()
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy)

@@ -10,7 +10,7 @@ recorded in the row's ``timer_fallback``.
 from __future__ import annotations
 
 from cbtrace.errors import ReplayError
-from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig
+from cbtrace.replay.timing import CallRunner, Timing, TimerUnavailable, TimingConfig, as_runner
 
 AUTO = "auto"
 
@@ -34,12 +34,14 @@ def chain(requested: str, device, backends: dict) -> list[str]:
     return usable if requested == AUTO else [requested, *usable]
 
 
-def measure(call, n_copies: int, device, timers: list[str], backends: dict,
+def measure(call: CallRunner, n_copies: int, device, timers: list[str], backends: dict,
             cfg: TimingConfig) -> tuple[Timing, str | None]:
-    """Time ``call`` with the first timer of ``timers`` that can; returns (Timing, why the ones
-    before it could not, or None)."""
+    """Time ``call`` (a CallRunner, or a bare ``fn(i)``) with the first timer of ``timers``
+    that can; returns (Timing, why the ones before it could not, or None)."""
     import torch
 
+    call = as_runner(call, n_copies)
+    n_copies = call.n_copies
     reasons = []
     for name in timers:
         backend = backends[name]

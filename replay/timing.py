@@ -1,19 +1,22 @@
-"""The timer contract: a config, a result, and the error that asks for a fallback.
+"""The timer contract: what a timer receives, how it is configured, what it returns.
 
 A backend (timer) has a ``name`` and two methods::
 
     backend.unavailable_reason(device) -> str | None   # None: it can run on this device
     backend.measure(call, n_copies, device, cfg) -> Timing
 
-``call(i)`` runs the module once on input copy ``i`` (0 <= i < n_copies); rotating among copies
-keeps repeated runs from reading their inputs out of a warm L2. Optional attributes of
-``call``: ``touch(i)``, untimed work on copy i's inputs before ``call(i)`` (warm inputs; the
-backward's forward); ``stage(j)`` / ``unstage()``, untimed work for a run slot j that a CUDA
-graph timer does eagerly before capturing ``call(j)`` for each slot, and releases after (the
-backward's forward: only the backward is captured). ``measure`` raises
-``TimerUnavailable`` when it cannot time this particular call (e.g. CUDA graph capture fails);
-the replay engine then falls back (``cbtrace.replay.timers``) and records the reason.
-Exceptions raised by the module itself pass through unchanged.
+``call`` is a ``CallRunner``: ``call.run(i)`` (or ``call(i)``) runs the module once on input
+copy ``i`` (0 <= i < ``call.n_copies``, the same number as ``n_copies``); rotating among copies
+keeps repeated runs from reading their inputs out of a warm L2. Its other fields say what else
+a timer may do with it: untimed work before each timed run (``before``), staging for CUDA graph
+slots (``stage``/``unstage``), the expected time (``expected_ms``) and whether it may be
+captured at all (``graph_ok``). ``measure`` raises ``TimerUnavailable`` when it cannot time this
+particular call (e.g. CUDA graph capture fails); the replay engine then falls back
+(``cbtrace.replay.timers``) and records the reason. Exceptions raised by the module itself pass
+through unchanged.
+
+This module and ``graph_capture`` are the layer timers build on: they import nothing else of
+``cbtrace.replay`` (an import-linter contract in pyproject.toml).
 """
 from __future__ import annotations
 
@@ -23,24 +26,25 @@ from typing import Callable, Protocol
 from cbtrace.errors import CbtraceError
 
 
-
 class TimerUnavailable(CbtraceError):
     """This timer cannot time this call here; the message (the fallback reason) says why."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class TimingConfig:
-    """How one call is timed. Defaults suit a whole-model replay (hundreds of calls in ~20 s)."""
+    """How one call is timed. Defaults suit a whole-model replay (hundreds of calls in ~20 s);
+    ``ReplayConfig`` takes its shared settings' defaults from here and derives one
+    (``ReplayConfig.timing``)."""
 
-    budget_s: float = 0.1
+    budget_s: float = 0.03
     """Wall-clock budget for the timed runs of one call, warm-up and capture excluded (s)."""
     min_runs: int = 10
     """Timed runs taken even when they overrun the budget."""
-    converge_spread: float = 0.0
+    converge_spread: float = 0.01
     """Stop sampling once p10..p90 is within this share of the median (0: use the budget)."""
     max_runs: int = 10_000
     """Timed runs never exceeded, whatever the budget."""
-    warmup_runs: int = 3
+    warmup_runs: int = 1
     """Untimed runs first (allocator, cuBLAS heuristics, lazy init); graph: on a side stream."""
     warmup_min_s: float = 0.02
     """CPU timer: also warm up for at least this long (s); first thread-pool calls can read 8 ms."""
@@ -58,8 +62,6 @@ class TimingConfig:
     """Calls captured back-to-back in one CUDA graph; per-call time = replay time / K."""
     graph_max_ms: float = 1.0
     """K shrinks (to >= 1) to keep one replay under this (ms): long GEMM runs drop the SM clock."""
-    warm_inputs: bool = False
-    """Run ``call.touch(i)`` (a producer's rewrite of the inputs) before each call, untimed."""
     flush_l2: bool = True
     """Memset a big buffer before each timed run/replay (GPU): cold L2 and a do_bench-style gap."""
     flush_bytes: int = 256 * 2**20
@@ -89,6 +91,44 @@ class TimingConfig:
             raise ValueError(f"graph_k must be >= 1, got {self.graph_k}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class CallRunner:
+    """One call as a timer receives it: what to run and what else a timer may do with it."""
+
+    run: Callable[[int], object]
+    """run(i): the call on input copy i; with ``stage``, on staged slot i instead."""
+    n_copies: int = 1
+    """Input copies to rotate among (i % n_copies), against a warm L2."""
+    before: Callable[[int], None] | None = None
+    """Untimed work right before each timed run(i): its context's calls, or its inputs' rewrite."""
+    warms_inputs: bool = False
+    """``before`` only readies the inputs (a rewrite, a backward's forward): warm-ups skip it."""
+    stage: Callable[[int], None] | None = None
+    """Untimed work for graph slot j, done for all slots before run(j) is captured for each."""
+    unstage: Callable[[], None] | None = None
+    """Releases what ``stage`` holds; a timer calls it before staging again and when done."""
+    expected_ms: float | None = None
+    """Device time of one run from the profiled pass (sizes a graph timer's K); None: unknown."""
+    graph_ok: bool = True
+    """Whether the call may be captured into a CUDA graph (False: a graph timer declines it)."""
+    release: Callable[[], None] | None = None
+    """What the replay calls once timing is over (``before``'s leftovers); timers never call it."""
+
+    def __post_init__(self):
+        if self.n_copies < 1:
+            raise ValueError(f"n_copies must be >= 1, got {self.n_copies}")
+        if (self.stage is None) != (self.unstage is None):
+            raise ValueError("stage and unstage come together (one without the other)")
+
+    def __call__(self, i: int = 0):
+        return self.run(i)
+
+
+def as_runner(call, n_copies: int) -> CallRunner:
+    """``call`` as a CallRunner: a bare function ``fn(i)`` becomes one with nothing else to do."""
+    return call if isinstance(call, CallRunner) else CallRunner(run=call, n_copies=n_copies)
+
+
 @dataclass
 class Timing:
     """What a backend measured for one call (all times per single call, in ms)."""
@@ -116,5 +156,4 @@ class Backend(Protocol):
 
     def unavailable_reason(self, device) -> str | None: ...
 
-    def measure(self, call: Callable[[int], object], n_copies: int, device,
-                cfg: TimingConfig) -> Timing: ...
+    def measure(self, call: CallRunner, n_copies: int, device, cfg: TimingConfig) -> Timing: ...

@@ -172,7 +172,7 @@ def sleeper(per_s, log, clock):
 
 def test_collect_fills_the_budget_then_stops(clock):
     log = []
-    cfg = TimingConfig(budget_s=0.1, min_runs=5)
+    cfg = TimingConfig(budget_s=0.1, min_runs=5, converge_spread=0.0)
     t0 = clock.perf_counter()
     got = collect(sleeper(0.002, log, clock), cfg)
     assert log[0] == (0, 5)                                # min_runs first
@@ -258,7 +258,7 @@ def test_settle_settings_are_validated():
 
 
 def test_collect_honours_min_and_max_runs(clock):
-    cfg = TimingConfig(budget_s=10, min_runs=3, max_runs=17)
+    cfg = TimingConfig(budget_s=10, min_runs=3, max_runs=17, converge_spread=0.0)
     assert len(collect(sleeper(0.0, [], clock), cfg)) == 17
     assert len(collect(sleeper(0.005, [], clock), TimingConfig(budget_s=0, min_runs=4))) == 4
 
@@ -568,20 +568,21 @@ def test_gpu_a_call_that_branches_on_capture_is_timed_without_a_graph(registered
 def test_warm_inputs_touch_each_copy_before_its_call_untimed():
     """The input toucher runs before every timed call on the copy the call gets, and the CPU
     timer says so; a call without one is timed as before."""
+    from cbtrace.replay.timing import CallRunner
+
     log = []
 
     def call(i):
         log.append(("call", i))
 
-    call.touch = lambda i: log.append(("touch", i))
-    warm = TimingConfig(budget_s=0.0, min_runs=4, warmup_runs=1, warmup_min_s=0,
-                        warm_inputs=True)
-    t = CpuTimer().measure(call, 3, "cpu", warm)
+    warm = TimingConfig(budget_s=0.0, min_runs=4, warmup_runs=1, warmup_min_s=0)
+    touched = CallRunner(run=call, n_copies=3, before=lambda i: log.append(("touch", i)),
+                         warms_inputs=True)
+    t = CpuTimer().measure(touched, 3, "cpu", warm)
     timed = log[log.index(("call", 0)) + 1:]  # after the warm-up call
     assert timed[::2] == [("touch", c) for _, c in timed[1::2]] and "warm inputs" in t.notes
     log.clear()
-    t = CpuTimer().measure(call, 3, "cpu", TimingConfig(budget_s=0.0, min_runs=4,
-                                                        warmup_runs=1, warmup_min_s=0))
+    t = CpuTimer().measure(call, 3, "cpu", warm)
     assert all(kind == "call" for kind, _ in log) and "warm" not in (t.notes or "")
 
 

@@ -134,10 +134,10 @@ def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_pat
     assert source == "captured"
     bwd = _backward_runner(c, _FreshBackward(c, g))
     for i in range(3):  # runs after the first: leaves' .grad would accumulate
-        bwd.touch(i % c.n_copies)
+        bwd.before(i % c.n_copies)
         bwd(i % c.n_copies)
     assert type(c.run.copies[0][0][0].grad_fn).__name__ == "ViewBackward0"
-    for before in (bwd.touch, bwd.stage):  # the events timer's way, then the graph timer's:
+    for before in (bwd.before, bwd.stage):  # the events timer's way, then the graph timer's:
         before(0)                          # the forward staged, each backward retains it
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             bwd(0)

@@ -44,7 +44,7 @@ def test_every_package_is_installed(installed):
 def test_import_contracts_hold(installed, tmp_path):
     out = lint(installed, tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "2 kept, 0 broken" in out.stdout
+    assert "3 kept, 0 broken" in out.stdout
 
 
 def test_a_planted_upward_import_breaks_them(installed, tmp_path):
@@ -55,3 +55,18 @@ def test_a_planted_upward_import_breaks_them(installed, tmp_path):
     out = lint(site, tmp_path)
     assert out.returncode != 0 and "BROKEN" in out.stdout
     assert "cbtrace.schema.modules -> cbtrace.replay.engine" in out.stdout
+
+
+@pytest.mark.parametrize("module, planted", [
+    ("plugins/backends/stats.py", "cbtrace.replay.call"),   # a timer calling back up
+    ("replay/graph_capture.py", "cbtrace.replay.engine"),  # the contract reaching up
+])
+def test_the_timer_contract_is_the_layer_timers_build_on(installed, tmp_path, module, planted):
+    site = tmp_path / "site"
+    shutil.copytree(installed, site)
+    mod = site / "cbtrace" / module
+    mod.write_text(mod.read_text() + f"\n\ndef _planted():\n    import {planted}\n")
+    out = lint(site, tmp_path)
+    assert out.returncode != 0 and "timer contract" in out.stdout and "BROKEN" in out.stdout
+    source = "cbtrace." + module.removesuffix(".py").replace("/", ".")
+    assert f"{source} -> {planted}" in out.stdout

@@ -56,6 +56,33 @@ class ConstantTimer:
                       notes="third-party")
 
 
+class ContractTimer:
+    """Written against the timer contract in cbtrace.replay.timing only: each copy's untimed
+    before, then its run between two perf_counter reads."""
+    name = "bycontract"
+
+    def unavailable_reason(self, device):
+        return None if str(device) == "cpu" else "bycontract: cpu only"
+
+    def measure(self, call, n_copies, device, cfg):
+        import time
+        from cbtrace.replay.timing import CallRunner, Timing
+
+        assert isinstance(call, CallRunner) and call.n_copies == n_copies
+        samples = []
+        for i in range(max(cfg.min_runs, call.n_copies)):
+            j = i % call.n_copies
+            if call.before is not None:
+                call.before(j)
+            t0 = time.perf_counter()
+            call.run(j)
+            samples.append((time.perf_counter() - t0) * 1e3)
+        samples.sort()
+        return Timing(median_ms=samples[len(samples) // 2], p10_ms=samples[0],
+                      p90_ms=samples[-1], runs=len(samples), timer=self.name,
+                      notes=f"copies={call.n_copies}")
+
+
 class NullTimer:
     def unavailable_reason(self, device):
         return "a test timer"
@@ -83,6 +110,7 @@ def register_serializers(register):
 def register_backends(register):
     register("nulltimer", NullTimer())
     register("constant", ConstantTimer())
+    register("bycontract", ContractTimer())
 
 
 @hookimpl
@@ -172,12 +200,18 @@ def test_importing_pytest_does_not_turn_plugins_off(site):
     assert "thirdparty" in run_py(code, site)
 
 
-def test_a_third_party_timer_is_chosen_with_timer_and_used(site, tmp_path):
-    env = plugin_env(site)
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def captured(site, tmp_path_factory):
+    """A small CPU capture with the plugin installed."""
+    run = tmp_path_factory.mktemp("captured") / "run"
     subprocess.run([sys.executable, "-m", "cbtrace", "capture", "--model", "dlrm:tiny",
-                    "--device", "cpu", "--max-depth", "1", "--out", str(run)], env=env,
-                   check=True, capture_output=True)
+                    "--device", "cpu", "--max-depth", "1", "--out", str(run)],
+                   env=plugin_env(site), check=True, capture_output=True)
+    return run
+
+
+def test_a_third_party_timer_is_chosen_with_timer_and_used(site, captured):
+    env, run = plugin_env(site), captured
     help_text = subprocess.run([sys.executable, "-m", "cbtrace", "replay", "--help"], env=env,
                                check=True, capture_output=True, text=True).stdout
     assert "constant" in help_text.replace("\n", " ")
@@ -191,6 +225,18 @@ def test_a_third_party_timer_is_chosen_with_timer_and_used(site, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "cbtrace", "replay", str(run), "--timer", "nope"],
                          env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "constant" in bad.stderr and "'nope' is not one of" in bad.stderr
+
+
+def test_a_timer_written_against_the_documented_contract_is_selectable_and_used(site, captured):
+    import pandas as pd
+
+    subprocess.run([sys.executable, "-m", "cbtrace", "replay", str(captured), "--timer",
+                    "bycontract"], env=plugin_env(site), check=True, capture_output=True)
+    df = pd.read_parquet(captured / "modules.parquet")
+    assert len(df) > 1 and (df["status"] == "ok").all()
+    assert (df["timer"] == "bycontract").all() and df["timer_fallback"].isna().all()
+    assert df["timer_notes"].str.contains("copies=", regex=False).all()
+    assert (df["runs"] >= 10).all() and (df["isolated_ms"] > 0).all()  # min_runs, one a copy
 
 
 def test_every_hook_is_documented_and_in_the_readme():

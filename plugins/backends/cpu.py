@@ -12,10 +12,11 @@ import time
 
 import torch
 
-from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
+from cbtrace.replay.timing import (CallRunner, Timing, TimerUnavailable, TimingConfig,
+                                   as_runner, join_notes)
 
 from .l2 import L2Flusher
-from .sampling import collect, timing_from_samples, warm_toucher
+from .sampling import collect, timing_from_samples
 from .stats import NOISY_SHARE, noisy, waited_off_cpu
 
 RETRY_PAUSE_S = 0.02  # lets a busy neighbour's time slice pass before the retry
@@ -33,23 +34,23 @@ class CpuTimer:
             return None if torch.cuda.is_available() else "cpu timer: CUDA is not available"
         return f"cpu timer supports cpu and cuda devices, not {device.type}"
 
-    def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
+    def measure(self, call: CallRunner, n_copies: int, device, cfg: TimingConfig) -> Timing:
         reason = self.unavailable_reason(device)
         if reason:
             raise TimerUnavailable(reason)
+        call = as_runner(call, n_copies)
+        n_copies, before = call.n_copies, call.before  # before: untimed, in order
         device = torch.device(device)
         cuda = device.type == "cuda"
         sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
         warm, t_end = 0, time.perf_counter() + cfg.warmup_min_s
         while warm < cfg.warmup_runs or (time.perf_counter() < t_end and warm < 10_000):
-            if hasattr(call, "before"):
-                call.before(warm % n_copies)
-            call(warm % n_copies)
+            if before is not None and not call.warms_inputs:
+                before(warm % n_copies)
+            call.run(warm % n_copies)
             warm += 1
         sync()
         flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
-        touch = warm_toucher(call, cfg)
-        before = getattr(call, "before", None)  # the call's context: untimed, in order
         waits: list[bool] = []  # per sample: its thread was mostly off the CPU
 
         def sample(first: int, n: int) -> list[float]:
@@ -57,15 +58,13 @@ class CpuTimer:
             for i in range(first, first + n):
                 j = (warm + i) % n_copies  # continue the warm-up's rotation
                 flusher.flush()
-                if touch is not None:
-                    touch(j)
                 if before is not None:
                     before(j)
                 sync()
                 if cfg.gap_s > 0:
                     time.sleep(cfg.gap_s)
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                call(j)
+                call.run(j)
                 sync()
                 wall, cpu = (time.perf_counter_ns() - t0) / 1e6, (time.thread_time_ns() - c0) / 1e6
                 out.append(wall)
@@ -74,7 +73,7 @@ class CpuTimer:
 
         samples = collect(sample, cfg)
         notes = [None if not cuda else "synchronized", flusher.note,
-                 "warm inputs" if touch else None]
+                 "warm inputs" if before is not None and call.warms_inputs else None]
         waited = sum(waits)
         if not cuda and waited > NOISY_SHARE * len(samples):
             # A CPU-bound neighbour kept this thread, or a thread-pool worker it waits for, off

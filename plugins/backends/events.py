@@ -10,10 +10,11 @@ import time
 
 import torch
 
-from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
+from cbtrace.replay.timing import (CallRunner, Timing, TimerUnavailable, TimingConfig,
+                                   as_runner, join_notes)
 
 from .l2 import L2Flusher, spin
-from .sampling import collect, timing_from_samples, warm_toucher, warm_until_settled
+from .sampling import collect, timing_from_samples, warm_until_settled
 from .stats import percentile, spin_for
 
 
@@ -64,15 +65,15 @@ class EventsTimer(CudaTimer):
     name = "events"
     fallback_rank = 20  # cbtrace.replay.timers: auto order and fallbacks
 
-    def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
+    def measure(self, call: CallRunner, n_copies: int, device, cfg: TimingConfig) -> Timing:
         device = self._device(device)
+        call = as_runner(call, n_copies)
+        n_copies, run, before = call.n_copies, call.run, call.before  # before: untimed, in order
         with torch.cuda.device(device):
             warm = max(cfg.warmup_runs, 3)  # the host time's median needs a few
-            host_ms = host_enqueue_ms(call, n_copies, warm)
+            host_ms = host_enqueue_ms(run, n_copies, warm)
             spin_ms = spin_for(host_ms=host_ms, lo_ms=cfg.spin_min_ms, hi_ms=cfg.spin_max_ms)
             flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
-            touch = warm_toucher(call, cfg)
-            before = getattr(call, "before", None)  # the call's context: untimed, in order
             stream = torch.cuda.current_stream(device)
 
             def sample(first: int, n: int) -> list[float]:
@@ -81,12 +82,10 @@ class EventsTimer(CudaTimer):
                     j = (warm + first + k) % n_copies
                     flusher.flush()
                     spin(device, cfg.gap_s * 1e3 + spin_ms)
-                    if touch is not None:  # queued behind the spin, before the start event
-                        touch(j)
-                    if before is not None:
+                    if before is not None:  # queued behind the spin, before the start event
                         before(j)
                     start.record(stream)
-                    call(j)
+                    run(j)
                     end.record(stream)
                 torch.cuda.synchronize()
                 return [start.elapsed_time(end) for start, end in pairs]
@@ -94,5 +93,5 @@ class EventsTimer(CudaTimer):
             settle = warm_until_settled(sample, cfg)
             samples = collect(sample, cfg)  # one call a sample: its own jitter is the call's spread
         notes = join_notes(f"spin={spin_ms:.3f}ms host={host_ms:.3f}ms", flusher.note, settle,
-                           "warm inputs" if touch else None)
+                           "warm inputs" if before is not None and call.warms_inputs else None)
         return timing_from_samples(samples, self.name, notes)

@@ -14,11 +14,12 @@ import torch
 from cbtrace.device import free_memory
 from cbtrace.replay.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing,
                                           root_cause, side_stream_warmup, watch_capture_checks)
-from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
+from cbtrace.replay.timing import (CallRunner, Timing, TimerUnavailable, TimingConfig,
+                                   as_runner, join_notes)
 
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher, spin
-from .sampling import collect, timing_from_samples, warm_toucher, warm_until_settled
+from .sampling import collect, timing_from_samples, warm_until_settled
 from .stats import EVENT_JITTER_MS, graph_calls
 
 
@@ -27,14 +28,14 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
-def capture(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.CUDAGraph:
+def capture(call, n_copies: int, k: int, touch=None, stream=None,
+            slots: bool = False) -> torch.cuda.CUDAGraph:
     """Capture k calls (cycling input copies; each after ``touch(j)`` when given) into one
     graph on ``stream`` (a fresh one by default); TimerUnavailable if capture fails or the
-    call looks at whether it is being captured. A call with ``stage`` (see ``staged``) is
-    called with its slot j, which it maps to a copy itself."""
+    call looks at whether it is being captured. ``slots``: the call was staged (see
+    ``staged``) and is called with its slot j, which it maps to a copy itself."""
     g = torch.cuda.CUDAGraph()
     asked: list = []
-    slots = hasattr(call, "stage")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*empty.*")  # a call that launches nothing
@@ -61,7 +62,8 @@ def capture(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.
     return g
 
 
-def staged(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.CUDAGraph:
+def staged(call: CallRunner, n_copies: int, k: int, touch=None,
+           stream=None) -> torch.cuda.CUDAGraph:
     """``capture`` of k calls; a call with ``stage(j)`` (untimed work its slot j needs first,
     such as the forward whose backward the call is) has it run eagerly for every slot on the
     capture stream, so that only the call itself is in the graph: work an op does on its
@@ -69,7 +71,7 @@ def staged(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.C
     released first (their memory); all k slots are alive at once, so running out of memory
     while staging them asks for another timer, as a failed capture does."""
     stream = stream or torch.cuda.Stream()
-    stage = getattr(call, "stage", None)
+    stage = call.stage
     if stage is not None:
         call.unstage()
         stream.wait_stream(torch.cuda.current_stream())
@@ -81,7 +83,7 @@ def staged(call, n_copies: int, k: int, touch=None, stream=None) -> torch.cuda.C
             call.unstage()
             raise TimerUnavailable(f"staging {k} forwards ran out of memory "
                                    f"({_first_line(e)})") from e
-    return capture(call, n_copies, k, touch, stream)
+    return capture(call.run, n_copies, k, touch, stream, slots=stage is not None)
 
 
 def slots_that_fit(device, per_slot_bytes: int, share: float = 0.5) -> int:
@@ -121,25 +123,28 @@ class GraphTimer(CudaTimer):
     name = "graph"
     fallback_rank = 30  # cbtrace.replay.timers: auto order and fallbacks
 
-    def measure(self, call, n_copies: int, device, cfg: TimingConfig) -> Timing:
+    def measure(self, call: CallRunner, n_copies: int, device, cfg: TimingConfig) -> Timing:
         device = self._device(device)
+        call = as_runner(call, n_copies)
+        n_copies = call.n_copies
+        if not call.graph_ok:
+            raise TimerUnavailable("the call may not be captured into a CUDA graph")
         # untimed work in each slot, timed alone and subtracted: the call's context
-        # (replay.context), else warm inputs' touches; a staged call's runs outside the graph
-        touch = (None if hasattr(call, "stage") else
-                 getattr(call, "before", None) or warm_toucher(call, cfg))
+        # (replay.context), or its inputs' rewrite; a staged call's runs outside the graph
+        touch = call.before if call.stage is None else None
         graphs = []
         with torch.cuda.device(device):
             stream = torch.cuda.Stream()  # every capture of this call: staged nodes keep it
-            side_stream_warmup(call, n_copies, cfg.warmup_runs, stream)
+            side_stream_warmup(call.run, n_copies, cfg.warmup_runs, stream)
             try:
                 # K from the call's device time where the plan measured it, else from one call
                 # captured first: capturing K = 20 straight away ran a 1 ms GEMM 40 times back
                 # to back before sampling, and the lowered SM clock read lm_head 17 % slow.
-                expected, k_max = getattr(call, "expected_ms", None), cfg.graph_k
+                expected, k_max = call.expected_ms, cfg.graph_k
                 if not expected:
                     before = torch.cuda.memory_allocated(device)
                     graphs.append(staged(call, n_copies, 1, touch, stream))
-                    if hasattr(call, "stage"):  # K slots live at once: K of these must fit
+                    if call.stage is not None:  # K slots live at once: K of these must fit
                         per_slot = torch.cuda.memory_allocated(device) - before
                         k_max = min(k_max, slots_that_fit(device, per_slot))
                     graphs[0].replay()  # warm replay: first launch uploads the graph
@@ -164,10 +169,10 @@ class GraphTimer(CudaTimer):
                 for x in graphs:
                     if x is not None:
                         x.reset()
-                if hasattr(call, "unstage"):
+                if call.unstage is not None:
                     call.unstage()
         notes = join_notes(f"K={k}", flusher.note, settle,
-                           None if touch is None or hasattr(call, "before") else "warm inputs")
+                           "warm inputs" if touch is not None and call.warms_inputs else None)
         return timing_from_samples(samples, self.name, notes, calls_per_run=k)
 
     @staticmethod

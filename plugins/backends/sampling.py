@@ -91,7 +91,3 @@ def timing_from_samples(samples_ms: list[float], timer: str, notes: str | None =
                   samples_ms=list(samples_ms), notes=notes,
                   timed_ms=sum(samples_ms) * calls_per_run)
 
-
-def warm_toucher(call, cfg: TimingConfig):
-    """The call's input toucher when the config asks for warm inputs and the call has one."""
-    return getattr(call, "touch", None) if cfg.warm_inputs else None
