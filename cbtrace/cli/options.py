@@ -76,6 +76,34 @@ def timer_option(f):
                              "recorded per row)")(f)
 
 
+def replay_options(f):
+    """The replay flags that ``replay`` and ``profile`` share: --timer/--cold/--context/
+    --timeout-s/--reuse-timing/--strict (each one ReplayConfig field, --strict aside)."""
+    from cbtrace.replay.config import ReplayConfig
+
+    for deco in reversed([
+        timer_option,
+        click.option("--cold", is_flag=True,
+                     help="time each call alone after an L2 flush, for do_bench's 25 ms warm-up "
+                          "and 100 ms of runs (triton do_bench's convention, launch-free) "
+                          "instead of K calls back to back in one CUDA graph (in-situ-like)"),
+        click.option("--context/--no-context", default=None,
+                     help="run each call's step-order predecessors untimed before every timed "
+                          "run, so the cache holds what it held in the step (default: on a GPU, "
+                          "off on a CPU)"),
+        click.option("--timeout-s", type=click.FloatRange(min=0), default=ReplayConfig.timeout_s,
+                     show_default=True, help="a call running longer ends status=timeout and "
+                                             "replay goes on (0: no limit)"),
+        click.option("--reuse-timing", is_flag=True,
+                     help="time once the calls that are the same work and cannot depend on "
+                          "values (e.g. 12 identical blocks): the second of each group checks "
+                          "the first"),
+        click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)"),
+    ]):
+        f = deco(f)
+    return f
+
+
 def timer_warning(df, requested: str) -> str | None:
     """One line when --timer named a timer that some calls could not use (they fell back, and
     each row's timer_fallback says why), else None."""

@@ -1,34 +1,20 @@
 import click
 
-from cbtrace.cli.options import (model_options, parse_kv, strict_exit, timer_option,
+from cbtrace.cli.options import (model_options, parse_kv, replay_options, strict_exit,
                                  timer_warning)
-from cbtrace.replay.config import ReplayConfig
 
 
 @click.command("profile")
 @model_options
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="new run directory")
-@timer_option
-@click.option("--cold", is_flag=True,
-              help="replay each call alone after an L2 flush, for do_bench's warm-up and run "
-                   "durations (do_bench's convention, launch-free)")
-@click.option("--context/--no-context", default=None,
-              help="run each call's step-order predecessors untimed before every timed run "
-                   "(as cbtrace replay --context; default: on a GPU, off on a CPU)")
+@replay_options
 @click.option("--tb-logdir", type=click.Path(file_okay=False), default=None,
               help="also place the run's table and traces (annotated too) at DIR/<run name>, "
                    "where TensorBoard finds them; the run stays at --out")
-@click.option("--timeout-s", type=click.FloatRange(min=0), default=ReplayConfig.timeout_s,
-              show_default=True,
-              help="a call replaying longer ends status=timeout and replay goes on (0: no limit)")
-@click.option("--reuse-timing", is_flag=True,
-              help="time once the calls that are the same work and cannot depend on values "
-                   "(as cbtrace replay --reuse-timing)")
 @click.option("--verify-opportunity", "verify_top", type=click.IntRange(min=0), default=None,
               metavar="N", help="also replay each call compiled, then compile the root and the "
                                 "N modules of largest estimated saving in place in the model "
                                 "and time the whole step with and without each")
-@click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthesize_above_bytes,
             with_stack, seed, out, timer, cold, context, tb_logdir, timeout_s, reuse_timing,
             verify_top, strict):

@@ -2,25 +2,19 @@ import os
 
 import click
 
-from cbtrace.cli.options import parse_modes, strict_exit, timer_option, timer_warning
+from cbtrace.cli.options import parse_modes, replay_options, strict_exit, timer_warning
 from cbtrace.replay.config import ReplayConfig
 
 
 @click.command("replay")
 @click.argument("run", type=click.Path(exists=True, file_okay=False))
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: the capture device)")
-@timer_option
+@replay_options
 @click.option("--budget-s", type=float, default=None,
-              help="timing budget per call (seconds; default 0.03, with --cold 0.1)")
+              help=f"timing budget per call (seconds; default {ReplayConfig.budget_s}, with "
+                   f"--cold {ReplayConfig.cold_budget_s})")
 @click.option("--memory-budget", "memory_budget_bytes", type=int, default=None, metavar="BYTES",
               help="skip calls whose estimated footprint exceeds this")
-@click.option("--cold", is_flag=True,
-              help="time each call alone after an L2 flush, for do_bench's 25 ms warm-up and "
-                   "100 ms of runs (triton do_bench's convention, launch-free) instead of K "
-                   "calls back to back in one CUDA graph (in-situ-like)")
-@click.option("--context/--no-context", default=None,
-              help="run each call's step-order predecessors untimed before every timed run, so "
-                   "the cache holds what it held in the step (default: on a GPU, off on a CPU)")
 @click.option("--resume", is_flag=True, help="continue an interrupted replay")
 @click.option("--model", "model_spec", default=None, metavar="SPEC",
               help="rebuild the model from this spec (as cbtrace capture --model takes it, with "
@@ -30,9 +24,6 @@ from cbtrace.replay.config import ReplayConfig
                    "(file.py:fn, pkg.module:fn) and the run is not signed by you, which then "
                    "runs: only for runs you trust (runs you capture are signed; a run from "
                    "elsewhere: cbtrace trust RUN)")
-@click.option("--timeout-s", type=click.FloatRange(min=0), default=ReplayConfig.timeout_s,
-              show_default=True,
-              help="a call running longer ends status=timeout and replay goes on (0: no limit)")
 @click.option("--modes", default="eager", show_default=True, metavar="LIST",
               help="also time each call compiled and/or from a CUDA graph: eager,compile,cudagraph")
 @click.option("--compile-mode", default=ReplayConfig.compile_mode, show_default=True,
@@ -42,16 +33,12 @@ from cbtrace.replay.config import ReplayConfig
                    "(their status says so) and timed eagerly as usual")
 @click.option("--backward", is_flag=True,
               help="also replay each call's backward on its captured (else random) output grads")
-@click.option("--reuse-timing", is_flag=True,
-              help="time once the calls that are the same work and cannot depend on values "
-                   "(e.g. 12 identical blocks): the second of each group checks the first")
 @click.option("--count-every-call", is_flag=True,
               help="count FLOPs and run the profiled pass for every call, not once per kind of "
                    "work (a call of the same module, shapes and arguments takes the first's)")
 @click.option("--nproc", type=click.IntRange(min=1), default=None, metavar="N",
               help="shard the calls over N processes (one GPU each) by starting torchrun's "
                    "elastic agent; the same as torchrun --nproc-per-node N -m cbtrace.replay RUN")
-@click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)")
 @click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, resume, model_spec,
             trust, timeout_s, modes, compile_mode, modes_budget_s, backward, reuse_timing,
