@@ -3,8 +3,8 @@
 Neither replay nor a warm-up step may change the model: parameters, buffers, grads, RNG state
 and train/eval flags come back as they were (``StateGuard``). A one-time copy of every
 parameter is taken when replay starts, on its own GPU while the copies take at most
-``DEVICE_COPY_SHARE`` of its free memory, else on the host (DeepFM-DLRM's 1.7 GB of tables
-took 1.4 s to copy to the host on the H200); after each call the parameters' version counters
+``DEVICE_COPY_SHARE`` of its free memory, else on the host (slower: large embedding tables
+cross PCIe); after each call the parameters' version counters
 tell whether anything was written in place, and only those are restored (a per-call clone of a
 3 GB embedding table would dominate replay time). Buffers are restored after every call
 unconditionally: BatchNorm updates its running stats without bumping their version counter.
@@ -63,8 +63,7 @@ class StateGuard:
         self.buffers = [(m, n, b, b.detach().clone())
                         for m in model.modules() for n, b in m._buffers.items() if b is not None]
         self.restored: list[str] = []
-        # walked once: walking them for every call cost 2 ms a GPT-2 call and 10-28 ms a
-        # dlrm:large call (1,021 modules) on the H200 host and this CPU
+        # walked once, not per call: a model of a thousand modules makes the walk a call's cost
         self._params, self._modules = list(model.parameters()), list(model.modules())
 
     @contextlib.contextmanager
@@ -133,9 +132,7 @@ def state_fingerprint(model: torch.nn.Module) -> str:
 # without a prefix read every byte (runs before "v2:").
 SCHEMES = {
     "v2:": (4 << 20, 256, 4096),  # tensors above 4 MiB: 1 MiB each
-    # above 64 KiB: 64 KiB each. dlrm:large's 600 tables of 1.3 MB and 201 Linears of 2 MB sat
-    # under v2's 4 MiB and were read whole: 1.2 GB in bf16, 0.80 s on a 2-core CPU against
-    # 0.07 s now (bench_state_digest.py), 1.6-1.9 s of its fp32 capture there
+    # above 64 KiB: 64 KiB each, so that many mid-sized tables are sampled, not read whole
     "v3:": (64 << 10, 16, 4096),
 }
 SAMPLED = "v3:"  # the scheme capture stores
@@ -175,9 +172,8 @@ def _digest_blocks(t: torch.Tensor, how: tuple | None) -> list:
     """The host byte arrays of ``t`` that its digest reads, in order: all (``how`` None), or
     the evenly spaced blocks ``how`` = (above, blocks, block) says.
 
-    On the host the blocks are views (no torch op: on this 2-core CPU a 64 KiB as_strided
-    reshape or cat took ~4 ms each under load, intra-op threads waiting on each other); a
-    device tensor's blocks are gathered there and copied to the host once."""
+    On the host the blocks are views (no torch op: small reshapes and cats wait on intra-op
+    threads under load); a device tensor's blocks are gathered there and copied to the host once."""
     flat = t.contiguous().view(-1).view(torch.uint8)
     n = flat.numel()
     if how is None or n <= how[0]:

@@ -18,11 +18,8 @@ from cbtrace.store.tensor_store import ShardPlan, TensorStore, run_copies, tenso
 
 __all__ = ["Snapshotter", "tensor_meta", "run_copies"]
 
-# 64 MB: shards are written one per thread, so a capture of a few hundred MB needs several, but
-# each is fsynced, and many small fsyncs at once queue on the disk. bench_shard_writes.py on the
-# H200 (medians of 5; DLRM b8192 240 MB / dlrm:large 1.9 GB): inputs written in 0.178 / 1.259 s
-# with 16 MB shards, 0.140 / 1.203 s with 32 MB, 0.134 / 1.187 s with 64 MB, 0.212 / 1.220 s
-# with 128 MB (4 writers).
+# One shard per writer thread, each fsynced: large enough that many small fsyncs do not queue
+# on the disk, small enough that a capture of a few hundred MB still uses several writers.
 SHARD_BYTES = 64 << 20
 WRITERS = max(2, min(8, os.cpu_count() or 2))  # shards written concurrently by flush()
 
@@ -156,10 +153,9 @@ def _host_parts(t, part_bytes: int):
     """A uint8 tensor's bytes as numpy arrays of at most ``part_bytes``.
 
     A CUDA tensor goes through a pinned staging buffer of this thread, one part at a time,
-    and each part is a view of that buffer (no host copy, no page faults on fresh memory).
-    Pageable device-to-host copies from several writer threads crawled at ~0.45 GB/s per
-    thread on the H200 host; pinned ones run at PCIe speed (54 GB/s measured there). Stages
-    return to torch's pinned-memory cache when the writer threads end.
+    and each part is a view of that buffer (no host copy, no page faults on fresh memory):
+    pageable device-to-host copies from several threads at once are far slower than pinned
+    ones. Stages return to torch's pinned-memory cache when the writer threads end.
     """
     import torch
 
