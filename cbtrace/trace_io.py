@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 from cbtrace.errors import TraceError
 
-try:  # ISA-L inflate: same API as zlib, ~2.5x faster (optional: pip install isal)
+try:  # ISA-L inflate: same API as zlib, faster (optional: pip install isal)
     from isal import isal_zlib as _inflate
 except ImportError:  # pragma: no cover - depends on the environment
     _inflate = zlib

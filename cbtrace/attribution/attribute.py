@@ -45,8 +45,8 @@ Names without a capture run: ``model=SPEC`` builds the model on the meta device 
 Speed and memory: the trace is decoded chunk by chunk (trace_io.stream_trace) by a typed
 decoder that skips what attribution does not read (loader.py), straight into numpy columns
 (~64 bytes per complete event, no Python object per event); nesting, owners and sums are array
-operations (forest.py, insitu.py). On this 2-core VM that is 8-17x faster than HTA's
-TraceAnalysis at 0.2-0.35x its peak RSS (benchmarks/results_trace_load.md). A trace whose
+operations (forest.py, insitu.py): faster than HTA's TraceAnalysis at a fraction of its peak
+RSS (benchmarks/RESULTS.md, bench_trace_load.py). A trace whose
 columns do not fit in memory is attributed with ``steps_per_window=N``: the file is read once
 per window of N profiler steps and only that window's events are kept (windows.py).
 """

@@ -70,8 +70,7 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd"):
     number); ``insitu_ms`` is gpu_ms (device time of the call's own kernels, cbtrace's
     input copies excluded) when the trace has device events, else cpu_ms. Not the span: during
     capture the host is slowed by hooks and copies, so the device idles inside a parent's span
-    for reasons that are cbtrace's, not the model's (on the H200 a GPT-2 Block read 7.5 ms of
-    span against 0.32 ms of kernels).
+    for reasons that are cbtrace's, not the model's.
     """
     from cbtrace.attribution.attribute import attribute_file
     from cbtrace.errors import RunDirError

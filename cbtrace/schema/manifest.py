@@ -59,7 +59,7 @@ class CaptureSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     synthesize_above_bytes: int | None = None
     max_pending_bytes: int | None = None
     trace: bool = True                   # the step ran under torch.profiler, trace written
-    with_stack: bool = True              # ... with Python frames (every run before session 10)
+    with_stack: bool = True              # ... with Python frames (what runs without the field did)
     worker_name: str | None = None
 
 

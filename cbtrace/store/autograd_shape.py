@@ -29,8 +29,7 @@ def as_non_leaf(t: torch.Tensor, bases: dict | None = None, view: bool = True) -
         t.numel() * t.element_size() == storage.nbytes())
     if base is None and whole and not view:
         # the tensor itself made anew (CloneBackward), no view: an in-place op on a view rebases
-        # the base's history, and its backward then zero-fills and copies a storage-sized
-        # gradient (ReLU(inplace=True)'s backward read 3-4x its in-situ time on the H200)
+        # the base's history, and its backward then zero-fills and copies a storage-sized gradient
         with torch.enable_grad():
             base = t.detach().requires_grad_(True).clone()
         if bases is not None:
@@ -48,7 +47,6 @@ def as_non_leaf(t: torch.Tensor, bases: dict | None = None, view: bool = True) -
             return base  # the same tensor again (another argument aliasing it whole)
         if t.storage_offset() == 0 and t.is_contiguous() and t.numel() == base.numel():
             # the whole storage: a plain view, whose backward is free. as_strided's backward
-            # zero-fills a buffer the size of the storage and copies the gradient into it: on
-            # the H200 that made GPT-2's Linear backwards read +24 % (median) slower than in situ
+            # zero-fills a buffer the size of the storage and copies the gradient into it
             return base.view(t.shape)
         return base.as_strided(t.shape, t.stride(), t.storage_offset())

@@ -210,8 +210,8 @@ def read_call_chunks(run_dir: Path, inputs_ref: str, pin: bool = False, into=Non
         if into is not None:
             size = host_size(got[0], got[1])
             buf, pos = into[pos:pos + size], pos + size
-        # data chunks assembled here too (numpy copies release the GIL): a GPT-2 replay spent
-        # 0.6 s of its 1.7 s of loading on the replay thread doing it, on the H200 host
+        # data chunks assembled here too: numpy copies release the GIL, so the replay thread
+        # need not do it
         out[cid] = HostChunk(*got, pin=pin, out=buf)
     return out
 

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from cbtrace.errors import SerializationError, one_line
 
-try:  # ISA-L's CRC-32 is zlib's checksum (same values), 11x faster here (benchmarks/RESULTS.md)
+try:  # ISA-L's CRC-32 is zlib's checksum (same values), faster (benchmarks/RESULTS.md)
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; a bare install still works
     from zlib import crc32
