@@ -38,9 +38,8 @@ def free_memory(device, exact: bool = False) -> int:
     """Bytes a CUDA device can still give torch: the driver's free memory and the whole blocks
     torch caches but does not use (its allocator returns those to the driver when an allocation
     would fail; free parts of split segments do not count). The driver's figure alone shrinks
-    as replay's CUDA graphs leave their private pools to torch's cache: on the H200 a GPT-2
-    train-step replay read 39 MiB free by its 100th call and skipped the last 28 calls for it.
-    Free blocks in the pool of a graph still alive (a compiled mode's) count too, though only
+    as replay's CUDA graphs leave their private pools to torch's cache, until replay would skip
+    calls for want of memory it has. Free blocks in the pool of a graph still alive (a compiled mode's) count too, though only
     that graph can use them: ``exact`` hands every cached block back first (empty_cache) and
     returns the driver's figure."""
     import torch

@@ -11,10 +11,8 @@ caller's own reply queue) goes through ``untraced`` callables: no event at all.
 
 What it saves is trace events, and with them profiler-stop and export time, more than step
 time: under Python 3.12 a profile function on one thread instruments the interpreter's code for
-every thread, and Python on the helper ran 2.04x slower while the step's thread was profiled
-(1.02x under 3.11; ``benchmarks/probe_capture_step.py``); on the H200 host (3.12) a captured
-dlrm:large step cost as much or more per call handed over as inline (583 vs 592 and 830 vs
-685 µs above the floor, two runs).
+every thread, so Python on the helper runs slower while the step's thread is profiled, and a
+call handed over may cost as much as one run inline (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 

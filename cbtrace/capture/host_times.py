@@ -46,7 +46,7 @@ def time_calls(model, fqns: list[str], run_step) -> list[float] | None:
 
 
 # Repeats taken whatever the budget (unless they take this long in all): a median of one is the
-# first unprofiled step's, which on a fresh machine carried a one-off cost 100x the step's
+# first unprofiled step's, which may carry a fresh machine's one-off cost
 MIN_REPEATS, MIN_REPEATS_MAX_S = 3, 10.0
 
 
@@ -95,9 +95,8 @@ def descendants(records) -> list[int]:
 def hook_overhead_ms(parents: list[int], spans, plain_step_ms: float) -> float:
     """Cost of one hooked call, from the roots' hooked time against an unhooked step.
 
-    With autograd on, a hooked module call took ~26 us more than a plain one on a 2-core CPU
-    (nanogpt:tiny: 2.76 ms hooked vs 1.88 ms plain for 34 calls). A parent's span carries that
-    cost once per hooked call inside it, which is subtracted (0 when hooks cost nothing); a
+    With autograd on, a hooked module call costs more than a plain one. A parent's span carries
+    that cost once per hooked call inside it, which is subtracted (0 when hooks cost nothing); a
     call's own share mostly falls outside its span (taken between its pre and post hooks).
     """
     roots = [s for s, p in zip(spans, parents) if p == -1]

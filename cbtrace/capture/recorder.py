@@ -57,8 +57,8 @@ class CaptureConfig:
     """Run the step under torch.profiler and write its Kineto trace into the run directory."""
     with_stack: bool = False
     """Profile with ``with_stack=True``: Python frames in the trace. Off by default: attribution
-    reads the ``cbtrace::`` ranges, not frames, and the Python tracer made every Python call of
-    the step (the hooks' included) several times slower (benchmarks/RESULTS.md, session 10)."""
+    reads the ``cbtrace::`` ranges, not frames, and the Python tracer makes every Python call of
+    the step (the hooks' included) several times slower (benchmarks/RESULTS.md)."""
     worker_name: str | None = None
     """Trace file prefix (torch-tb-profiler naming); default: <hostname>_<pid>."""
     overwrite: bool = False
@@ -105,8 +105,8 @@ def _raw_op(overload):
 RANGE_ENTER = _raw_op(torch.ops.profiler._record_function_enter_new.default)
 RANGE_EXIT = _raw_op(torch.ops.profiler._record_function_exit._RecordFunction)
 # What the hooks call on the step's thread, untraced (helper_thread.untraced): with the hand-off
-# and the ranges, 25 trace events per call fewer (dlrm:large on a 2-core CPU: 76,499 -> 50,967
-# events), and on a GPU the few dozen of torch.cuda.current_stream() (_stream_reader)
+# and the ranges, no trace events of their own, and on a GPU none of
+# torch.cuda.current_stream()'s few dozen (_stream_reader)
 _ANY_AUTOCAST = untraced(getattr(torch._C, "_is_any_autocast_enabled", lambda: True))
 _GRAD_ENABLED = untraced(torch.is_grad_enabled)
 _EXC_INFO = untraced(sys.exc_info)
@@ -582,8 +582,7 @@ def distributed_rank() -> tuple[int, int] | None:
 def _static_facts(model) -> dict[int, tuple[str, str, int, int]]:
     """id(module) -> (class name, class path, parameter bytes, buffer bytes) of every module,
     the bytes recursive with each tensor counted once, as ``module.parameters()`` sums them;
-    in one walk up the tree (a parameters() walk per module was 50 ms for dlrm:large's 1,022
-    modules on a 2-core CPU)."""
+    in one walk up the tree (a parameters() walk per module visits a module once per ancestor)."""
     facts, sizes = {}, {}  # sizes: id(module) -> ({id: bytes} of its params, of its buffers)
 
     def walk(m):
