@@ -91,7 +91,7 @@ def engine_work(forest: Forest, bwd_root: np.ndarray) -> np.ndarray:
     """Per host event: is it the autograd engine adding a gradient into the buffer of a tensor
     that had several consumers, inside a backward op but outside the node's op ``X``? (A
     residual stream's ``x`` feeds a LayerNorm and the add after it: the add runs in whichever
-    consumer's backward finishes second, 9 us of every GPT-2 ln_1's 55.) Only the add: the
+    consumer's backward finishes second, a visible share of it.) Only the add: the
     engine's other work there is the node's own (``validate_outputs`` sums a broadcast bias's
     gradient down to its shape: a Linear's bias reduction)."""
     roots = np.flatnonzero(bwd_root == np.arange(len(forest)))
