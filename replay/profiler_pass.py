@@ -111,25 +111,18 @@ def _cuda_peak(call, device) -> int:
 
 
 def _profile_rows(call, device, runs: int) -> list[Row]:
-    cuda = device.type == "cuda"
-    if cuda:
-        # torch.profiler: autograd's profiler with use_device="cuda" recorded no kernel on the
-        # H200 (torch 2.11: kernel_count and device_ms 0 for every call)
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-        with quiet_kineto(), profile(activities=acts) as prof:
-            for _ in range(runs):
-                call()
-                _sync(device)
-        return rows_from_kineto(prof.profiler.kineto_results.events())
-    # on a CPU, autograd's profiler, which torch.profiler.profile drives: the latter's start
-    # asks hasattr(torch, "_inductor"), importing inductor and dynamo (a second, fresh process)
+    # autograd's profiler, as torch.profiler.profile builds it (use_kineto=True: its default,
+    # False, profiles CUDA through the legacy fallback, which records no kernel); not
+    # torch.profiler itself, whose start asks hasattr(torch, "_inductor") and so imports
+    # inductor and dynamo (a second in a fresh process)
     from torch.autograd.profiler import profile
 
-    with quiet_kineto(), profile(profile_memory=True) as prof:
+    cuda = device.type == "cuda"
+    with quiet_kineto(), profile(use_device="cuda" if cuda else None, use_kineto=True,
+                                 profile_memory=not cuda) as prof:
         for _ in range(runs):
             call()
+            _sync(device)
     return rows_from_kineto(prof.kineto_results.events())
 
 
