@@ -52,22 +52,24 @@ per window of N profiler steps and only that window's events are kept (windows.p
 """
 from __future__ import annotations
 
-import re
+import warnings
+from importlib import metadata
 from pathlib import Path
 
-from cbtrace.errors import TraceError
+import pandas as pd
 
-AGG_COLUMNS = ("cpu_ms", "cpu_self_ms", "gpu_ms", "gpu_self_ms", "gpu_span_ms", "comm_ms",
-               "comm_exposed_ms")
-GROUP = ["rank", "fqn", "call_index", "phase"]
-COLUMNS = ["rank", "step", "fqn", "source", "call_index", "depth", "parent_fqn", "phase",
-           "cpu_ms", "cpu_self_ms", "gpu_ms", "gpu_self_ms", "gpu_span_ms", "kernel_count",
-           "comm_ms", "comm_exposed_ms", "flops", "flops_executed", "bytes",
-           "ops_without_formula", "compute_dtype", "mfu", "mbu", "figures_suspect",
-           "module_label", "pid", "tid", "ts_us", "dur_us", "ev_index", "trace"]
+from cbtrace.attribution import identity
+from cbtrace.attribution.filetable import (  # noqa: F401 - cbtrace.attribute's public names
+    AGG_COLUMNS, COLUMNS, GROUP, add_aggregates, device_name_of, file_columns, rank_of,
+    summarize, table)
+from cbtrace.attribution.model_names import model_calls
+from cbtrace.attribution.ranks import attribute_files
+from cbtrace.errors import ProviderError, TraceError
+from cbtrace.rundir.layout import MANIFEST
+from cbtrace.rundir.read import find_trace, read_modules
+
 _SUFFIXES = (".json", ".json.gz")
 ANNOTATED = "annotated_"
-_RANK_IN_NAME = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
 
 
 def trace_files(paths) -> list[Path]:
@@ -91,8 +93,6 @@ def trace_files(paths) -> list[Path]:
 
 
 def _dir_traces(d: Path) -> list[Path]:
-    from cbtrace.rundir.layout import MANIFEST
-
     if (d / MANIFEST).is_file():
         return [_run_trace(d)]
     shards = [s for s in d.glob("rank-*") if s.name[5:].isdigit() and (s / MANIFEST).is_file()]
@@ -106,8 +106,6 @@ def _dir_traces(d: Path) -> list[Path]:
 
 def _run_trace(run: Path) -> Path:
     """A run directory's capture trace (never a path outside the run)."""
-    from cbtrace.rundir.read import find_trace
-
     trace = find_trace(run)
     if trace is None:
         raise TraceError(f"{run}: a cbtrace run without its capture trace")
@@ -115,8 +113,6 @@ def _run_trace(run: Path) -> Path:
 
 
 def _skip_annotated(files: list[Path]) -> list[Path]:
-    import warnings
-
     given = set(files)
     skipped = [f for f in files if f.name.startswith(ANNOTATED)
                and f.with_name(f.name[len(ANNOTATED):]) in given]
@@ -126,22 +122,6 @@ def _skip_annotated(files: list[Path]) -> list[Path]:
     return [f for f in files if f not in skipped]
 
 
-def rank_of(meta: dict, path: Path, default: int) -> int:
-    """distributedInfo.rank, else a rank/worker number in the file name, else ``default``."""
-    info = meta.get("distributedInfo")
-    if isinstance(info, dict) and isinstance(info.get("rank"), int):
-        return info["rank"]
-    m = _RANK_IN_NAME.search(path.name)
-    return int(m.group(1)) if m else default
-
-
-def device_name_of(meta: dict) -> str | None:
-    props = meta.get("deviceProperties")
-    if isinstance(props, list) and props and isinstance(props[0], dict):
-        return props[0].get("name")
-    return None
-
-
 def attribute_file(path, *, rank: int | None = None, class_map: dict | None = None,
                    steps_per_window: int | None = None):
     """Rows of one trace file (one rank) as a DataFrame, no aggregation.
@@ -149,72 +129,8 @@ def attribute_file(path, *, rank: int | None = None, class_map: dict | None = No
     ``steps_per_window``: load and attribute that many profiler steps at a time (memory
     bounded by a window, for traces larger than memory; see windows.py), else all at once.
     """
-    import pandas as pd
-
     return pd.DataFrame(file_columns(path, rank=rank, class_map=class_map,
                                      steps_per_window=steps_per_window))
-
-
-def file_columns(path, *, rank: int | None = None, class_map: dict | None = None,
-                 steps_per_window: int | None = None) -> dict:
-    """``attribute_file``'s columns (COLUMNS, in order) as arrays and lists, without pandas:
-    what a worker process sends back (ranks.py)."""
-    import numpy as np
-
-    from cbtrace.attribution import loader, windows
-    from cbtrace.attribution.op_costs import OpCoster
-
-    path = Path(path)
-    coster = OpCoster()
-    if steps_per_window:
-        parts, meta = windows.attribute_windows(path, coster, steps_per_window,
-                                                class_map=class_map)
-    else:
-        cols = loader.load(path, on_op=coster)
-        parts, meta = [table(path, cols, coster, class_map=class_map)], cols.meta
-    with_shapes = any(p.pop("~with_shapes") for p in parts)
-    out = {k: _concat([p[k] for p in parts]) for k in parts[0]}
-    n = len(out["step"])
-    if not with_shapes:  # no op shapes anywhere: no FLOPs known
-        for k in ("flops", "flops_executed", "bytes", "mbu", "mfu"):
-            out[k] = np.full(n, np.nan)
-        out["figures_suspect"] = np.zeros(n, bool)
-    out["rank"] = np.full(n, rank_of(meta, path, 0) if rank is None else rank, np.int64)
-    out["trace"] = [str(path)] * n
-    return {k: out[k] for k in COLUMNS}
-
-
-def _concat(cols: list):
-    import numpy as np
-
-    if len(cols) == 1:
-        return cols[0]
-    if any(isinstance(c, list) for c in cols):
-        return [v for c in cols for v in c]
-    return np.concatenate([np.atleast_1d(c) for c in cols])
-
-
-def table(path, cols, coster, *, class_map=None, device_filter=None, part=False) -> dict:
-    """Columns of the rows of loaded events (all of a trace, or one window of it).
-
-    ``device_filter(forest) -> bool mask`` drops device events that another window counts;
-    ``part``: the events are a window of the trace (it may be empty; see windows.py).
-    """
-    from cbtrace.attribution import insitu
-    from cbtrace.attribution import forest as forest_mod
-
-    if cols.n_events == 0:
-        raise TraceError(f"{path}: the trace has no events")
-    forest = forest_mod.build(cols)
-    if device_filter is not None:
-        forest.keep_device(device_filter(forest))
-    if not len(forest.host) and not len(forest.d_ts) and not part:
-        raise TraceError(f"{path}: no host or device duration events to attribute")
-    data = insitu.rows(forest, costs=coster.costs, class_map=class_map,
-                       device_name=device_name_of(cols.meta), with_shapes=True,
-                       every_step=not part or bool(forest.steps))
-    data["~with_shapes"] = bool((forest.cost >= 0).any())
-    return data
 
 
 def attribute(paths, *, capture_run=None, model: str | None = None,
@@ -242,8 +158,6 @@ def attribute(paths, *, capture_run=None, model: str | None = None,
         pandas DataFrame (columns: see the module docstring), or ``(df, TraceAnalysis)``.
         ``ranks.across_ranks(df)`` compares the ranks.
     """
-    from cbtrace.attribution.ranks import attribute_files
-
     if capture_run is not None and model is not None:
         raise ValueError("capture_run and model: give one of them, not both")
     files = trace_files(paths)
@@ -257,8 +171,6 @@ def attribute(paths, *, capture_run=None, model: str | None = None,
         if r in seen:  # two files claim one rank (e.g. no rank info): number them by order
             df["rank"] = r = max(seen) + 1
         seen.add(r)
-    import pandas as pd
-
     df = pd.concat(frames, ignore_index=True)
     if aggregate:
         df = add_aggregates(df)
@@ -269,19 +181,12 @@ def attribute(paths, *, capture_run=None, model: str | None = None,
 
 def _namer(capture_run, model, model_options):
     """(check(rows, trace), class_map): how ``nn.Module: Class_N`` events get their fqns."""
-    from cbtrace.attribution import identity
-
     if capture_run is not None:
-        from cbtrace.rundir.read import read_modules
-
         modules = read_modules(capture_run)
         return (lambda rows, trace: identity.check_capture_run(modules, rows, run=capture_run,
                                                                trace=trace),
                 identity.class_index_map(modules))
     if model is not None:
-        from cbtrace.attribution.model_names import model_calls
-        from cbtrace.errors import ProviderError
-
         calls, strict, how = model_calls(model, options=model_options)
 
         def check(rows, trace):
@@ -293,21 +198,6 @@ def _namer(capture_run, model, model_options):
     return (lambda rows, trace: None), None
 
 
-def add_aggregates(df):
-    """``<col>_median/_min/_max`` over steps >= 0 of each (rank, fqn, call_index, phase)."""
-    steps = df[df["step"] >= 0] if (df["step"] >= 0).any() else df
-    stats = steps.groupby(GROUP)[list(AGG_COLUMNS)].agg(["median", "min", "max"])
-    stats.columns = [f"{c}_{s}" for c, s in stats.columns]
-    return df.merge(stats.reset_index(), on=GROUP, how="left")
-
-
-def summarize(df):
-    """One row per (rank, fqn, call_index, phase): the first step's row with its aggregates."""
-    if "cpu_ms_median" not in df.columns:
-        df = add_aggregates(df)
-    return df.sort_values(["rank", "step"]).drop_duplicates(GROUP).reset_index(drop=True)
-
-
 # Holistic Trace Analysis is published as traceinsight since 0.6; holistictraceanalysis stops
 # at 0.5.0. Both install the same ``hta`` package, so either serves.
 HTA_DISTRIBUTIONS = ("traceinsight", "HolisticTraceAnalysis")
@@ -315,8 +205,6 @@ HTA_DISTRIBUTIONS = ("traceinsight", "HolisticTraceAnalysis")
 
 def hta_distribution() -> tuple[str, str] | None:
     """(distribution, version) of the installed Holistic Trace Analysis, or None."""
-    from importlib import metadata
-
     for name in HTA_DISTRIBUTIONS:
         try:
             return name, metadata.version(name)
@@ -327,7 +215,7 @@ def hta_distribution() -> tuple[str, str] | None:
 
 def _hta_analysis(files):
     """HTA's TraceAnalysis over the files' directory (HTA wants one directory of traces)."""
-    try:
+    try:  # an optional extra, imported only when asked for
         from hta.trace_analysis import TraceAnalysis
     except ImportError:
         raise TraceError("hta=True needs Holistic Trace Analysis: pip install 'cbtrace[hta]' "

@@ -10,6 +10,7 @@ comm.py); (d) TorchScript ``Module Hierarchy`` args. One source per trace: the b
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import numpy as np
 
@@ -178,8 +179,6 @@ def check_labels(calls, rows, *, trace, error, what, who, hint, strict=True) -> 
 
 def _count_mismatch(want, got, who) -> str | None:
     """The first class with another number of instances in the trace than in ``want``."""
-    from collections import Counter
-
     n_want, n_got = (Counter(x.rpartition("_")[0] for x in xs) for xs in (want, got))
     for cls in n_want:
         if n_want[cls] != n_got[cls]:

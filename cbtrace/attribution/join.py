@@ -10,7 +10,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from cbtrace.attribution.attribute import attribute_file
+from cbtrace.errors import RunDirError
 from cbtrace.rundir.lock import locked
+from cbtrace.rundir.read import find_trace, load_run
+from cbtrace.rundir.writer import write_stage
+from cbtrace.schema.modules import INSITU
 
 
 def insitu_columns(run, manifest, df) -> dict[int, dict]:
@@ -37,8 +42,6 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
 def _recompute(run, manifest, df) -> dict:
     """call_id -> ms of its recomputation in the backward (activation checkpointing), from the
     capture trace; empty where nothing was recomputed or the run has no trace."""
-    from cbtrace.errors import RunDirError
-
     if "recomputed" not in df or not df["recomputed"].fillna(False).astype(bool).any():
         return {}  # no trace read where capture saw no recomputation
     try:
@@ -72,10 +75,6 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd"):
     capture the host is slowed by hooks and copies, so the device idles inside a parent's span
     for reasons that are cbtrace's, not the model's.
     """
-    from cbtrace.attribution.attribute import attribute_file
-    from cbtrace.errors import RunDirError
-    from cbtrace.rundir.read import find_trace
-
     trace = find_trace(run_dir, manifest)
     if trace is None:
         raise RunDirError(f"{run_dir}: no capture trace (*.pt.trace.json*) in the run")
@@ -92,10 +91,6 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd"):
 @locked("attribute", mark=False)  # rewrites modules.parquet: not while a replay writes it
 def join_insitu(run):
     """Write the in-situ stage of ``run``; returns the modules DataFrame."""
-    from cbtrace.rundir.read import load_run
-    from cbtrace.rundir.writer import write_stage
-    from cbtrace.schema.modules import INSITU
-
     manifest, df = load_run(Path(run))
     return write_stage(run, INSITU, insitu_columns(run, manifest, df), manifest=manifest)
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 
 from cbtrace.errors import ProviderError
+from cbtrace.model.provider import Provider, move_batch
+from cbtrace.model.spec import resolve
 
 FIRST_CALLS = "first calls of a forward on the meta device"
 DECLARED = "declaration order (named_modules())"
@@ -33,9 +35,7 @@ def model_calls(spec: str, *, options: dict | None = None) -> tuple[list, bool, 
     ``strict``: the order is the real call order (the whole sequence can be checked), not the
     declaration-order fallback (only the count per class can).
     """
-    import torch
-
-    from cbtrace.model.spec import resolve
+    import torch  # only to name events by a model: attributing a trace needs no torch
 
     provider = resolve(spec, options=options)
     model, batch = _on_meta(provider, spec)
@@ -52,9 +52,7 @@ def model_calls(spec: str, *, options: dict | None = None) -> tuple[list, bool, 
 
 def _on_meta(provider, spec):
     """(model, batch) with the model's parameters on the meta device."""
-    import torch
-
-    from cbtrace.model.provider import Provider, move_batch
+    import torch  # as in model_calls
 
     try:
         if type(provider).build_model is Provider.build_model:  # a callable's (model, batch)

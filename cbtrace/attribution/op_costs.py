@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from cbtrace.attribution.loader import SHAPED
+from cbtrace.cost import flops
 from cbtrace.cost.compute_dtype import op_dtype
 from cbtrace.cost.dtypes import kineto_name
 
@@ -26,8 +27,6 @@ class OpCoster:
     """
 
     def __init__(self):
-        from cbtrace.cost import flops
-
         self._flops = flops
         self._cache: dict = {}
         self.costs: list[tuple] = [(0.0, 0.0, 0.0, None)]  # code 0: free ops

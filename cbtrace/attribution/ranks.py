@@ -18,10 +18,15 @@ Rows are sorted by max - median: the time the slowest rank holds the others up b
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
+import pandas as pd
 
+from cbtrace.attribution.filetable import file_columns, summarize
 from cbtrace.errors import TraceError
 
 KEY = ["fqn", "call_index", "phase"]
@@ -40,25 +45,15 @@ def default_workers() -> int:
 def attribute_files(files: list, *, workers: int | None = None, **kwargs) -> list:
     """``attribute_file(f, **kwargs)`` of each file, in file order, in ``workers`` processes
     (None: ``default_workers()``; 1: here, in this process)."""
-    from cbtrace.attribution.attribute import file_columns
-
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     n = min(default_workers() if workers is None else workers, len(files))
     one = functools.partial(file_columns, **kwargs)  # columns: a worker never imports pandas
     if n <= 1:
-        import pandas as pd
-
         return [pd.DataFrame(one(f)) for f in files]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
     try:
         results = pool.map(one, files)  # the workers start here
-        import pandas as pd  # while they start
-
         return [pd.DataFrame(c) for c in results]
     except BrokenProcessPool:
         raise TraceError(f"a worker process died while attributing {len(files)} traces: out "
@@ -76,10 +71,6 @@ def across_ranks(df):
     call), min_ms, median_ms, max_ms (over ranks of each rank's median over steps),
     slowest_rank, spread (max / median - 1; NaN where the median is 0).
     """
-    import pandas as pd
-
-    from cbtrace.attribution.attribute import summarize
-
     if not len(df):
         return pd.DataFrame(columns=ACROSS_COLUMNS)
     on_device = df.groupby(KEY, sort=False)["kernel_count"].max() > 0

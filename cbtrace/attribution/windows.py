@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cbtrace.attribution import loader
-
-from cbtrace.attribution import forest
+from cbtrace.attribution import forest, loader
 from cbtrace.errors import TraceError
 
 
@@ -54,31 +52,33 @@ def step_position(starts: np.ndarray, ends: np.ndarray, ts: np.ndarray) -> np.nd
     return np.where(ok, i, -1)
 
 
-def attribute_windows(path, coster, steps_per_window: int, *, class_map=None):
-    """Row columns per window (see ``attribute.table``) and the trace metadata."""
-    from cbtrace.attribution.attribute import table
-
+def window_loads(path, coster, steps_per_window: int):
+    """(trace metadata, the loads to attribute in turn): each load is (columns, device filter
+    or None, whether it is a part of the trace), for ``filetable.table``. A window's device
+    filter learns what it counted while its table is made, so the loads come one at a time."""
     starts, ends, meta = step_windows(path, coster)
+    return meta, _loads(path, coster, steps_per_window, starts, ends)
+
+
+def _loads(path, coster, steps_per_window, starts, ends):
     k = len(starts)
     if k == 0:  # no steps: nothing to window by
-        return [table(path, loader.load(path, on_op=coster), coster, class_map=class_map)], meta
+        yield loader.load(path, on_op=coster), None, False
+        return
     bounds = list(range(0, k, steps_per_window)) + [k]
-    parts, late, no_step = [], np.zeros(0, np.int64), []
+    late, no_step = np.zeros(0, np.int64), []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         nxt = min(hi + steps_per_window, k)
         keep = _WindowKeep(starts, ends, lo, hi, starts[lo], starts[nxt] if nxt < k else np.inf)
         counted = _Counted(starts, ends, lo, hi, late)
-        parts.append(table(path, loader.load(path, on_op=coster, keep=keep), coster,
-                           class_map=class_map, device_filter=counted, part=True))
+        yield loader.load(path, on_op=coster, keep=keep), counted, True
         late = counted.late
         no_step.append(counted.no_step)
     done = np.concatenate(no_step)
     cols = loader.load(path, on_op=coster,
                        keep=lambda ts, cats, names: step_position(starts, ends, ts) < 0)
     if len(cols):
-        parts.append(table(path, cols, coster, class_map=class_map, part=True,
-                           device_filter=lambda f: ~np.isin(f.d_idx, done)))
-    return parts, meta
+        yield cols, lambda f: ~np.isin(f.d_idx, done), True
 
 
 class _WindowKeep:
