@@ -6,7 +6,7 @@ from cbtrace.errors import CbtraceError
 
 
 class DeviceError(CbtraceError):
-    """A --device that is not a device, or not on this machine."""
+    """A device name that is not a device, or not on this machine."""
 
 
 def resolve_device(device=None, *, default: str = "auto"):
@@ -20,17 +20,17 @@ def resolve_device(device=None, *, default: str = "auto"):
     try:
         dev = torch.device(want)
     except (RuntimeError, TypeError):
-        raise DeviceError(f"--device {want}: not a device (cpu, cuda, cuda:N)") from None
+        raise DeviceError("not a device (cpu, cuda, cuda:N)", param="device", value=want) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceError(f"--device {want}: CUDA is not available on this machine")
+            raise DeviceError("CUDA is not available on this machine", param="device", value=want)
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         elif dev.index >= torch.cuda.device_count():
-            raise DeviceError(f"--device {want}: this machine has {torch.cuda.device_count()} "
-                              "CUDA device(s)")
+            raise DeviceError(f"this machine has {torch.cuda.device_count()} CUDA device(s)",
+                              param="device", value=want)
     elif dev.type != "cpu":
-        raise DeviceError(f"--device {want}: cbtrace runs on cpu and cuda devices")
+        raise DeviceError("cbtrace runs on cpu and cuda devices", param="device", value=want)
     return dev
 
 

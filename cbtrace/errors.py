@@ -2,7 +2,20 @@
 
 
 class CbtraceError(Exception):
-    """Base class: its message is meant for users and names the file or module at fault."""
+    """Base class: its message is meant for users and names the file or module at fault.
+
+    An error about one argument's value passes ``param`` (the library's argument name, e.g.
+    ``"max_depth"``) and ``value``: the message reads ``max_depth -1: <reason>``, and the CLI
+    names its flag instead (``--max-depth -1: <reason>``, ``for_flag``).
+    """
+
+    def __init__(self, message: str = "", *, param: str | None = None, value=None):
+        self.param, self.value, self.reason = param, value, message
+        super().__init__(f"{param} {value}: {message}" if param else message)
+
+    def for_flag(self, flag: str) -> str:
+        """The message with the CLI's flag in place of the library argument's name."""
+        return f"{flag} {self.value}: {self.reason}" if self.param else str(self)
 
 
 class RunDirError(CbtraceError):

@@ -165,7 +165,7 @@ def test_negative_max_depth_is_refused_before_anything_is_made(tmp_path):
                          "-1", "--out", str(tmp_path / "r"))
     assert rc == 2 and err == ["Error: Invalid value for '--max-depth': -1 is not in the range "
                                "x>=0. (see cbtrace capture --help)"]
-    with pytest.raises(CaptureError, match="--max-depth -1: expected 0"):
+    with pytest.raises(CaptureError, match="max_depth -1: expected 0"):
         capture_model("dlrm:tiny", tmp_path / "r", device="cpu", max_depth=-1)
     assert not list(tmp_path.iterdir())
 

@@ -108,3 +108,28 @@ def test_capture_is_a_context_manager_and_load_inputs_returns_the_call(tmp_path)
     assert [r.fqn for r in cap.records] == ["", "0", "1"]
     args, kwargs = cbtrace.load_inputs(tmp_path / "run", "0", 0)
     assert torch.equal(args[0], x) and kwargs == {}
+
+
+def test_a_library_error_names_the_argument_and_the_cli_names_the_flag(tmp_path, capsys):
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.cli.main import main
+    from cbtrace.errors import CaptureError
+
+    with pytest.raises(CaptureError) as exc:
+        capture_model("nanogpt:tiny", tmp_path / "r", dtype="int3")
+    assert str(exc.value).startswith("dtype int3: expected one of fp32")
+    assert exc.value.param == "dtype" and "--" not in str(exc.value)
+    for args, line in [(["--dtype", "int3"], "Error: --dtype int3: expected one of fp32"),
+                       (["--device", "nope"], "Error: --device nope: not a device")]:
+        with pytest.raises(SystemExit) as code:
+            main(["capture", "--model", "nanogpt:tiny", *args, "--out", str(tmp_path / "r")])
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert code.value.code == 1 and len(err) == 1 and err[0].startswith(line), err
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_error_without_an_argument_reads_the_same_everywhere():
+    from cbtrace.errors import CbtraceError
+
+    e = CbtraceError("runs/x: no manifest.json")
+    assert str(e) == e.for_flag("--out") == "runs/x: no manifest.json"

@@ -28,7 +28,8 @@ def backward_of(output):
 
     ts = [t for t in flat_tensors(output) if t.requires_grad and t.is_floating_point()]
     if not ts:
-        raise CaptureError("--step train: the model output has no tensor that requires grad")
+        raise CaptureError("the model output has no tensor that requires grad", param="step",
+                           value="train")
     scalar = [t for t in ts if t.dim() == 0]
     return scalar[-1] if scalar else ts[0].float().mean()
 
@@ -72,10 +73,10 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
 
     device = resolve_device(device)
     if dtype is not None and dtype not in CLI_DTYPES:
-        raise CaptureError(f"--dtype {dtype}: expected one of {', '.join(CLI_DTYPES)}")
+        raise CaptureError(f"expected one of {', '.join(CLI_DTYPES)}", param="dtype", value=dtype)
     depth = capture_options.get("max_depth")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise CaptureError(f"--max-depth {depth}: expected 0 (the root only) or more")
+        raise CaptureError("expected 0 (the root only) or more", param="max_depth", value=depth)
     if Path(out).exists() and any(Path(out).iterdir()):  # before minutes of model building
         prepare_new_run(out)
     spec = stored_spec(spec)

@@ -82,6 +82,18 @@ def main(argv=None):
         warnings.formatwarning = old_format
 
 
+def _in_flags(e, argv) -> str:
+    """The error's message naming the flag, where the library named its own argument."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    name = next((a for a in args if a in COMMANDS), None)
+    if getattr(e, "param", None) is None or name is None:
+        return str(e)
+    params = importlib.import_module(COMMANDS[name][0]).command.params
+    flags = [max(p.opts, key=len) for p in params
+             if p.name == e.param and isinstance(p, click.Option)]
+    return e.for_flag(flags[0]) if flags else str(e)
+
+
 def _run(argv):
     from cbtrace.errors import CbtraceError
 
@@ -102,7 +114,7 @@ def _run(argv):
         e.show()
         sys.exit(e.exit_code)
     except CbtraceError as e:
-        click.echo(f"Error: {e}", err=True)
+        click.echo(f"Error: {_in_flags(e, argv)}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         _interrupted()

@@ -10,9 +10,12 @@ import statistics
 import time
 from datetime import datetime, timezone
 
+import torch
+
 from cbtrace.cost.dtypes import torch_dtype
-from cbtrace.cost.peaks import device_name, save_calibration
+from cbtrace.cost.peaks import device_name, peak_for, save_calibration
 from cbtrace.errors import CbtraceError, one_line
+from cbtrace.global_state import GlobalSettings
 
 # Settings. CPU: grow the matrix until one matmul takes MIN_CALL_S; stay within BUDGET_S per figure.
 CPU_DTYPES = ("fp32", "bf16")
@@ -29,8 +32,6 @@ class CalibrationError(CbtraceError):
 
 def _median_seconds(fn, device: str, calls: int = 1) -> float:
     """Warm up, then time ``calls`` back-to-back calls per sample; median per call."""
-    import torch
-
     for _ in range(WARMUP):
         fn()
     samples, start = [], time.perf_counter()
@@ -54,8 +55,6 @@ def _median_seconds(fn, device: str, calls: int = 1) -> float:
 
 def _matmul_rate(key: str, device: str) -> tuple[float, int]:
     """(FLOP/s, n) of an n x n x n matmul in dtype ``key``."""
-    import torch
-
     if key == "fp8":
         return _fp8_rate()
     dtype = torch_dtype(key)    # "tf32": float32, run with TF32 allowed by the caller
@@ -80,8 +79,6 @@ def _matmul_rate(key: str, device: str) -> tuple[float, int]:
 
 def _fp8_rate() -> tuple[float, int]:
     """FP8 (e4m3) matmul via ``torch._scaled_mm``; raises where the GPU or build lacks it."""
-    import torch
-
     n = GPU_N
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()   # mat2 must be column-major
@@ -92,8 +89,6 @@ def _fp8_rate() -> tuple[float, int]:
 
 def _copy_rate(device: str) -> tuple[float, int]:
     """(bytes/s read + written, bytes per copy) of a large device-to-device copy."""
-    import torch
-
     nbytes = GPU_COPY_BYTES if device == "cuda" else CPU_COPY_BYTES
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
@@ -108,15 +103,11 @@ class _Float32Precision:
         self.tf32 = tf32
 
     def __enter__(self):
-        import torch
-
         self.saved = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
         torch.backends.cuda.matmul.allow_tf32 = self.tf32
         torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
 
     def __exit__(self, *exc):
-        import torch
-
         torch.backends.cuda.matmul.allow_tf32 = self.saved[0]
         torch.set_float32_matmul_precision(self.saved[1])
 
@@ -124,15 +115,11 @@ class _Float32Precision:
 def measure(device: str | None = None) -> dict:
     """Measure this device; returns the calibration entry (not stored). The random data and
     TF32 settings it uses leave the caller's RNG and flags as they were."""
-    from cbtrace.global_state import GlobalSettings
-
     with GlobalSettings():
         return _measure(device)
 
 
 def _measure(device: str | None) -> dict:
-    import torch
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
         raise CalibrationError(f"--device {device}: expected cpu or cuda")
@@ -168,8 +155,6 @@ def calibrate(device: str | None = None, *, out=None) -> dict:
 
 def format_calibration(entry: dict) -> str:
     """A short table of a calibration entry, with the datasheet figure where one is known."""
-    from cbtrace.cost.peaks import peak_for
-
     lines = [f"{entry['name']} ({entry['device']}), measured {entry['measured_at']}"]
     for key, rate in entry["matmul_flops_per_s"].items():
         sheet = peak_for(entry["name"], key)

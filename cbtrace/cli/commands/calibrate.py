@@ -16,6 +16,6 @@ def command(device, out):
 
     try:
         entry = calibrate(device, out=out)
-    except CbtraceError as e:
-        raise click.ClickException(str(e)) from e
+    except CbtraceError as e:  # the device is its one argument a message names
+        raise click.ClickException(e.for_flag("--device")) from e
     click.echo(format_calibration(entry))
