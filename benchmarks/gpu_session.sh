@@ -7,7 +7,7 @@
 # replay: calibrate, then bench_replay_gpu.py (default and cold replay vs do_bench and in situ);
 # modes: bench_modes_gpu.py (eager vs compile vs cudagraph per module, whole-model compile);
 # nproc: bench_nproc.py (torchrun --nproc 1 against in-process replay);
-# probe-backward: probe_backward.py (a train step's backward kernels in situ vs replayed, three
+# probe-backward: probes/probe_backward.py (a train step's backward kernels in situ vs replayed, three
 # backward timing methods); overhead: probes/probe_replay_overhead.py (replay wall in laps; cProfile too
 # with OVERHEAD_CPROFILE=1); capture-probe: probes/probe_capture_step.py (a captured step's cost above
 # the floor, by variant; PROBE_CASE); plan-call: probes/bench_plan_call.py (capture's planning alone, with
@@ -45,7 +45,7 @@ modes)
 nproc)
   timeout ${NPROC_TIMEOUT:-150} python3 $R/benchmarks/bench_nproc.py /tmp/nproc 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_nproc.log | tail -6 ;;
 probe-backward)
-  timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probe_backward.py /tmp/probe 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -40 ;;
+  timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_backward.py /tmp/probe 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -40 ;;
 memory)
   timeout ${MEMORY_TIMEOUT:-300} python3 $R/benchmarks/probes/probe_memory.py /tmp/pmem ${MEMORY_VARIANTS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |F.linear" | tee $OUT/probe_memory.log | tail -8 ;;
 digest)

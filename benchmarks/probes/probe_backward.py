@@ -12,7 +12,7 @@ replayed backward two ways on the same prepared call:
 (A third way, a graph of K forward+backward pairs less a graph of K forwards, was replay's
 method before this probe; at 35435c8 its capture failed on every call, see RESULTS.md.)
 
-Usage: python benchmarks/probe_backward.py OUT_DIR [SPEC] [FQN ...]   (GPU; SPEC: nanogpt)
+Usage: python benchmarks/probes/probe_backward.py OUT_DIR [SPEC] [FQN ...]   (GPU; SPEC: nanogpt)
 """
 import sys
 from collections import defaultdict
