@@ -11,6 +11,8 @@ Torch is imported only by ``torch_dtype``: attribution reads traces without it.
 from __future__ import annotations
 
 import functools
+import json
+import math
 from dataclasses import dataclass
 
 
@@ -110,9 +112,6 @@ def itemsize(dtype) -> int:
 def meta_bytes(metas_json: str | None) -> int:
     """Bytes of the tensors a record's ``input_meta`` / ``output_meta`` (a JSON list of
     {shape, dtype, ...}) describes; 0 for what does not parse."""
-    import json
-    import math
-
     try:
         metas = json.loads(metas_json or "[]")
         return sum(math.prod(m.get("shape", [])) * itemsize(m.get("dtype", "float32"))
@@ -142,7 +141,7 @@ def torch_dtype(dtype):
     Raises:
         ValueError: naming ``dtype`` and listing the --dtype names, when no torch dtype has it.
     """
-    import torch
+    import torch  # here only: attribution reads dtypes without torch
 
     if isinstance(dtype, torch.dtype):
         return dtype

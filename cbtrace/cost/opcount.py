@@ -16,6 +16,9 @@ import functools
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from cbtrace.cost.compute_dtype import dominant_dtype, op_dtype
 from cbtrace.cost.dtypes import name_of
 from cbtrace.cost.flops import OpCost, is_free, normalize_name, op_cost
@@ -75,8 +78,6 @@ def _union_length(spans) -> int:
 
 
 def _flat_tensors(value):
-    import torch
-
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
@@ -108,8 +109,6 @@ def _argument(func, args, kwargs, name):
 
 def _describe(func, args, kwargs):
     """Schema-ordered shapes, dtypes and named scalars of one call, as ``op_cost`` takes them."""
-    import torch
-
     shapes, dtypes, scalars = [], [], {}
     for i, arg in enumerate(func._schema.arguments):
         v = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
@@ -137,8 +136,6 @@ def _compute_dtype(name, tensors) -> str | None:
 
 
 def _tf32(name) -> bool:
-    import torch
-
     if name in _MATMULS:
         return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
     return name in _CONVS and torch.backends.cudnn.allow_tf32
@@ -153,8 +150,6 @@ def _counting_mode():
     fresh ``cbtrace replay`` paid in its first count. The wrapper is left out: Dynamo already
     skips every frame while a dispatch mode is active (convert_frame's dispatch-mode check).
     """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class _CountingMode(TorchDispatchMode):
         def __init__(self, counter):
             super().__init__()
@@ -254,8 +249,6 @@ class OpCounter:
 
     @staticmethod
     def _gathered_bytes(table, indices) -> int:
-        import torch
-
         rows = torch.unique(indices).numel()
         return min(rows, table.shape[0]) * (table[0].numel() * table.element_size())
 

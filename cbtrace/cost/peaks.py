@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,7 +181,7 @@ def device_name(device="cpu") -> str:
     """The name peaks are keyed by: the CUDA device name, or "cpu: <model name>" on CPU."""
     device = str(device)
     if device.startswith("cuda"):
-        import torch
+        import torch  # here only: attribution reads peaks without torch
 
         index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
         return torch.cuda.get_device_name(index)
@@ -194,6 +195,4 @@ def _cpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or platform.machine() or "unknown"

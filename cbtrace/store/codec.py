@@ -6,6 +6,8 @@ fails) becomes ``{"t": "unsupported", "type": ...}``, and decoding that node rai
 """
 from __future__ import annotations
 
+import torch
+
 from cbtrace.errors import PluginError, SerializationError, one_line
 
 UNSUPPORTED = "unsupported"
@@ -41,8 +43,6 @@ def by_name(serializers) -> dict:
 
 
 def _is_tensor(obj) -> bool:
-    import torch
-
     return isinstance(obj, torch.Tensor)
 
 
@@ -133,8 +133,6 @@ class DecodeContext:
         return self._get_tensor(node)
 
     def _nested(self, node: dict):
-        import torch
-
         layout = {"strided": torch.strided, "jagged": torch.jagged}.get(node.get("layout"))
         if layout is None or not isinstance(node.get("parts"), list):
             raise SerializationError(f"inputs_ref: malformed nested tensor node "

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from cbtrace import registry
 from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.errors import RunDirError, SerializationError
+from cbtrace.rundir.read import read_modules
 from cbtrace.store import ref_format, shards, synth
 from cbtrace.store.autograd_shape import as_non_leaf
 from cbtrace.store.codec import DecodeContext
@@ -229,8 +231,6 @@ def load_call_inputs(run_dir: Path, inputs_ref: str, device=None, *, serializers
     """
     doc = ref_format.parse(inputs_ref, run_dir)
     if serializers is None:
-        from cbtrace import registry
-
         serializers = registry.serializers()
     loader = _TensorLoader(Path(run_dir) / "inputs", doc["chunks"], device, chunks_read)
     ctx = DecodeContext(serializers, loader.tensor)
@@ -249,8 +249,6 @@ def load_inputs(run, fqn: str, call_index: int = 0, device=None):
         call_index: which call of that module (0 = first).
         device: move tensors there (default: the device they were captured on, if present).
     """
-    from cbtrace.rundir.read import read_modules
-
     df = read_modules(run)
     rows = df[(df["fqn"] == fqn) & (df["call_index"] == call_index)]
     if rows.empty:

@@ -19,7 +19,9 @@ import os
 import sys
 from pathlib import Path
 
+from cbtrace import registry
 from cbtrace.errors import SerializationError, one_line
+from cbtrace.rundir.layout import MANIFEST
 
 ALLOWED_MODULES = ("torch", "transformers", "torchrec")
 """Packages (and their submodules) whose classes stored inputs may name before they are
@@ -97,8 +99,6 @@ def _plain(names) -> bool:
 
 
 def _allowed(module_name: str, extra) -> bool:
-    from cbtrace import registry
-
     declared = [m for s in registry.serializers() for m in (getattr(s, "modules", ()) or ())]
     return any(module_name == m or module_name.startswith(m + ".")
                for m in (*ALLOWED_MODULES, *extra, *declared))
@@ -135,7 +135,5 @@ def _locations(found) -> list[Path]:
 
 
 def _untrusted_dir(d: Path) -> bool:
-    from cbtrace.rundir.layout import MANIFEST
-
     d = d.resolve()
     return d == Path(os.getcwd()).resolve() or (d / MANIFEST).is_file()

@@ -10,8 +10,13 @@ from __future__ import annotations
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from cbtrace import registry
 from cbtrace.store import ref_format, shards, synth
 from cbtrace.store.codec import EncodeContext, by_name
 from cbtrace.store.tensor_store import ShardPlan, TensorStore, run_copies, tensor_meta
@@ -40,8 +45,6 @@ class Snapshotter:
                  max_pending_bytes: int | None = None, shard_bytes: int | None = None,
                  serializers=None):
         if serializers is None:
-            from cbtrace import registry
-
             serializers = registry.serializers()
         self.inputs_dir = Path(inputs_dir)
         self.max_pending_bytes = max_pending_bytes
@@ -89,8 +92,6 @@ class Snapshotter:
         hashing and disk writes of different shards overlap (each releases the GIL)."""
         if not closed:
             return
-        from concurrent.futures import ThreadPoolExecutor
-
         self.inputs_dir.mkdir(parents=True, exist_ok=True)
         _sync_devices(c.payload for _, chunks in closed for c in chunks)
 
@@ -113,8 +114,6 @@ class Snapshotter:
 
 def _sync_devices(payloads) -> None:
     """Wait for the copies queued on any CUDA stream (the step may have used side streams)."""
-    import torch
-
     tensors = (p[1] if isinstance(p, tuple) else p for p in payloads)  # stats: (kind, t, n)
     devices = {t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
     for d in devices:
@@ -124,8 +123,6 @@ def _sync_devices(payloads) -> None:
 def _rows(chunks, part_bytes: int):
     """(chunk_id, part, kind, uint8 ndarray) rows. Parts of device copies are views of this
     thread's pinned staging buffer, valid until the next row is drawn (write_shard's contract)."""
-    import numpy as np
-
     for c in chunks:
         if c.kind == "s":
             kind, stats, numel = c.payload
@@ -140,8 +137,6 @@ def _rows(chunks, part_bytes: int):
 
 def _zero_parts(nbytes: int, part_bytes: int):
     """Zeros in the parts a chunk of ``nbytes`` was planned with (its rows stay in place)."""
-    import numpy as np
-
     for lo in range(0, max(nbytes, 1), part_bytes):
         yield np.zeros(min(part_bytes, nbytes - lo), np.uint8)
 
@@ -157,8 +152,6 @@ def _host_parts(t, part_bytes: int):
     pageable device-to-host copies from several threads at once are far slower than pinned
     ones. Stages return to torch's pinned-memory cache when the writer threads end.
     """
-    import torch
-
     if t.device.type != "cuda":
         arr = (t if t.device.type == "cpu" else t.cpu()).numpy()
         for lo in range(0, max(arr.size, 1), part_bytes):
