@@ -6,11 +6,19 @@ from pathlib import Path
 import torch
 
 from cbtrace import module_tree
+from cbtrace.capture.host_times import host_times
 from cbtrace.capture.recorder import CaptureConfig, capture
 from cbtrace.cost.dtypes import CLI_DTYPES, torch_dtype
-from cbtrace.errors import CaptureError, one_line
+from cbtrace.device import resolve_device
+from cbtrace.errors import CaptureError, CbtraceError, ProviderError, one_line
 from cbtrace.global_state import GlobalSettings
-
+from cbtrace.model.spec import resolve
+from cbtrace.nested import flat_tensors
+from cbtrace.rundir.layout import prepare_new_run
+from cbtrace.rundir.lock import RunLock
+from cbtrace.rundir.writer import write_stage
+from cbtrace.schema.manifest import ModelSource, StepSettings
+from cbtrace.state import StateGuard
 
 
 def stored_spec(spec: str) -> str:
@@ -24,8 +32,6 @@ def stored_spec(spec: str) -> str:
 
 def backward_of(output):
     """A scalar to call backward() on: the loss if the model returns one, else a mean."""
-    from cbtrace.nested import flat_tensors
-
     ts = [t for t in flat_tensors(output) if t.requires_grad and t.is_floating_point()]
     if not ts:
         raise CaptureError("the model output has no tensor that requires grad", param="step",
@@ -63,14 +69,6 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     Returns the capture (``cap.out``: the run; ``cap.model``: the model, its parameters,
     buffers, gradients and RNG state as they were when the run's state digest was taken, so
     it replays the run as a model rebuilt from the spec would)."""
-    from cbtrace.device import resolve_device
-    from cbtrace.errors import CbtraceError, ProviderError
-    from cbtrace.model.spec import resolve
-    from cbtrace.rundir.layout import prepare_new_run
-    from cbtrace.rundir.lock import RunLock
-    from cbtrace.schema.manifest import ModelSource, StepSettings
-    from cbtrace.state import StateGuard
-
     device = resolve_device(device)
     if dtype is not None and dtype not in CLI_DTYPES:
         raise CaptureError(f"expected one of {', '.join(CLI_DTYPES)}", param="dtype", value=dtype)
@@ -108,9 +106,6 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
             raise CaptureError(f"{cap.out}: no module call matched --include/--exclude/"
                                "--max-depth (the run directory holds only the trace)")
         if device.type == "cpu":
-            from cbtrace.capture.host_times import host_times
-            from cbtrace.rundir.writer import write_stage
-
             times = host_times(model, cap.records,
                                lambda: run_step(provider, model, batch, step))
             if times is not None:

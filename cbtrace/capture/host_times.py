@@ -6,10 +6,13 @@ same calls with plain perf_counter hooks in a second, unprofiled step does not.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 from cbtrace import module_tree
+from cbtrace.calltree import CallTree
 from cbtrace.capture import boundaries
+from cbtrace.state import StateGuard
 
 
 def time_calls(model, fqns: list[str], run_step) -> list[float] | None:
@@ -56,10 +59,6 @@ def host_times(model, records, run_step, *, repeats: int = 7,
     ``budget_s``) of each captured call's host time, less the cost of the hooks nested in it;
     None when a step's calls do not line up with the captured ones. The model's state is left
     untouched."""
-    import statistics
-
-    from cbtrace.state import StateGuard
-
     records = sorted(records, key=lambda r: r.call_id)
     guard = StateGuard(model)
     runs, plain = [], []
@@ -86,8 +85,6 @@ def host_times(model, records, run_step, *, repeats: int = 7,
 
 def descendants(records) -> list[int]:
     """Number of captured calls nested inside each call (records in call_id order)."""
-    from cbtrace.calltree import CallTree
-
     tree = CallTree({r.call_id: r.parent_call_id for r in records})
     return [tree.descendants[r.call_id] for r in records]
 

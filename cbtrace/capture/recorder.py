@@ -15,30 +15,36 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from cbtrace import module_tree
 from cbtrace.capture import boundaries
+from cbtrace.capture.helper_thread import HelperThread, InlineHelper, untraced
 from cbtrace.console import quiet_kineto
 from cbtrace.cost.dtypes import name_of
+from cbtrace.cost.peaks import device_name
 from cbtrace.errors import CaptureError, one_line
 from cbtrace.global_state import GlobalSettings
+from cbtrace.nested import flat_tensors
 from cbtrace.rundir import writer
 from cbtrace.rundir.files import atomic_path
 from cbtrace.rundir.layout import INPUTS, prepare_new_run
 from cbtrace.rundir.lock import RunLock
 from cbtrace.schema import manifest as manifest_schema
-from cbtrace.capture.helper_thread import HelperThread, InlineHelper, untraced
-from cbtrace.store import ref_format
-from cbtrace.store.tensor_store import run_copies
 from cbtrace.schema.modules import COPY_FAILED, ModuleRecord
-from cbtrace.nested import flat_tensors
 from cbtrace.state import state_digest
+from cbtrace.store import ref_format, shards
+from cbtrace.store.snapshot import Snapshotter
+from cbtrace.store.tensor_store import meta_dict, run_copies, tensor_meta
+from cbtrace.trace_io import gzip_trace
 
 
 @dataclass(kw_only=True)
@@ -200,8 +206,6 @@ class capture:
         self._t_lap = now
 
     def _start(self) -> None:
-        from cbtrace.store.snapshot import Snapshotter
-
         self._t_lap = self._t_enter
         self._lap("prepare")
         self._state_sha256 = state_digest(self.model)  # before the step changes any buffer
@@ -470,10 +474,6 @@ class capture:
 
     # --- outputs ---------------------------------------------------------------------
     def _finish(self, exc):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from cbtrace.store import shards
-
         t = self.timings_s
         shards.PHASE_S.clear()
         # The inputs are written by a pool of threads while this one exports the trace and
@@ -507,8 +507,6 @@ class capture:
         self._lap("checksums_and_manifest")
 
     def _manifest(self, files, exc) -> manifest_schema.Manifest:
-        from cbtrace.cost.peaks import device_name
-
         p = next(iter(self.model.parameters()), None)
         dev = str(p.device) if p is not None else "cpu"
         cls = type(module_tree.unwrap(self.model))
@@ -536,10 +534,6 @@ class capture:
         return files
 
     def _write_trace(self) -> Path:
-        import tempfile
-
-        from cbtrace.trace_io import gzip_trace
-
         worker = self.cfg.worker_name or f"{socket.gethostname()}_{os.getpid()}"
         if self.rank is not None:
             worker = f"rank-{self.rank[0]}_{worker}"  # torch-tb-profiler and attribute: per rank
@@ -554,8 +548,6 @@ class capture:
 
 def _set_output_meta(rec: ModuleRecord, output) -> None:
     try:
-        from cbtrace.store.snapshot import tensor_meta
-
         rec.output_meta = json.dumps([tensor_meta(t) for t in flat_tensors(output)])
     except Exception as e:  # noqa: BLE001 - an odd output must not fail the capture
         rec.output_meta = json.dumps([{"error": _short(e)}])
@@ -565,15 +557,11 @@ def _set_tensor_meta(rec: ModuleRecord, meta: tuple) -> None:
     """output_meta of a call whose output is one plain tensor, from the metadata the post hook
     read (shape, stride, offset, dtype, device, requires_grad): the caller may change the tensor
     in place (``y.unsqueeze_(0)``) before this runs."""
-    from cbtrace.store.tensor_store import meta_dict
-
     rec.output_meta = json.dumps([meta_dict(*meta)])
 
 
 def distributed_rank() -> tuple[int, int] | None:
     """(rank, world size) inside an initialized torch.distributed job of 2+ ranks, else None."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.get_rank(), dist.get_world_size()
     return None
