@@ -3,7 +3,7 @@
 A model is constructed without PyTorch's default init (which a provider overwrites anyway), then
 every parameter is filled in chunks of ``CHUNK`` elements, each from its own CPU generator
 seeded from (seed, parameter name, chunk index), on a thread pool: torch releases the GIL in
-``normal_``/``uniform_``, which run on one core each (0.19 s per 32 M floats here), so DLRM's
+``normal_``/``uniform_``, which run on one core each, so DLRM's
 839 M parameters take a core each instead of one for all. The values depend on the seed and the
 names only: not on the device the model goes to, nor on how the threads are scheduled.
 """
@@ -37,7 +37,7 @@ class _SkipInit(TorchFunctionMode):
 @contextlib.contextmanager
 def skip_init():
     """Modules constructed inside get uninitialised parameters (no meta device: a random op on
-    meta imports torch._dynamo, 2 s here)."""
+    meta imports torch._dynamo, seconds of import)."""
     with _SkipInit():
         yield
 

@@ -146,7 +146,7 @@ def opportunity_table(df, *, top: int = 20) -> str:
     return "\n".join([title, _table(body), tail, *failures(rows)])
 
 
-REL_TOL, ABS_TOL_MS = 0.15, 0.1  # issue 31's bound on an estimate against the measured saving
+REL_TOL, ABS_TOL_MS = 0.15, 0.1  # how far an estimate may miss the measured saving and still hold
 
 
 def within(estimated: float, measured: float) -> bool:
