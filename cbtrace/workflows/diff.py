@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cbtrace.errors import CbtraceError, RunDirError
+from cbtrace.rundir.files import atomic_path
+from cbtrace.rundir.read import load_run
 from cbtrace.workflows import regress
 from cbtrace.workflows.align import ONLY_A, ONLY_B, align
 
@@ -85,8 +87,6 @@ def diff_runs(a, b, **options):
     Raises:
         DiffError: a run holds no replayed figures, or no call of B matches one of A.
     """
-    from cbtrace.rundir.read import load_run
-
     frames = []
     for run in (a, b):
         _, df = load_run(run)
@@ -122,7 +122,7 @@ def _rows(df) -> dict[int, dict]:
 
 def diff_frames(df_a, df_b, cfg: DiffConfig | None = None):
     """``diff_runs`` on two modules DataFrames (columns of ``ModuleRecord``)."""
-    import pandas as pd
+    import pandas as pd  # here: `cbtrace diff --help` imports this module and must stay light
 
     cfg = cfg or DiffConfig()
     ra, rb = _rows(df_a), _rows(df_b)
@@ -306,8 +306,6 @@ def check_out_path(path, *, force: bool = False) -> Path:
 def write_diff(df, path, *, force: bool = False) -> Path:
     """Write the diff table to ``path`` (.parquet or .csv), atomically; an existing file only
     with ``force``."""
-    from cbtrace.rundir.files import atomic_path
-
     path = check_out_path(path, force=force)
     with atomic_path(path) as tmp:
         if path.suffix == ".csv":

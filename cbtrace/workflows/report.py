@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cbtrace import registry
 from cbtrace.errors import CbtraceError, RunDirError
+from cbtrace.rundir.read import load_run
+from cbtrace.schema.modules import frame_to_records
 
 DEFAULT_REPORTERS = ("icicle", "summary")
 
@@ -22,10 +25,6 @@ def report_run(run, *, out_dir=None, names=DEFAULT_REPORTERS) -> list[Path]:
         out_dir: where the files go (created if missing).
         names: registered reporter names, e.g. ("icicle", "svg", "summary").
     """
-    from cbtrace import registry
-    from cbtrace.rundir.read import load_run
-    from cbtrace.schema.modules import frame_to_records
-
     manifest, df = load_run(run)
     if df.empty:
         raise RunDirError(f"{run}: modules.parquet holds no module calls")
