@@ -111,18 +111,24 @@ def _cuda_peak(call, device) -> int:
 
 
 def _profile_rows(call, device, runs: int) -> list[Row]:
-    # autograd's profiler, as torch.profiler.profile builds it (use_kineto=True: its default,
-    # False, profiles CUDA through the legacy fallback, which records no kernel); not
-    # torch.profiler itself, whose start asks hasattr(torch, "_inductor") and so imports
-    # inductor and dynamo (a second in a fresh process)
+    if device.type == "cuda":
+        # torch.profiler, as run on the H200: autograd's profiler as set up here read no kernel
+        # there once (kernel_count 0 for every call), and a fix of it was not run on a GPU
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with quiet_kineto(), profile(activities=acts) as prof:
+            for _ in range(runs):
+                call()
+                _sync(device)
+        return rows_from_kineto(prof.profiler.kineto_results.events())
+    # autograd's profiler, which torch.profiler.profile drives: the latter's start asks
+    # hasattr(torch, "_inductor") and so imports inductor and dynamo (a second, fresh process)
     from torch.autograd.profiler import profile
 
-    cuda = device.type == "cuda"
-    with quiet_kineto(), profile(use_device="cuda" if cuda else None, use_kineto=True,
-                                 profile_memory=not cuda) as prof:
+    with quiet_kineto(), profile(use_kineto=True, profile_memory=True) as prof:
         for _ in range(runs):
             call()
-            _sync(device)
     return rows_from_kineto(prof.kineto_results.events())
 
 

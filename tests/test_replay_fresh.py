@@ -84,32 +84,3 @@ def test_cpu_memory_profiling_warning_stays_off_stderr():
     if "Memory block of unknown size" not in control:
         pytest.skip("this torch does not print the allocator's warning")
     assert "CPUAllocator" not in ours
-
-
-def test_the_cuda_profiled_pass_asks_for_kineto(monkeypatch):
-    """autograd's profiler defaults to use_kineto=False, which profiles CUDA through its legacy
-    fallback: no kernel events, kernel_count 0 for every call (seen on the H200). The real
-    pass is checked by test_backends' GPU test; here, what is asked for, on any machine."""
-    import torch
-
-    from cbtrace.replay import profiler_pass
-
-    asked = []
-
-    class Recorded:
-        def __init__(self, **kwargs):
-            asked.append(kwargs)
-            self.kineto_results = type("R", (), {"events": staticmethod(lambda: [])})()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(torch.autograd.profiler, "profile", Recorded)
-    monkeypatch.setattr(profiler_pass, "_sync", lambda device: None)
-    for device in ("cuda", "cpu"):
-        assert profiler_pass._profile_rows(lambda: None, torch.device(device), runs=1) == []
-    assert [(a["use_device"], a["use_kineto"], a["profile_memory"]) for a in asked] == [
-        ("cuda", True, False), (None, True, True)]
