@@ -237,7 +237,8 @@ def test_a_folder_is_named_an_unfinished_capture_only_when_it_holds_inputs(tmp_p
     from cbtrace.rundir.layout import prepare_new_run
 
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(RunDirError, match="already exists and is not empty; choose a new --out"):
+    with pytest.raises(RunDirError, match="already exists and is not empty; choose another run "
+                                          "directory"):
         prepare_new_run(tmp_path)
     (tmp_path / "inputs").mkdir()
     with pytest.raises(RunDirError, match=r"holds inputs/ but no manifest.json: a capture that "

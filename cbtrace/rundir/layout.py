@@ -28,8 +28,8 @@ def prepare_new_run(out_dir, *, overwrite: bool = False) -> Path:
             from cbtrace.rundir.lock import check_new_run
 
             check_new_run(out)  # a run in use, or left by a command that died: say which
-            raise RunDirError(f"{out}: already exists and is not empty; choose a new --out "
-                              "(an existing run is never overwritten)")
+            raise RunDirError(f"{out}: already exists and is not empty; choose another run "
+                              "directory (an existing run is never overwritten)")
     out.mkdir(parents=True, exist_ok=True)
     (out / INPUTS).mkdir(exist_ok=True)
     return out

@@ -219,7 +219,8 @@ def check_new_run(run) -> None:
     if info is None:
         if (run / "inputs").is_dir() and not (run / "manifest.json").is_file():
             raise RunDirError(f"{run}: holds inputs/ but no manifest.json: a capture that did "
-                              f"not finish; {resume_hint(run, 'capture')}, or choose a new --out")
+                              f"not finish; {resume_hint(run, 'capture')}, or choose another "
+                              "run directory")
         _check_manifest(run)
         return
     try:
@@ -229,7 +230,8 @@ def check_new_run(run) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise RunDirError(f"{run}: in use by {describe(info)}; choose a new --out") from None
+        raise RunDirError(f"{run}: in use by {describe(info)}; choose another run "
+                          "directory") from None
     finally:
         os.close(fd)
     raise RunDirError(f"{run}: {dead_text(run, info)}")
@@ -257,7 +259,8 @@ def _check_manifest(run: Path) -> None:
     if not manifest.complete:
         why = manifest.error or "no error recorded"
         raise RunDirError(f"{run}: a capture that did not complete ({why}); "
-                          f"{resume_hint(run, 'capture')}, or choose a new --out")
+                          f"{resume_hint(run, 'capture')}, or choose another run "
+                          "directory")
 
 
 def _dead_capture(run, info: dict) -> bool:
