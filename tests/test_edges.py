@@ -133,3 +133,17 @@ def test_an_error_without_an_argument_reads_the_same_everywhere():
 
     e = CbtraceError("runs/x: no manifest.json")
     assert str(e) == e.for_flag("--out") == "runs/x: no manifest.json"
+
+
+def test_replay_numeric_options_are_ranged(tmp_path):
+    """`cbtrace replay RUN --budget-s -1` printed a traceback: now one line, exit 2."""
+    from click.testing import CliRunner
+
+    from cbtrace.cli.main import cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for args in (["--budget-s", "-1"], ["--memory-budget", "-5"], ["--top", "0"]):
+        r = CliRunner().invoke(cli, ["replay", str(run), *args])
+        assert r.exit_code == 2, (args, r.output)
+        assert "Traceback" not in r.output and "is not in the range" in r.output

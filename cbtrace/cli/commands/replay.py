@@ -10,10 +10,11 @@ from cbtrace.replay.config import ReplayConfig
 @click.argument("run", type=click.Path(exists=True, file_okay=False))
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: the capture device)")
 @replay_options
-@click.option("--budget-s", type=float, default=None,
+@click.option("--budget-s", type=click.FloatRange(min=0), default=None,
               help=f"timing budget per call (seconds; default {ReplayConfig.budget_s}, with "
                    f"--cold {ReplayConfig.cold_budget_s})")
-@click.option("--memory-budget", "memory_budget_bytes", type=int, default=None, metavar="BYTES",
+@click.option("--memory-budget", "memory_budget_bytes", type=click.IntRange(min=0), default=None,
+              metavar="BYTES",
               help="skip calls whose estimated footprint exceeds this")
 @click.option("--resume", is_flag=True, help="continue an interrupted replay")
 @click.option("--model", "model_spec", default=None, metavar="SPEC",
@@ -39,7 +40,8 @@ from cbtrace.replay.config import ReplayConfig
 @click.option("--nproc", type=click.IntRange(min=1), default=None, metavar="N",
               help="shard the calls over N processes (one GPU each) by starting torchrun's "
                    "elastic agent; the same as torchrun --nproc-per-node N -m cbtrace.replay RUN")
-@click.option("--top", type=int, default=15, show_default=True, help="rows in the summary")
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
+              help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, resume, model_spec,
             trust, timeout_s, modes, compile_mode, modes_budget_s, backward, reuse_timing,
             count_every_call, nproc, strict, top):
