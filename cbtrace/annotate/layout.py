@@ -7,6 +7,7 @@ Their X events nest in integer nanoseconds as Perfetto reads them (``perfetto_ns
 """
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 
@@ -196,8 +197,6 @@ def _set_dur(span: list) -> None:
 
 def _flat(v):
     """Nested metadata as a JSON string: trace viewers show scalar args best."""
-    import json
-
     return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else clean(v)
 
 

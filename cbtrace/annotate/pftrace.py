@@ -97,7 +97,7 @@ def _nested(slices: list[dict]):
 
 def unavailable_reason() -> str | None:
     """Why no .pftrace can be written here (the optional ``perfetto`` package), or None."""
-    try:
+    try:  # perfetto is an optional extra: imported only where a .pftrace is written
         from perfetto.protos.perfetto.trace import perfetto_trace_pb2  # noqa: F401
         from perfetto.trace_builder import proto_builder  # noqa: F401
     except ImportError:
@@ -109,6 +109,7 @@ def unavailable_reason() -> str | None:
 
 def build(slices: list[dict], extra: list[dict]) -> bytes:
     """Serialized Trace proto from module slices and the appended Chrome-format events."""
+    # the optional perfetto extra, as in unavailable_reason
     from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
     from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 

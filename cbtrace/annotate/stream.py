@@ -14,7 +14,9 @@ are bounded as in ``cbtrace.trace_io`` (a hostile trace is one ``TraceLimitError
 from __future__ import annotations
 
 import json
+import queue
 import re
+import threading
 import zlib
 from pathlib import Path
 from typing import Callable, Iterator
@@ -68,9 +70,6 @@ class Sink:
         self.f, self.bytes_in, self.pending = f, 0, bytearray()
         self.q = self.thread = self.error = None
         if gz:
-            import queue
-            import threading
-
             self.q = queue.Queue(maxsize=4)
             self.thread = threading.Thread(target=self._compress, daemon=True)
             self.thread.start()

@@ -14,6 +14,11 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from torch.profiler import tensorboard_trace_handler
+
+from cbtrace.annotate import write
+from cbtrace.errors import CbtraceError
+
 
 def trace_handler(dir_name, worker_name=None, use_gzip: bool = True, *, run=None,
                   pftrace: bool = False):
@@ -26,8 +31,6 @@ def trace_handler(dir_name, worker_name=None, use_gzip: bool = True, *, run=None
         run: optional cbtrace run directory of the same model, for isolated figures too.
         pftrace: also write the Perfetto protobuf.
     """
-    from torch.profiler import tensorboard_trace_handler
-
     inner = tensorboard_trace_handler(str(dir_name), worker_name, use_gzip)
     out_dir = Path(dir_name)
 
@@ -48,11 +51,8 @@ def _traces(d: Path) -> set[Path]:
 
 def _annotate_one(trace: Path, run, pftrace: bool) -> None:
     """Annotate; a failure warns and never breaks the user's training loop."""
-    from cbtrace.annotate.write import annotate
-    from cbtrace.errors import CbtraceError
-
     try:
-        annotate(run=run, trace=trace, pftrace=pftrace)
+        write.annotate(run=run, trace=trace, pftrace=pftrace)
     except (CbtraceError, OSError, ValueError) as e:
         warnings.warn(f"cbtrace.trace_handler: {trace.name} was not annotated ({e})")
 

@@ -7,12 +7,24 @@ The original is streamed through (see ``annotate_stream``) and never modified; m
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import warnings
 from pathlib import Path
 
+from cbtrace._version import __version__
+from cbtrace.annotate import pftrace as proto
+from cbtrace.annotate.figures import Figures, SliceAnnotator
+from cbtrace.annotate.layout import appended_events, metadata
+from cbtrace.annotate.stream import rewrite
+from cbtrace.attribution.attribute import attribute
 from cbtrace.cost.peaks import PeakLookup
 from cbtrace.errors import TraceError
+from cbtrace.rundir.files import atomic_paths
+from cbtrace.rundir.lock import RunLock
+from cbtrace.rundir.read import find_trace, load_run
+from cbtrace.trace_io import TraceLimitError
 
 PREFIX = "annotated_"
 
@@ -33,8 +45,6 @@ def pftrace_path(out: Path) -> Path:
 
 def _resolve(run, trace) -> tuple[Path, bool]:
     """(trace path, whether it is the run's own capture trace)."""
-    from cbtrace.rundir.read import find_trace
-
     own = find_trace(run) if run is not None else None
     if trace is None:
         if run is None:
@@ -54,13 +64,6 @@ def _attribution(trace: Path, run=None):
     A trace attribution cannot read is annotated with slice durations (a warning says so); a
     run that does not match the trace (RunDirError) is refused.
     """
-    try:
-        from cbtrace.attribution.attribute import attribute
-    except ImportError:
-        return None
-
-    from cbtrace.trace_io import TraceLimitError
-
     try:
         df = attribute(trace, capture_run=run, aggregate=False)
     except TraceLimitError:
@@ -92,14 +95,11 @@ def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool 
         insitu: per-slice attribution table to use (default: computed with cbtrace.attribute;
             False: none).
     """
-    from cbtrace.annotate.pftrace import unavailable_reason
-    from cbtrace.rundir.files import atomic_paths
-
     trace, own = _resolve(run, trace)
     dst = output_path(trace, out)
     if dst.resolve() == trace.resolve():
         raise TraceError(f"{dst}: the output would overwrite the original trace")
-    if pftrace and (why := unavailable_reason()) is not None:
+    if pftrace and (why := proto.unavailable_reason()) is not None:
         warnings.warn(f"{pftrace_path(dst)}: skipped ({why})")
         pftrace = False
     outputs = [dst, pftrace_path(dst)] if pftrace else [dst]
@@ -115,12 +115,6 @@ def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool 
 
 def _write(run, trace: Path, own: bool, insitu, dst: Path, tmps: list[Path]) -> None:
     """The annotated trace into ``tmps[0]`` and, if asked, the .pftrace into ``tmps[1]``."""
-    from cbtrace._version import __version__
-    from cbtrace.annotate.figures import Figures, SliceAnnotator
-    from cbtrace.annotate.layout import appended_events, metadata
-    from cbtrace.annotate.stream import rewrite
-    from cbtrace.rundir.read import load_run
-
     manifest, modules = load_run(run) if run is not None else (None, None)
     if insitu is None:
         insitu = _attribution(trace, run)
@@ -141,17 +135,11 @@ def _write(run, trace: Path, own: bool, insitu, dst: Path, tmps: list[Path]) -> 
     with open(tmps[0], "wb") as f:
         rewrite(trace, f, on_event=ann, head=head, tail=tail, gz=dst.name.endswith(".gz"))
     if len(tmps) > 1:
-        from cbtrace.annotate.pftrace import build
-
-        tmps[1].write_bytes(build(ann.slices["cbtrace"] + ann.slices["nn.Module"], extra))
+        tmps[1].write_bytes(proto.build(ann.slices["cbtrace"] + ann.slices["nn.Module"], extra))
 
 
 def _lock(run, dst: Path):
     """The run's lock while the output is written into the run (not while it goes elsewhere)."""
-    import contextlib
-
-    from cbtrace.rundir.lock import RunLock
-
     if run is None or not dst.resolve().is_relative_to(Path(run).resolve()):
         return contextlib.nullcontext()
     return RunLock(run, "annotate", mark=False)
@@ -187,8 +175,6 @@ def _peaks_used(device: str | None, modules) -> dict | None:
 
 def _readable(path: Path) -> None:
     """Temp files are created 0600; give the output the usual umask-based mode."""
-    import os
-
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
