@@ -66,3 +66,29 @@ def test_a_planted_cycle_is_found(sources):
     sources["windows"] += "\n\ndef _planted():\n    from cbtrace.attribution.attribute import table\n"
     found = cycle(graph_of(sources))
     assert found is not None and found[0] == found[-1] and "windows" in found
+
+
+# imports left inside functions on purpose, each with its one-line reason beside it
+LAZY = {("cost/dtypes.py", "torch"), ("cost/peaks.py", "torch"),  # attribution runs without torch
+        ("attribution/model_names.py", "torch"),
+        ("workflows/diff.py", "pandas"),  # `cbtrace diff --help` imports diff.py
+        ("annotate/pftrace.py", "perfetto"), ("attribution/attribute.py", "hta")}  # extras
+
+
+def test_imports_sit_at_the_top_but_the_lazy_few():
+    root = PKG.parent
+    found = set()
+    for sub in ("attribution", "cost", "store", "capture", "workflows", "annotate"):
+        for path in (root / sub).glob("*.py"):
+            for fn in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Import):
+                        mods = [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom):
+                        mods = [node.module or ""]
+                    else:
+                        continue
+                    found |= {(f"{sub}/{path.name}", m.split(".")[0]) for m in mods}
+    assert found <= LAZY, sorted(found - LAZY)
