@@ -16,8 +16,9 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
   gpu_ms); ``comm_exposed_ms``: the part of it that no non-communication kernel on another
   stream of the same device overlaps (comm.py).
 - ``flops``, ``flops_executed``, ``bytes``, ``ops_without_formula``, ``compute_dtype``, ``mfu``,
-  ``mbu``: from op shapes (``record_shapes=True``), cbtrace.cost.flops formulas, cbtrace.cost.peaks peaks;
-  inclusive; mfu/mbu use ``gpu_ms`` and the trace's device (NaN on CPU-only traces). Each op's
+  ``mbu``: from op shapes (``record_shapes=True``), cbtrace.cost.flops formulas and replay's
+  peak (cost.peaks.PeakLookup: datasheet, else calibrated); inclusive; mfu/mbu use ``gpu_ms``
+  and the trace's device (NaN on CPU-only traces and devices without a peak). Each op's
   FLOPs and bytes count once, at the op that did the work (an autocast ``aten::linear`` on
   fp32 weights only casts and calls the bf16 ``aten::addmm``: insitu.working_ops), and
   ``compute_dtype`` (whose peak mfu/mbu divide by) is the dtype with the most FLOPs (else
