@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from cbtrace.model.provider import RecSysProvider, TableConfig, pick_preset
-from cbtrace.plugins.providers.dlrm import mlp, torch_default_init
+from cbtrace.plugins.providers.dlrm import bag_lookups, mlp, torch_default_init
 from cbtrace.plugins.providers.weights import build
 
 ZIPF_S = 1.2  # bag lengths: P(l) ~ (l + 1)^-s on [lo, hi], the long tail of user histories
@@ -108,14 +108,8 @@ class SparseArch(nn.Module):
             for t in tables})
 
     def forward(self, values, offsets, length_per_key):
-        # length_per_key: host ints, so the split needs no device sync (graph capturable)
-        B = (offsets.numel() - 1) // len(self.embedding_bags)
-        per_table = values.split(list(length_per_key))
-        out = []
-        for i, (bag, ids) in enumerate(zip(self.embedding_bags.values(), per_table)):
-            o = offsets[i * B:(i + 1) * B]
-            out.append(bag(ids, o - o[0]))  # (B, D_i)
-        return torch.cat(out, dim=1)  # (B, sum D_i)
+        return torch.cat(bag_lookups(self.embedding_bags, values, offsets, length_per_key),
+                         dim=1)  # (B, sum D_i)
 
 
 class LowRankCrossLayer(nn.Module):

@@ -64,15 +64,21 @@ class SparseArch(nn.Module):
             for i in range(c.num_tables)})
 
     def forward(self, values, offsets, length_per_key):
-        # length_per_key: host ints (ids per table), like KeyedJaggedTensor.length_per_key():
-        # splitting by them needs no device sync, so the module stays CUDA-graph capturable.
-        B = (offsets.numel() - 1) // len(self.embedding_bags)
-        per_table = values.split(list(length_per_key))
-        out = []
-        for i, (bag, ids) in enumerate(zip(self.embedding_bags.values(), per_table)):
-            o = offsets[i * B:(i + 1) * B]
-            out.append(bag(ids, o - o[0]))  # (B, D)
-        return torch.stack(out, dim=1)  # (B, num_tables, D)
+        return torch.stack(bag_lookups(self.embedding_bags, values, offsets, length_per_key),
+                           dim=1)  # (B, num_tables, D)
+
+
+def bag_lookups(bags: nn.ModuleDict, values, offsets, length_per_key) -> list:
+    """Each table's pooled lookup of its ids, (B, D_i) per table, from key-major jagged ids.
+    length_per_key: host ints (ids per table), like KeyedJaggedTensor.length_per_key():
+    splitting by them needs no device sync, so the module stays CUDA-graph capturable."""
+    B = (offsets.numel() - 1) // len(bags)
+    per_table = values.split(list(length_per_key))
+    out = []
+    for i, (bag, ids) in enumerate(zip(bags.values(), per_table)):
+        o = offsets[i * B:(i + 1) * B]
+        out.append(bag(ids, o - o[0]))  # (B, D_i)
+    return out
 
 
 class DenseArch(nn.Module):
