@@ -211,11 +211,13 @@ def test_planted_regression_names_its_modules_and_their_ancestors(runs):
     # memory is exact: the two planted blocks and the root above them, nothing else
     assert {f for f, m in flagged.items() if "memory" in m} == {"", *MEMORY}, show
     # the spin is counted unless the machine was too busy to tell (the runs' threshold above
-    # 100x); either way with every call above it and nothing else
+    # 100x), with every call above it. Whether a loaded CPU also pushes an unplanted call over
+    # the time rule is a timing relation (bench_diff_gate.py measures false positives): here
+    # only that what is flagged without time is exactly the memory plant
     timed = {f for f, m in flagged.items() if "time" in m}
-    assert timed in (set(), {"", "transformer.h.1", "transformer.h.1.attn", SLOW}), show
+    assert not timed or {"", "transformer.h.1", "transformer.h.1.attn", SLOW} <= timed, show
     assert timed or df.attrs["time_threshold_rel"] > 100
-    assert set(flagged) == {"", *MEMORY} | timed, show
+    assert {f for f, m in flagged.items() if m != ["time"]} == {"", *MEMORY}, show
     assert (df["work_changed"] == "").all()  # a spin and a temporary are no counted work
     for name in MEMORY:
         assert df.loc[name, "peak_mem_bytes_rel"] == pytest.approx(1.8, abs=0.01)  # 2.8x
