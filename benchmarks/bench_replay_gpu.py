@@ -120,7 +120,7 @@ def bench(name, out_dir):
     import cbtrace
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.attribution.join import error_table, join_insitu
-    from cbtrace.replay.engine import rebuild_model
+    from cbtrace.replay.rebuild import rebuild_model
     from cbtrace import rundir
 
     m = MODELS[name]

@@ -172,7 +172,7 @@ def with_table_copies(c: CallUnderTest) -> None:
     def timed(j: int = 0):
         return runs[j % len(runs)](j)
 
-    c.timed = CallRunner(run=timed, n_copies=c.n_copies)
+    c.timed = CallRunner(run=timed, n_copies=max(c.n_copies, len(runs)))
     c.context_note = f"{len(tables)} copies of the table, one a run"
 
 

@@ -41,7 +41,8 @@ class Timed:
         in_step_cache_state(c)
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")
-        expected = expected * (2 if c.timed is not None else 1) if expected else None
+        with_context = c.timed is not None and c.timed.before is not None
+        expected = expected * (2 if with_context else 1) if expected else None
         run = dataclasses.replace(c.timed or c.run.timed(), expected_ms=expected)
         try:
             t, fallback = timers.measure(run, c.n_copies, c.device, self.chain, self.backends,

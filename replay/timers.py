@@ -55,6 +55,8 @@ def measure(call: CallRunner, n_copies: int, device, timers: list[str], backends
             reasons.append(f"{name}: {e}")
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            if call.release is not None:  # what a failed capture left (its context's outputs)
+                call.release()
     raise TimerUnavailable("no timer could measure this call (" + "; ".join(reasons) + ")")
 
 

@@ -308,3 +308,23 @@ def test_duplicate_serializer_name_is_a_plugin_error(tmp_path, plugin):
     plugin(dup)
     with pytest.raises(PluginError, match="'tensor' is registered twice"):
         Snapshotter(tmp_path / "inputs")
+
+
+POST_INIT_RAN = []
+
+
+@dataclasses.dataclass
+class Audited:
+    ids: torch.Tensor
+    scale: float = 1.0
+
+    def __post_init__(self):
+        POST_INIT_RAN.append(self.scale)
+
+
+def test_a_dataclass_input_is_rebuilt_without_running_its_code(tmp_path):
+    """Loading a run builds a dataclass as data: its __init__/__post_init__ (code a crafted run
+    could name, with arguments it chooses) never runs."""
+    got = roundtrip(tmp_path, (Audited(torch.arange(3), 2.5),))[0][0][0]
+    assert type(got) is Audited and got.scale == 2.5 and torch.equal(got.ids, torch.arange(3))
+    assert POST_INIT_RAN == [2.5]  # the capture's own construction only

@@ -537,3 +537,25 @@ def test_a_link_leading_out_of_the_run_is_never_the_trace(traced_run):
     assert find_trace(run) is None
     with pytest.raises(CbtraceError, match="no capture trace"):
         annotate(run)
+
+
+def test_trust_refuses_a_manifest_changed_since_it_was_shown(tmp_path):
+    from cbtrace.errors import RunDirError
+    from cbtrace.rundir.signature import trust
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "manifest.json").write_bytes(b'{"shown": 1}')
+    with pytest.raises(RunDirError, match="changed since it was shown; not signed"):
+        trust(run, shown=b'{"shown": 0}')
+
+
+def test_a_signature_with_non_ascii_text_is_no_signature(tmp_path, monkeypatch):
+    from cbtrace.rundir.signature import SIGNATURE, load_key, signed_bytes
+
+    assert load_key(create=True) is not None  # a key here: the signature itself is compared
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "manifest.json").write_bytes(b"{}")
+    (run / SIGNATURE).write_text("hmac-sha256:\u00e9", encoding="utf-8")
+    assert signed_bytes(run) is None

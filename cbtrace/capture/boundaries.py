@@ -75,8 +75,11 @@ class _Wrapped:
     """Handle of a forward wrapped on the instance (``remove()`` restores it)."""
 
     def __init__(self, module, pre, post):
-        self.module, forward = module, module.forward
-        self._own = vars(module).get("forward", _NONE)  # a forward the user set on the instance
+        forward = module.forward
+        # a traced TorchScript module forwards attribute writes to its script module: the
+        # wrapper is set, and so must be removed, there
+        self.module = getattr(module, "_actual_script_module", module)
+        self._own = vars(self.module).get("forward", _NONE)  # a forward set on the instance
 
         def call(*args, **kwargs):
             pre(module, args, kwargs)
@@ -89,6 +92,8 @@ class _Wrapped:
             return out
 
         module.forward = call
+        if vars(self.module).get("forward") is not call:  # landed elsewhere: find it there
+            self.module = module
 
     def remove(self) -> None:
         if self._own is not _NONE:

@@ -86,7 +86,7 @@ def signed_bytes(run) -> bytes | None:
         key = load_key(create=False)
     except (OSError, UnicodeDecodeError, TrustError):
         return None
-    if key is None or not hmac.compare_digest(sig, digest(key, data)):
+    if key is None or not hmac.compare_digest(sig.encode(), digest(key, data).encode()):
         return None
     return data
 
@@ -121,16 +121,19 @@ def unsign(run) -> None:
     (Path(run) / SIGNATURE).unlink(missing_ok=True)
 
 
-def trust(run) -> Path:
+def trust(run, shown: bytes | None = None) -> Path:
     """Sign ``run`` with this user's key after the user has read what it runs (``cbtrace
     trust``): RunDirError, signing nothing, if the manifest is invalid or a file it lists is
     missing or differs from its recorded sha256 (every byte is read: the run is from
-    elsewhere, so its recorded sizes and times prove nothing)."""
+    elsewhere, so its recorded sizes and times prove nothing). ``shown``: the manifest's bytes
+    the user read; a manifest changed since is refused."""
     from cbtrace.rundir.files import sha256_file
     from cbtrace.rundir.read import read_manifest
 
     run = Path(run)
     data = (run / MANIFEST).read_bytes() if (run / MANIFEST).is_file() else None
+    if shown is not None and data != shown:
+        raise RunDirError(f"{run / MANIFEST}: changed since it was shown; not signed")
     manifest = read_manifest(run)  # one line naming the file if it is missing or invalid
     for rel, want in sorted(manifest.files.items()):
         path = run / rel

@@ -31,14 +31,32 @@ def build(args: list, kwargs: dict, chunks: dict) -> str:
                     "chunks": {str(i): c for i, c in chunks.items()}})
 
 
+MAX_DEPTH = 200  # nesting of a call's arguments; far above any model's, far below recursion's
+
+
+def _depth(doc) -> int:
+    """How deeply lists and dicts nest in a decoded JSON document (no recursion)."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (list, dict)):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
 def parse(inputs_ref: str, where="") -> dict:
     """The document of an ``inputs_ref``; a one-line SerializationError, prefixed by ``where``
     (the run directory), if it is none or of another format version."""
+    prefix = f"{where}: " if str(where) else ""
     try:
         doc = json.loads(inputs_ref)
     except (TypeError, ValueError):
         doc = None
-    prefix = f"{where}: " if str(where) else ""
+    except RecursionError:
+        raise SerializationError(f"{prefix}inputs_ref is nested too deeply") from None
+    if _depth(doc) > MAX_DEPTH:  # the walks over it recurse
+        raise SerializationError(f"{prefix}inputs_ref is nested deeper than {MAX_DEPTH}")
     if not isinstance(doc, dict) or "chunks" not in doc:
         raise SerializationError(f"{prefix}inputs_ref is not a cbtrace inputs reference "
                                  f"({str(inputs_ref)[:60]!r})")

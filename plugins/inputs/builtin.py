@@ -276,8 +276,9 @@ class DataclassSerializer(Serializer):
             raise SerializationError(f"dataclass {e}") from None
         if not dataclasses.is_dataclass(cls):
             raise SerializationError(f"{node['cls']} is no longer a dataclass; not building it")
-        obj = cls(**{k: ctx.decode(v) for k, v in node["init"].items()})
-        for k, v in node["other"].items():
+        # built as data: no __init__ or __post_init__ of a class the run names runs
+        obj = object.__new__(cls)
+        for k, v in [*node["init"].items(), *node["other"].items()]:
             object.__setattr__(obj, k, ctx.decode(v))
         return obj
 

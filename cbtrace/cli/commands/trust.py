@@ -15,13 +15,18 @@ def command(run, yes):
     from cbtrace.rundir.read import read_manifest
     from cbtrace.rundir.signature import key_path, trust
 
+    from pathlib import Path
+
+    from cbtrace.rundir.layout import MANIFEST
+
+    shown = (Path(run) / MANIFEST).read_bytes() if (Path(run) / MANIFEST).is_file() else None
     manifest = read_manifest(run)
     for line in describe(manifest):
         click.echo(line)
     if not yes and not click.confirm(f"Sign {run} so that replay runs this code?",
                                      default=False):
         raise click.ClickException(f"{run}: not signed")
-    trust(run)
+    trust(run, shown)
     click.echo(f"signed {run} (key {key_path()})")
 
 
