@@ -89,14 +89,33 @@ def _row(cid, fqn, parent, kind, k=0):
             "module_type": kind}
 
 
-def _frame(ms: dict, flops: dict | None = None):
+def _frame(ms: dict, flops: dict | None = None, timer: str = "graph"):
     """A modules table of root > block > (lin, act) with these medians (ms), p10/p90 1 % off."""
     tree = [(0, "", -1, "Net", 0), (1, "block", 0, "Seq", 1), (2, "block.0", 1, "Linear", 2),
             (3, "block.1", 1, "GELU", 2)]
     rows = [{**_row(c, f, p, k), "depth": d, "isolated_ms": ms[f], "isolated_ms_p10": ms[f] * .99,
              "isolated_ms_p90": ms[f] * 1.01, "status": "ok", "noisy": False,
-             "flops": (flops or {}).get(f, 100.0)} for c, f, p, k, d in tree]
+             "flops": (flops or {}).get(f, 100.0), "timer": timer} for c, f, p, k, d in tree]
     return pd.DataFrame(rows)
+
+
+def test_every_call_slower_on_a_gpu_is_a_regression():
+    """B's times are divided by its overall shift only on CPU replays (a busier machine): on a
+    GPU every call slower (another torch, a TF32 flag) is every call regressed."""
+    from cbtrace.workflows.diff import diff_frames
+
+    def frame(scale, timer):  # a root over 12 leaves, enough calls for a shift to be taken
+        rows = [{**_row(0, "", -1, "Net"), "depth": 0, "isolated_ms": 12.0 * scale}]
+        rows += [{**_row(i, f"l{i}", 0, "Linear"), "depth": 1, "isolated_ms": 1.0 * scale}
+                 for i in range(1, 13)]
+        return pd.DataFrame([{**r, "isolated_ms_p10": r["isolated_ms"] * .99, "timer": timer,
+                              "isolated_ms_p90": r["isolated_ms"] * 1.01, "status": "ok",
+                              "noisy": False, "flops": 100.0} for r in rows])
+
+    gpu = diff_frames(frame(1.0, "graph"), frame(1.5, "graph"))
+    assert gpu["regression"].all() and gpu.attrs["time_shift"] == 1.0
+    cpu = diff_frames(frame(1.0, "cpu"), frame(1.5, "cpu"))
+    assert not cpu["regression"].any() and cpu.attrs["time_shift"] == pytest.approx(1.5)
 
 
 def test_the_call_tree_confirms_time_and_carries_regressions_up():

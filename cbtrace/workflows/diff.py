@@ -25,7 +25,7 @@ VALUES = {"isolated_ms": "time", "peak_mem_bytes": "memory", "flops": "work", "b
 # counted, not timed: a change beyond rounding is the code's on any device ("work")
 WORK = ("flops", "flops_executed", "bytes", "kernel_count", "param_bytes", "buffer_bytes",
         "bwd_flops", "bwd_bytes", "grad_bytes", "saved_bytes")
-CONTEXT = ("isolated_ms_p10", "isolated_ms_p90", "status", "noisy")
+CONTEXT = ("isolated_ms_p10", "isolated_ms_p90", "status", "noisy", "timer")
 METRICS = ("work", "time", "memory")  # the order they are named in ``regressed``
 
 
@@ -168,8 +168,11 @@ def time_threshold(timed: list[dict], leaves: set[int], cfg: DiffConfig) -> dict
          if r[f"isolated_ms_p10_{s}"] is not None and r[f"isolated_ms_p90_{s}"] is not None],
         cfg.spread_q)
     rel = max(cfg.min_time_rel, math.expm1(cfg.noise_k * sigma), spread, tail)
+    # B's times are divided by its overall shift only where both replays ran on a CPU timer:
+    # there a busier machine slows every call; on a GPU every call slower is a regression
+    on_cpu = bool(timed) and all(r["timer_a"] == "cpu" and r["timer_b"] == "cpu" for r in timed)
     return {"time_threshold_rel": rel, "time_spread_rel": spread, "time_noise_sigma": sigma,
-            "time_tail_rel": tail, "time_shift": regress.time_shift(pairs)}
+            "time_tail_rel": tail, "time_shift": regress.time_shift(pairs) if on_cpu else 1.0}
 
 
 def _pair(a: dict, b: dict, how: str) -> dict:
