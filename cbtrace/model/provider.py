@@ -77,6 +77,18 @@ class RecSysProvider(Provider):
             values.append(torch.randint(0, t.num_embeddings, (int(n.sum()),), generator=generator))
         return torch.cat(values), torch.cat(lengths)
 
+    def dense_and_jagged(self, batch_size: int, num_dense: int, device):
+        """(dense features, key-major jagged ids, their offsets, ids per table as host ints) on
+        ``device``: the batch of the plain-PyTorch recommenders (dlrm, dcn). Host ints split the
+        ids without a device sync, as KeyedJaggedTensor.length_per_key() does."""
+        import torch
+
+        values, lengths = self.jagged_ids(batch_size)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        dense = torch.randn(batch_size, num_dense)
+        per_key = tuple(int(x) for x in lengths.view(len(self.tables()), batch_size).sum(1))
+        return (dense.to(device), values.to(device), offsets.to(device), per_key)
+
     def keyed_jagged_batch(self, batch_size: int, generator=None):
         """A torchrec KeyedJaggedTensor for the tables' features (needs torchrec)."""
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor

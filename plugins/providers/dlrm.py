@@ -187,9 +187,4 @@ class DLRMProvider(RecSysProvider):
         return build(lambda: SimpleDeepFMNN(c), device, self.seed, torch_default_init)
 
     def build_batch(self, device):
-        b = self.batch_size()
-        values, lengths = self.jagged_ids(b)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-        dense = torch.randn(b, self.config().num_dense)
-        length_per_key = tuple(int(x) for x in lengths.view(len(self.tables()), b).sum(1))
-        return (dense.to(device), values.to(device), offsets.to(device), length_per_key)
+        return self.dense_and_jagged(self.batch_size(), self.config().num_dense, device)
