@@ -76,7 +76,7 @@ class CallUnderTest:
     timed: CallRunner | None = None  # what the timers run: ``run`` in its in-step cache state
     context_note: str | None = None  # how ``timed`` differs from ``run`` (the row's timer_notes)
     writes_inputs: bool = False    # a forward moves its inputs' version counters (in place)
-    context: list | None = None    # its predecessors in the step (replay.context); None: off
+    context: object = None  # its predecessors (replay.context), or their loader; None: off
 
 
 def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest:
@@ -94,18 +94,22 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
     return CallUnderTest(module, rec, run, len(copies), device, cfg, grads)
 
 
-def in_context(c: CallUnderTest, context: list) -> None:
+def in_context(c: CallUnderTest, context) -> None:
     """Set ``c.timed``: ``c.run`` preceded by its context (``replay.context``) when one of the
     call's inputs is an output of that context (its producer ran just before it in the step).
     ``before(j)`` runs the context calls for slot j (untimed work a timer puts before the timed
     call); ``run(j)`` then runs the call on copy j, each input that equals a context output
     taken from slot j's fresh output. A context that fails to run is dropped (the note says
-    why); ``release()`` drops what the slots still hold."""
+    why); ``release()`` drops what the slots still hold. ``context``: the calls, or a function
+    loading them, called only for a call that qualifies (loading reads their inputs)."""
     from cbtrace.replay.context import chained_positions, describe, substitute
 
     if not context or not _small(c):
         return
     try:
+        context = context() if callable(context) else context
+        if not context:
+            return
         first = [flat_tensors(x(0)) for x in context]
     except Exception as e:  # noqa: BLE001 - a predecessor that cannot run alone: time without
         c.context_note = f"no context: {type(e).__name__}: {str(e).splitlines()[0][:120]}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from pathlib import Path
 
@@ -345,8 +346,8 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
                 grads = (load_call_inputs(run, rec.grads_ref, device=device,
                                           chunks_read=read[1])[0]
                          if cfg.backward and rec.grads_ref else None)
-            with phase(timings, "context"):
-                ctx = context.calls(rec.call_id) if context is not None else None
+            # loaded only if the call qualifies, once its device time is known (Timed step)
+            ctx = functools.partial(context.calls, rec.call_id) if context is not None else None
             (flags or TrainingFlags(None)).apply(module, rec)
             return measure_call(module, rec, args, kwargs, device, cfg, plan, grads, timings,
                                 context=ctx)

@@ -46,7 +46,7 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
 
 
 def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads=None,
-                 timings: dict | None = None, context: list | None = None) -> dict:
+                 timings: dict | None = None, context=None) -> dict:
     """All figures of one call as a dict of ModuleRecord fields; ``timings`` (step name ->
     seconds) accumulates where the time went. ``context``: the calls timers run before it
     (``replay.context``)."""
