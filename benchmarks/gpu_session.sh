@@ -18,7 +18,9 @@
 # fidelity: fidelity_zoo.py bf16 (per model: share of calls >= 10 us within 5 %, class medians, root,
 # < 10 us median |error|; FIDELITY_MODELS comma-separated, FIDELITY_ARGS e.g. "--step train", "--no-context");
 # opportunity: bench_opportunity.py per model (the root and top 5 modules compiled in place, estimated vs
-# measured saving; the replay's modes wall and out-of-memory rows; OPP_MODELS, OPP_MODES).
+# measured saving; the replay's modes wall and out-of-memory rows; OPP_MODELS, OPP_MODES);
+# fresh: bench_replay_fresh.py (a plain `cbtrace replay` beside the replay inside `profile`; FRESH_MODELS,
+# FRESH_REPEATS).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -70,6 +72,10 @@ fidelity)
 opportunity)
   for M in ${OPP_MODELS:-efficientnet_b0 nanogpt dlrm}; do
     timeout ${OPP_TIMEOUT:-580} python3 $R/benchmarks/bench_opportunity.py --model $M --top 5 --modes ${OPP_MODES:-compile,cudagraph} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_opportunity_$M.log | tail -16
+  done ;;
+fresh)
+  for M in ${FRESH_MODELS:-nanogpt dlrm:large}; do
+    timeout ${FRESH_TIMEOUT:-300} python3 $R/benchmarks/bench_replay_fresh.py --model $M --device cuda --repeats ${FRESH_REPEATS:-2} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_replay_fresh_${M/:/_}.log | tail -30
   done ;;
 esac
 done
