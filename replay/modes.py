@@ -376,47 +376,44 @@ class CudaGraphed:
     def __init__(self, cfg):
         self.tcfg = cfg.timing()
         self.streams: dict[int, torch.cuda.Stream] = {}  # device index -> capture stream
-        self.pools: dict[int, object] = {}  # device index -> torch.cuda.MemPool of the graphs
-        self.pool_works: set[int] = set()  # devices where a capture into the pool succeeded
+        self.pool_works = False  # a capture into a pool of cbtrace's own has succeeded
 
-    def _stream_and_pool(self, device: torch.device):
-        """This device's capture stream and graph pool id, made on its first call."""
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This device's capture stream, made on its first call."""
         i = device.index if device.index is not None else torch.cuda.current_device()
         if i not in self.streams:
             self.streams[i] = torch.cuda.Stream(device)
-            try:
-                self.pools[i] = torch.cuda.MemPool()
-            except (AttributeError, RuntimeError):  # an allocator without pools: one per call
-                self.pools[i] = None
-        pool = self.pools[i]
-        return i, self.streams[i], None if pool is None else pool.id
+        return self.streams[i]
 
-    def _capture(self, c: CallUnderTest) -> list:
-        """The call's graphs; should the shared pool fail before any capture into it has
-        worked, one retry into a pool of the call's own, and the shared pool is dropped if
-        that works."""
-        i, stream, pool = self._stream_and_pool(c.device)
+    @staticmethod
+    def _new_pool():
+        """A memory pool for one call's graphs (None: an allocator without pools). A pool is
+        never reused once its graphs are gone: torch 2.11's host allocator asserts then."""
         try:
-            graphs = capture_graphs(c, self.tcfg.warmup_runs, stream, pool)
+            return torch.cuda.MemPool()
+        except (AttributeError, RuntimeError):
+            return None
+
+    def _capture(self, c: CallUnderTest, pool) -> list:
+        """The call's graphs in ``pool``; should that fail before any capture into a pool of
+        ours has worked, once more in the graphs' own pool."""
+        stream = self._stream(c.device)
+        try:
+            graphs = capture_graphs(c, self.tcfg.warmup_runs, stream,
+                                    None if pool is None else pool.id)
         except GraphUnavailable:
-            if pool is None or i in self.pool_works:
+            if pool is None or self.pool_works:
                 raise
-            graphs = capture_graphs(c, self.tcfg.warmup_runs, stream, None)
-            self.pools[i] = None
-            return graphs
+            return capture_graphs(c, self.tcfg.warmup_runs, stream, None)
         if pool is not None:
-            self.pool_works.add(i)
+            self.pool_works = True
         return graphs
 
-    def _release(self, i: int) -> None:
-        """Hand the device's graph pool and torch's unused cached blocks back to the driver
-        (an allocation outside torch's allocator, such as a graph's instantiation, cannot make
-        torch free its cache); a fresh pool for the next capture."""
-        shared = self.pools.get(i) is not None
-        self.pools[i] = None  # the pool's last reference: its blocks become freeable
+    @staticmethod
+    def _release() -> None:
+        """Hand torch's unused cached blocks back to the driver (an allocation outside torch's
+        allocator, such as a graph's instantiation, cannot make torch free its cache)."""
         torch.cuda.empty_cache()
-        if shared:
-            self.pools[i] = torch.cuda.MemPool()
 
     def run(self, c: CallUnderTest) -> dict:
         if c.device.type != "cuda":
@@ -431,16 +428,20 @@ class CudaGraphed:
                 why = str(e) if isinstance(e, GraphUnavailable) else one_line(e)
                 if attempt == 0 and "out of memory" in why.lower():
                     with torch.cuda.device(c.device):
-                        self._release(self._stream_and_pool(c.device)[0])
+                        self._release()
                     continue  # once more, with what torch had cached handed back
                 return dict(cudagraph_status=f"error: {why}")
 
     def _run(self, c: CallUnderTest) -> dict:
-        graphs = self._capture(c)
+        pool = self._new_pool()
         try:
-            ms = replay_samples(graphs, c.run.touch, self.tcfg, c.device)
+            graphs = self._capture(c, pool)
+            try:
+                ms = replay_samples(graphs, c.run.touch, self.tcfg, c.device)
+            finally:
+                for g in graphs:
+                    g.reset()
+                graphs.clear()
         finally:
-            for g in graphs:
-                g.reset()
-            graphs.clear()  # the pool's blocks are free for the next call's captures
+            del pool  # its last reference: the pool's blocks go back before the next call
         return dict(cudagraph_ms=statistics.median(ms), cudagraph_status="ok")

@@ -589,7 +589,7 @@ def test_modes_on_nanogpt_cuda(tmp_path):
     assert df["best_mode"].notna().all() and (df["opportunity_ms"] >= 0).all()
 
 
-def test_the_shared_graph_pool_is_dropped_only_if_it_never_worked(monkeypatch):
+def test_a_call_captures_into_a_pool_of_its_own_retried_alone_only_until_pools_work(monkeypatch):
     from types import SimpleNamespace
 
     from cbtrace.replay import modes
@@ -597,9 +597,7 @@ def test_the_shared_graph_pool_is_dropped_only_if_it_never_worked(monkeypatch):
 
     def step_with(fails_in_pool):
         step, tried = modes.CudaGraphed(ReplayConfig(**FAST)), []
-        step.pools[0] = SimpleNamespace(id=(0, 1))
-        monkeypatch.setattr(step, "_stream_and_pool", lambda device: (
-            0, None, None if step.pools[0] is None else step.pools[0].id))
+        monkeypatch.setattr(step, "_stream", lambda device: None)
 
         def capture(c, warmup_runs, stream, pool):
             tried.append(pool)
@@ -610,15 +608,15 @@ def test_the_shared_graph_pool_is_dropped_only_if_it_never_worked(monkeypatch):
         monkeypatch.setattr(modes, "capture_graphs", capture)
         return step, tried
 
-    call = SimpleNamespace(device=None)
-    step, tried = step_with([True])  # the first capture into the pool fails: retried alone
-    assert step._capture(call) == ["graph"] and tried == [(0, 1), None]
-    assert step.pools[0] is None  # later calls capture into pools of their own
-    step, tried = step_with([False, True])  # it worked once: a later failure is the call's
-    assert step._capture(call) == ["graph"]
+    call, pools = SimpleNamespace(device=None), [SimpleNamespace(id=(0, i)) for i in (1, 2)]
+    step, tried = step_with([True])  # the first capture into a pool fails: retried alone
+    assert step._capture(call, pools[0]) == ["graph"] and tried == [(0, 1), None]
+    assert not step.pool_works
+    step, tried = step_with([False, True])  # pools worked once: a later failure is the call's
+    assert step._capture(call, pools[0]) == ["graph"]
     with pytest.raises(modes.GraphUnavailable):
-        step._capture(call)
-    assert tried == [(0, 1), (0, 1)] and step.pools[0] is not None
+        step._capture(call, pools[1])
+    assert tried == [(0, 1), (0, 2)] and step.pool_works  # each call its own pool
 
 
 def test_a_graph_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypatch):
@@ -638,8 +636,7 @@ def test_a_graph_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypa
             return r
 
         monkeypatch.setattr(step, "_run", run)
-        monkeypatch.setattr(step, "_stream_and_pool", lambda device: (0, None, None))
-        monkeypatch.setattr(step, "_release", released.append)
+        monkeypatch.setattr(step, "_release", lambda: released.append(0))
         return step, released
 
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
