@@ -67,6 +67,9 @@ class ModuleRecord:
                                                "submodules not hooked (TorchScript, a fast path "
                                                "hooks would switch off)", default=None)
 
+    step_compiled: bool = column(CAPTURE, doc="the call ran under torch.compile in the step (the "
+                                              "model, or a block of it, compiled)", default=False)
+
     insitu_host_ms: float | None = column(
         HOST_INSITU, "ms", "CPU runs: host time of the call in an unprofiled repeat of the step",
         default=None)
@@ -119,7 +122,11 @@ class ModuleRecord:
                                           default=None)
     mbu_calibrated: float | None = column(REPLAY, "fraction", "against the calibrated bandwidth",
                                           default=None)
-    bound: str | None = column(REPLAY, doc="compute | memory | launch", default=None)
+    bound: str | None = column(REPLAY, doc="compute | memory | launch | host (its host's issue "
+                                           "time sets the pace)", default=None)
+    host_syncs: int | None = column(REPLAY, doc="host synchronisations in one call (GPU: the "
+                                                "device waited for, e.g. .item(), nonzero)",
+                                    default=None)
     nonfinite_outputs: bool = column(REPLAY, doc="the replayed call's outputs hold NaN or Inf",
                                      default=False)
     figures_suspect: bool = column(REPLAY, doc="mfu, hfu or mbu above 1: a bug in what they "
@@ -188,6 +195,12 @@ class ModuleRecord:
 
     insitu_ms: float | None = column(INSITU, "ms", "the call's own time in the captured step",
                                      default=None)
+    insitu_span_ms: float | None = column(INSITU, "ms", "the call's span in the step: its first "
+                                          "kernel's start to its last's end, gaps included",
+                                          default=None)
+    error_basis: str | None = column(INSITU, doc="busy | span: the in-situ figure error_pct "
+                                                 "compares with (span where the isolated figure "
+                                                 "holds the host's gaps)", default=None)
     error_pct: float | None = column(INSITU, "%", "100 * (isolated / in-situ - 1)", default=None)
     bwd_insitu_ms: float | None = column(INSITU, "ms", "the call's backward in the captured step",
                                          default=None)
