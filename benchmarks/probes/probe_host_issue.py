@@ -69,7 +69,7 @@ def main():
         with cbtrace.capture(model, run, trace=False, max_depth=1):
             model(x)
     df = cbtrace.replay(run, model=model, device="cuda", budget_s=0.03)
-    root = df[df["parent_call_id"].isna()].iloc[0]
+    root = df[df["parent_call_id"] < 0].iloc[0]
     rows["after cbtrace replay"] = figures(model, x)
     print(f"{a.model} bf16 b64, ms; replay root: host_ms {root['host_ms']:.3f}, isolated_ms "
           f"{root['isolated_ms']:.3f}, timer {root['timer']}")
