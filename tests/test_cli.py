@@ -21,12 +21,20 @@ def test_help_imports_neither_torch_nor_pyarrow():
         assert name in out.stdout
 
 
+HEAVY = {"torch", "pyarrow", "pandas", "tensorboard"}
+
+
 @pytest.mark.parametrize("name", sorted(COMMANDS))
-def test_every_command_has_help(name):
-    out = subprocess.run([sys.executable, "-m", "cbtrace", name, "--help"], capture_output=True,
-                         text=True)
+def test_every_command_has_light_help(name):
+    """``cbtrace <cmd> --help`` prints its usage without importing torch, pyarrow or pandas."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "cbtrace", name, "--help"],
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "Usage: cbtrace" in out.stdout and len(out.stdout.splitlines()) > 4
+    imported = {ln.rsplit("|", 1)[1].strip() for ln in out.stderr.splitlines()
+                if ln.startswith("import time:")}
+    assert "cbtrace.cli.main" in imported  # importtime did report (import_module's are not)
+    assert not imported & HEAVY, sorted(imported & HEAVY)
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
