@@ -5,12 +5,15 @@ being captured, the op that really broke a failed capture, and the allocator's r
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 ASKS_CAPTURE = ("the call asks torch.cuda.is_current_stream_capturing() and may run other code "
                 "under graph capture than in its step (transformers then keeps an all-ones "
                 "attention mask its eager step drops)")
+
+_DEVICE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> device it captured on
 
 
 @contextlib.contextmanager
@@ -26,6 +29,7 @@ def capturing(g: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None):
     read-ahead thread's pinned allocations, before it read into a ring allocated up front,
     invalidated 23 of 150 captures of a GPT-2 replay on the H200)."""
     torch.cuda.synchronize()
+    _DEVICE[g] = stream.device.index  # end_pool_routing's device after a failed capture
     with torch.cuda.stream(stream):
         pooled = {} if pool is None else {"pool": pool}  # as torch.cuda.graph passes it
         g.capture_begin(**pooled, capture_error_mode="thread_local")
@@ -80,17 +84,22 @@ def root_cause(e: BaseException) -> BaseException:
 
 def end_pool_routing(g: torch.cuda.CUDAGraph) -> None:
     """Undo what a failed capture leaves behind: allocations routed to its pool, and the CUDA
-    generators left in capture mode (capture_end raised before giving them back, and every
-    later random op outside a capture fails: "Offset increment outside graph capture
-    encountered unexpectedly"). Each default generator gets a fresh state object with the same
-    seed and offset, which is not capturing.
+    generator left in capture mode (capture_end raised before giving it back, and every later
+    random op outside a capture fails: "Offset increment outside graph capture encountered
+    unexpectedly"). Only the capturing device's default generator was registered with the
+    graph: it gets a fresh state object with the same seed and offset, which is not capturing;
+    the other devices' generators keep theirs (graphs elsewhere may hold them).
 
+    The capturing device is the stream's that ``capturing`` was given, else the current one.
     Before pytorch#180395 (torch < 2.12), capture_end skipped this when cudaStreamEndCapture
     failed, and a later empty_cache died on 'captures_underway.empty() INTERNAL ASSERT'.
     Where torch already did it, the call raises 'not currently recording'; that is ignored.
     """
+    device = _DEVICE.get(g)
+    if device is None:
+        device = torch.cuda.current_device()
     with contextlib.suppress(Exception):
-        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), g.pool())
-    for gen in torch.cuda.default_generators:
-        with contextlib.suppress(Exception):  # torch without graph-safe generator states
-            gen.graphsafe_set_state(gen.clone_state())
+        torch._C._cuda_endAllocateToPool(device, g.pool())
+    gen = torch.cuda.default_generators[device]
+    with contextlib.suppress(Exception):  # torch without graph-safe generator states
+        gen.graphsafe_set_state(gen.clone_state())
