@@ -1,11 +1,11 @@
 """The timer chain: which registered timers may time a call, in order, and the fallback.
 
 Every timer comes from the backend registry (``register_backends``). A timer with a
-``fallback_rank`` takes part in ``--timer auto`` (highest rank first: graph 30, events 20, cpu
-10) and is a fallback for any timer ranked above it; a timer without one (a third party's, say)
-is used only when asked for by name, falling back to the ranked timers. Fallbacks that cannot run
-on the device are left out silently; the requested timer's failure, and a fallback's, are
-recorded in the row's ``timer_fallback``.
+``fallback_rank`` takes part in ``--timer auto`` (highest rank first: graph 30, stream 25,
+events 20, cpu 10) and is a fallback for any timer ranked above it; a timer without one (a third
+party's, say) is used only when asked for by name, falling back to the ranked timers. Fallbacks
+that cannot run on the device are left out silently; the requested timer's failure, and a
+fallback's, are recorded in the row's ``timer_fallback``.
 """
 from __future__ import annotations
 
