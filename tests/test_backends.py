@@ -340,7 +340,7 @@ def test_cuda_timers_say_why_not_on_cpu():
 
 
 def test_capture_error_names_the_op_that_broke_it():
-    from cbtrace.plugins.backends.graph import _first_line
+    from cbtrace.errors import one_line
     from cbtrace.replay.graph_capture import root_cause
     try:
         try:
@@ -348,7 +348,7 @@ def test_capture_error_names_the_op_that_broke_it():
         finally:
             raise RuntimeError("operation failed due to a previous error during capture")
     except RuntimeError as e:
-        assert _first_line(root_cause(e)) == (
+        assert one_line(root_cause(e)) == (
             "RuntimeError: CUDA error: operation not permitted when stream is capturing")
 
 
@@ -402,7 +402,7 @@ def test_chain_follows_the_fallback_ranks(registered):
     with pytest.raises(ReplayError, match="--timer nope: no such timer.*auto, cpu, events"):
         timers.chain("nope", cpu, registered)
     if CUDA:
-        assert timers.chain("auto", cuda, registered) == ["graph", "events", "cpu"]
+        assert timers.chain("auto", cuda, registered) == ["graph", "stream", "events", "cpu"]
         assert timers.chain("events", cuda, registered) == ["events", "cpu"]
 
 

@@ -1,9 +1,4 @@
-"""``events`` timer: one call between two CUDA events, behind a queued spin kernel.
-
-One bare event pair per call overstated modules under 10 us by a median +314% on an H200 (host
-launch latency lands between the events); a spin kernel queued before the start event, long
-enough for the host to enqueue the whole call meanwhile, cut that to +27% (+7% at 10-50 us).
-"""
+"""``events`` timer: one call between events behind a spin kernel (hides its launch latency)."""
 from __future__ import annotations
 
 import time

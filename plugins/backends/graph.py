@@ -1,10 +1,4 @@
-"""``graph`` timer: K calls captured in one CUDA graph, replayed between CUDA events.
-
-On an H200 (GPT-2-small and DLRM forward, 452 modules), K = 20 calls per graph read -7% under
-10 us, -5% at 10-50 us and +3% above, against in-situ times: the replay launches all kernels at
-once, so host launch latency stays out. K shrinks for long calls (``cfg.graph_max_ms``) to keep
-heavy GEMMs from running back-to-back long enough to drop the SM clock.
-"""
+"""``graph`` timer: K calls in one CUDA graph, replayed between events (no host launch latency)."""
 from __future__ import annotations
 
 import warnings
@@ -12,6 +6,7 @@ import warnings
 import torch
 
 from cbtrace.device import free_memory
+from cbtrace.errors import one_line
 from cbtrace.replay.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing,
                                           root_cause, side_stream_warmup, watch_capture_checks)
 from cbtrace.replay.timing import (CallRunner, Timing, TimerUnavailable, TimingConfig,
@@ -21,11 +16,6 @@ from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher, spin
 from .sampling import collect, timing_from_samples, warm_until_settled
 from .stats import EVENT_JITTER_MS, graph_calls
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 def capture(call, n_copies: int, k: int, touch=None, stream=None,
@@ -49,12 +39,12 @@ def capture(call, n_copies: int, k: int, touch=None, stream=None,
     except Exception as e:  # capture errors come as RuntimeError, AcceleratorError, OOM, ...
         end_pool_routing(g)
         del g
-        cause = _first_line(root_cause(e))
+        cause = one_line(root_cause(e))
         try:
             torch.cuda.synchronize()
         except Exception as e2:
             raise TimerUnavailable(f"graph capture failed ({cause}) and left CUDA "
-                                   f"unusable ({_first_line(e2)})") from e
+                                   f"unusable ({one_line(e2)})") from e
         raise TimerUnavailable(f"graph capture failed: {cause}") from e
     if asked:
         g.reset()
@@ -82,7 +72,7 @@ def staged(call: CallRunner, n_copies: int, k: int, touch=None,
         except torch.OutOfMemoryError as e:
             call.unstage()
             raise TimerUnavailable(f"staging {k} forwards ran out of memory "
-                                   f"({_first_line(e)})") from e
+                                   f"({one_line(e)})") from e
     return capture(call.run, n_copies, k, touch, stream, slots=stage is not None)
 
 

@@ -51,7 +51,8 @@ def converged(samples_ms: list[float], spread: float, floor_ms: float = 0.0) -> 
 
 
 def graph_calls(*, per_call_ms: float, k_max: int, max_replay_ms: float) -> int:
-    """Calls per CUDA graph: ``k_max``, fewer if K calls would run longer than ``max_replay_ms``."""
+    """Calls per timed window (a CUDA graph, or the stream timer's run back to back): ``k_max``,
+    fewer if K calls would run longer than ``max_replay_ms``."""
     if per_call_ms <= 0:
         return k_max
     return max(1, min(k_max, int(max_replay_ms / per_call_ms)))
