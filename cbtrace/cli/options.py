@@ -71,9 +71,11 @@ class TimerChoice(click.Choice):
 
 
 def timer_option(f):
+    # a fixed metavar: listing the choices in --help would load the timer plugins (torch)
     return click.option("--timer", type=TimerChoice(), default="auto", show_default=True,
-                        help="measurement backend: auto or a registered timer (fallbacks are "
-                             "recorded per row)")(f)
+                        metavar="NAME",
+                        help="measurement backend: auto or a registered timer (cbtrace models "
+                             "lists them; fallbacks are recorded per row)")(f)
 
 
 def replay_options(f):
