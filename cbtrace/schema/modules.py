@@ -85,7 +85,11 @@ class ModuleRecord:
     timing_copied_from: str | None = column(REPLAY, doc="--reuse-timing: the fqn whose timing "
                                             "this call copied (\"\" for the root), else None",
                                             default=None)
-    isolated_ms: float | None = column(REPLAY, "ms", "median of the timed runs", default=None)
+    isolated_ms: float | None = column(REPLAY, "ms", "median of the timed runs (a step_compiled "
+                                       "row: of the call compiled, as the step ran it)",
+                                       default=None)
+    eager_ms: float | None = column(REPLAY, "ms", "a step_compiled row timed compiled: the same "
+                                    "call run eagerly, timed alike (else None)", default=None)
     isolated_ms_p10: float | None = column(REPLAY, "ms", "10th percentile", default=None)
     isolated_ms_p90: float | None = column(REPLAY, "ms", "90th percentile", default=None)
     runs: int | None = column(REPLAY, doc="number of timed samples", default=None)
