@@ -28,7 +28,7 @@ PROVIDERS = {"nanogpt": {"batch_size": 8}, "dlrm": {"batch_size": 8192}}
 CNN_BATCH, CNN_SIDE = 64, 224  # a timm / torchvision CNN: batch 64 of 224 x 224 images
 REPLAY = dict(budget_s=0.03, timeout_s=300.0)
 STEPS_K = 20      # steps back to back per timed repeat (the host runs ahead as in training)
-REPEATS = 5       # timed repeats per configuration; the median is reported
+REPEATS = 7       # windows per configuration, eager and compiled in turn; the medians are reported
 
 
 def build(name: str, device: str, dtype):
@@ -67,8 +67,8 @@ def cnn(name: str):
 def table(rows, types: dict, calls: dict) -> str:
     from cbtrace.plugins.reporters.opportunities import within
 
-    head = ("module", "type", "calls", "estimated ms", "measured ms", "error ms", "error %",
-            "eager step ms", "compiled step ms", "compile s", "ok?")
+    head = ("module", "type", "calls", "estimated ms", "measured ms", "+- ms", "error ms",
+            "error %", "eager step ms", "compiled step ms", "compile s", "ok?")
     out = [head]
     for r in rows:
         m, e = r.measured_ms, r.error_ms
@@ -79,11 +79,11 @@ def table(rows, types: dict, calls: dict) -> str:
         pct = None if e is None or not m else 100 * e / abs(m)
         ok = "-" if e is None else ("yes" if within(r.estimated_ms, m) else "no")
         out.append((r.fqn or "(root)", types.get(r.fqn, "-"), str(calls.get(r.fqn, "-")),
-                    f(r.estimated_ms), f(m), f(e), f(pct, "+.1f"), f(r.eager_ms),
+                    f(r.estimated_ms), f(m), f(r.noise_ms), f(e), f(pct, "+.1f"), f(r.eager_ms),
                     f(r.compiled_ms), f(r.compile_s, ".1f"),
                     ok if r.status == "ok" else r.status[:60]))
     widths = [max(len(str(row[i])) for row in out) for i in range(len(head))]
-    lines = ["  ".join(str(c).ljust(w) if i < 2 or i == 10 else str(c).rjust(w)
+    lines = ["  ".join(str(c).ljust(w) if i < 2 or i == 11 else str(c).rjust(w)
                        for i, (c, w) in enumerate(zip(row, widths))) for row in out]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -150,7 +150,7 @@ def main(argv=None) -> None:
     checked = opp.verify_in_place(model, run_step, fqns, est, a.device, mode=a.compile_mode,
                                   k=a.k, repeats=a.repeats)
     print(f"\nin place, {len(fqns)} modules ({time.perf_counter() - t0:.1f} s; one step = median "
-          f"of {a.repeats} x {a.k} steps back to back; saving = eager step - compiled step)")
+          f"of {a.repeats} windows of {a.k} steps back to back, eager and compiled in turn; saving = eager step - compiled step)")
     print(table(checked, types, calls))
     root = next((r for r in rows if r.get("parent_call_id") not in {x["call_id"] for x in rows}),
                 None)

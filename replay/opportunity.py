@@ -181,10 +181,11 @@ class InPlace:
 
     fqn: str                    # "" is the root: the whole model compiled
     estimated_ms: float | None  # the replay's estimate of the saving per step
-    eager_ms: float | None      # one step, eager (median over repeats of K steps back to back)
+    eager_ms: float | None      # one step, eager (median over windows of K steps back to back)
     compiled_ms: float | None   # one step with this module compiled in place
     compile_s: float | None = None  # the first compiled step (untimed)
     status: str = "ok"          # or "error: ..." (compile or run failed)
+    noise_ms: float | None = None  # half the p10..p90 range of the paired windows' savings
 
     @property
     def measured_ms(self) -> float | None:
@@ -199,62 +200,94 @@ class InPlace:
         return None if m is None or self.estimated_ms is None else self.estimated_ms - m
 
 
-def steps_ms(step, device, *, k: int = 20, repeats: int = 5, warmup: int = 3) -> float:
-    """Median over ``repeats`` of one step's time in K steps run back to back (the host runs
-    ahead as in training): CUDA events around the K steps, perf_counter on a CPU."""
+def window_ms(step, device, k: int) -> float:
+    """One step's time in K steps run back to back (the host runs ahead as in training): CUDA
+    events around the K steps, perf_counter on a CPU."""
     import torch
 
-    cuda = torch.device(device).type == "cuda"
+    if torch.device(device).type == "cuda":
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        for _ in range(k):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / k
+    t0 = time.perf_counter()
+    for _ in range(k):
+        step()
+    return (time.perf_counter() - t0) * 1e3 / k
+
+
+def steps_ms(step, device, *, k: int = 20, repeats: int = 5, warmup: int = 3) -> float:
+    """Median over ``repeats`` windows of ``window_ms``, after ``warmup`` steps."""
     for _ in range(warmup):
         step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    samples = []
+    _sync(device)
+    return statistics.median(window_ms(step, device, k) for _ in range(repeats))
+
+
+def paired_steps_ms(step_a, step_b, device, *, k: int = 20, repeats: int = 5,
+                    warmup: int = 3) -> tuple[float, float, float]:
+    """(a ms, b ms, noise ms): windows of K steps of a and of b taken in turn, so that a host or
+    clock drifting over the measurement moves both (measured one after the other, a GPT-2
+    step read 8.5 ms for its first modules and 5.1 ms for its last); the medians, and half
+    the p10..p90 range of the per-pair differences."""
+    for step in (step_a, step_b):
+        for _ in range(warmup):
+            step()
+    _sync(device)
+    a, b = [], []
     for _ in range(repeats):
-        if cuda:
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            for _ in range(k):
-                step()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / k)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(k):
-                step()
-            samples.append((time.perf_counter() - t0) * 1e3 / k)
-    return statistics.median(samples)
+        a.append(window_ms(step_a, device, k))
+        b.append(window_ms(step_b, device, k))
+    diffs = sorted(x - y for x, y in zip(a, b))
+    lo, hi = diffs[int(0.1 * (len(diffs) - 1))], diffs[round(0.9 * (len(diffs) - 1))]
+    return statistics.median(a), statistics.median(b), (hi - lo) / 2
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
 def compiled_in_place(model, fqn: str, mode: str = "default"):
-    """The model with module ``fqn`` replaced on its parent by ``torch.compile(module)`` (the
-    root: the whole model compiled); put back and dynamo reset on exit."""
+    """(eager, compiled): each returns the model to run with module ``fqn`` eager, or replaced
+    on its parent by ``torch.compile(module)`` (the root: the whole model compiled), so the
+    two can be measured in turn; the module put back and dynamo reset on exit."""
     import torch
 
     if not fqn:
+        whole = torch.compile(model, mode=mode)
         try:
-            yield torch.compile(model, mode=mode)
+            yield (lambda: model), (lambda: whole)
         finally:
             torch._dynamo.reset()
         return
     parent_name, _, name = fqn.rpartition(".")
     parent = model.get_submodule(parent_name)
     original = getattr(parent, name)
-    setattr(parent, name, torch.compile(original, mode=mode))
+    compiled = torch.compile(original, mode=mode)
+
+    def use(module):
+        setattr(parent, name, module)
+        return model
+
     try:
-        yield model
+        yield (lambda: use(original)), (lambda: use(compiled))
     finally:
         setattr(parent, name, original)
         torch._dynamo.reset()
 
 
 def verify_in_place(model, run_step, fqns: list[str], estimates: dict[str, float], device, *,
-                    mode: str = "default", k: int = 20, repeats: int = 5) -> list[InPlace]:
+                    mode: str = "default", k: int = 20, repeats: int = 7) -> list[InPlace]:
     """Per module of ``fqns``: the whole step (``run_step(model)``) eager and with that module
-    compiled in place, measured back to back; a module that fails to compile or run is a row
-    with its status."""
+    compiled in place, in alternating windows (``paired_steps_ms``); a module that fails to
+    compile or run is a row with its status and the eager step alone."""
     import torch
 
     from cbtrace.replay.modes import one_line
@@ -262,25 +295,26 @@ def verify_in_place(model, run_step, fqns: list[str], estimates: dict[str, float
     rows = []
     for fqn in fqns:
         torch._dynamo.reset()
-        eager = steps_ms(lambda: run_step(model), device, k=k, repeats=repeats)
-        row = InPlace(fqn, estimates.get(fqn), eager, None)
+        row = InPlace(fqn, estimates.get(fqn), None, None)
         try:
-            with compiled_in_place(model, fqn, mode) as m:
+            with compiled_in_place(model, fqn, mode) as (eager, compiled):
                 t0 = time.perf_counter()
-                run_step(m)
-                if torch.device(device).type == "cuda":
-                    torch.cuda.synchronize(device)
+                run_step(compiled())
+                _sync(device)
                 row.compile_s = time.perf_counter() - t0
-                row.compiled_ms = steps_ms(lambda: run_step(m), device, k=k, repeats=repeats)
+                row.eager_ms, row.compiled_ms, row.noise_ms = paired_steps_ms(
+                    lambda: run_step(eager()), lambda: run_step(compiled()), device, k=k,
+                    repeats=repeats)
         except Exception as e:  # noqa: BLE001 - one module failing leaves the others' rows
-            row.status = f"error: {one_line(e)}"
+            row.status, row.compiled_ms, row.noise_ms = f"error: {one_line(e)}", None, None
+            row.eager_ms = steps_ms(lambda: run_step(model), device, k=k, repeats=repeats)
         rows.append(row)
     return rows
 
 
 def verify_spec(spec: str, df, top: int, *, device=None, dtype: str | None = None,
                 step: str = "forward", seed: int = 0, options: dict | None = None,
-                mode: str = "default", k: int = 20, repeats: int = 5) -> list[InPlace]:
+                mode: str = "default", k: int = 20, repeats: int = 7) -> list[InPlace]:
     """``verify_in_place`` for a profiled run: the root and the ``top`` modules by
     ``compile_estimates`` of its modules frame ``df``, in the model of ``spec`` built again
     (same seed, options, dtype and step as the capture)."""

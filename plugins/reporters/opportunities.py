@@ -162,20 +162,22 @@ def verified_table(checked, types: dict | None = None) -> str:
     def f(v, spec=".3f"):
         return "-" if v is None else format(v, spec)
 
-    body = [("module", "type", "estimated", "measured", "error", "error %", "eager step",
+    body = [("module", "type", "estimated", "measured", "+-", "error", "error %", "eager step",
              "compiled step", "compile s", "within")]
     for r in checked:
         m, e = r.measured_ms, r.error_ms
         pct = None if e is None or not m else 100 * e / abs(m)
         ok = "-" if e is None else ("yes" if within(r.estimated_ms, m) else "no")
         body.append((r.fqn or "(root)", types.get(r.fqn) or "-", fmt.ms(r.estimated_ms),
-                     fmt.ms(m), fmt.ms(e), f(pct, "+.1f"), fmt.ms(r.eager_ms),
+                     fmt.ms(m), fmt.ms(r.noise_ms), fmt.ms(e), f(pct, "+.1f"),
+                     fmt.ms(r.eager_ms),
                      fmt.ms(r.compiled_ms), f(r.compile_s, ".1f"),
                      ok if r.status == "ok" else r.status[:80]))
     done = [r for r in checked if r.error_ms is not None]
     good = sum(within(r.estimated_ms, r.measured_ms) for r in done)
-    title = ("Compiled in place: the whole step eager and with each module compiled (K steps "
-             "back to back, median of repeats); saving = eager step - compiled step")
+    title = ("Compiled in place: the whole step eager and with each module compiled (windows of "
+             "K steps back to back, eager and compiled in turn, medians; +-: half the p10..p90 "
+             "of the paired savings); saving = eager step - compiled step")
     tail = (f"within {REL_TOL:.0%} or {ABS_TOL_MS} ms of the measured saving: {good} of "
             f"{len(done)} modules ({len(checked) - len(done)} not measured)")
-    return "\n".join([title, _table(body, left={0, 1, 9}), tail])
+    return "\n".join([title, _table(body, left={0, 1, 10}), tail])
