@@ -6,8 +6,10 @@ plan (``cbtrace.replay.plan``) runs them in order on one prepared call. A new me
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+import warnings
 
 import torch
 
@@ -95,7 +97,9 @@ class ProfilerPass:
 
 class HostIssue:
     """host_ms: host time to enqueue one call on a GPU, no sync in the timed loop (if it exceeds
-    the device time, the GPU starves in a real step: launch-bound). None on CPU."""
+    the device time, the GPU starves in a real step: host-bound); host_syncs: the host
+    synchronisations torch reports in its first run, which is left out of host_ms (a warning
+    per sync costs host time). Both None on CPU."""
 
     name = "host_issue"
 
@@ -104,21 +108,49 @@ class HostIssue:
 
     def run(self, c: CallUnderTest) -> dict:
         if c.device.type != "cuda":
-            return dict(host_ms=None)
+            return dict(host_ms=None, host_syncs=None)
         torch.cuda.synchronize(c.device)
-        times = []
+        times, syncs = [], []
         # the queue never fills in `reps` calls: none waits. The last run is on copy 0 (the
         # captured inputs), whose outputs OutputCheck looks at; a run's outputs are dropped
         # before the next (one run's activations alive at a time, as in the step)
         for i in reversed(range(self.reps)):
             c.outputs = None
-            t0 = time.perf_counter()
-            out = c.run(i % c.n_copies)
-            times.append(time.perf_counter() - t0)
+            counted = not syncs
+            with counting_syncs(syncs) if counted else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                out = c.run(i % c.n_copies)
+                took = time.perf_counter() - t0
+            if not counted or self.reps == 1:
+                times.append(took)
             c.outputs, out = out, None
         torch.cuda.synchronize(c.device)
         # median: one slow call is the OS, not the module
-        return dict(host_ms=sorted(times)[len(times) // 2] * 1e3)
+        return dict(host_ms=sorted(times)[len(times) // 2] * 1e3, host_syncs=syncs[0])
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's text in sync-debug "warn" mode
+
+
+@contextlib.contextmanager
+def counting_syncs(found: list):
+    """Appends to ``found`` how many host synchronisations torch warned of in the block
+    (``torch.cuda.set_sync_debug_mode("warn")``: .item(), nonzero, a device-to-host copy,
+    Stream.synchronize; not torch.cuda.synchronize). The previous mode is restored, even on
+    error."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every sync, not once per line of code
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    syncs = [w for w in caught if SYNC_WARNING in str(w.message)]
+    for w in caught:  # the call's own warnings go on as they would have
+        if w not in syncs:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    found.append(len(syncs))
 
 
 class OpCount:

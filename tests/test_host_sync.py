@@ -100,3 +100,84 @@ def test_the_stream_timer_needs_cuda():
     if not CUDA:
         with pytest.raises(TimerUnavailable, match="stream timer"):
             StreamTimer().measure(CallRunner(run=lambda i: None), 1, "cpu", TimingConfig())
+
+
+# ---- compared like with like: error_basis, error_pct ----------------------------------------
+
+def _insitu(monkeypatch, timers_, isolated, gpu_ms, span_ms):
+    """insitu_columns over a synthetic modules table and a synthetic in-situ table."""
+    import types
+
+    import pandas as pd
+
+    from cbtrace.attribution import join
+
+    n = len(timers_)
+    table = pd.DataFrame(dict(fqn=[f"m{i}" for i in range(n)], call_index=[0] * n,
+                              cpu_ms=[9.0] * n, gpu_ms=gpu_ms, gpu_span_ms=span_ms,
+                              insitu_ms=gpu_ms))
+    monkeypatch.setattr(join, "insitu_for_run", lambda run, manifest, phase="fwd": table)
+    df = pd.DataFrame(dict(call_id=list(range(n)), fqn=list(table["fqn"]), call_index=[0] * n,
+                           timer=timers_, isolated_ms=isolated, bwd_ms=[None] * n,
+                           insitu_host_ms=[None] * n))
+    return join.insitu_columns("run", types.SimpleNamespace(device="cuda:0"), df)
+
+
+def test_a_call_timed_back_to_back_is_compared_with_its_span(monkeypatch):
+    out = _insitu(monkeypatch, ["stream", "graph", "events", "stream", None],
+                  isolated=[7.0, 1.1, 2.0, 0.5, None], gpu_ms=[3.5, 1.0, 2.0, 0.5, 1.0],
+                  span_ms=[7.0, 4.0, 2.5, 0.0, 1.0])
+    assert out[0]["error_basis"] == "span" and out[0]["error_pct"] == pytest.approx(0.0)
+    assert out[0]["insitu_ms"] == 3.5 and out[0]["insitu_span_ms"] == 7.0  # both kept
+    # graph and events figures are device-busy time: compared with the kernels' own time
+    assert out[1]["error_basis"] == "busy" and out[1]["error_pct"] == pytest.approx(10.0)
+    assert out[1]["insitu_span_ms"] == 4.0
+    assert out[2]["error_basis"] == "busy" and out[2]["error_pct"] == pytest.approx(0.0)
+    # no kernel of its own in the step: no span, the busy figure
+    assert out[3]["insitu_span_ms"] is None and out[3]["error_basis"] == "busy"
+    # not timed: no error, so no basis
+    assert out[4]["error_pct"] is None and out[4]["error_basis"] is None
+
+
+def test_error_basis_and_error_pct_are_pure():
+    from cbtrace.cost import metrics
+
+    assert metrics.error_basis("stream", 2.0) == "span"
+    assert metrics.error_basis("stream", None) == "busy"
+    assert metrics.error_basis("stream", 0.0) == "busy"
+    assert metrics.error_basis("graph", 2.0) == "busy"
+    assert metrics.error_basis(None, 2.0) == "busy"
+    assert metrics.error_pct(3.0, 2.0) == pytest.approx(50.0)
+    assert metrics.error_pct(3.0, 0.0) is None and metrics.error_pct(None, 2.0) is None
+
+
+# ---- host_syncs ----------------------------------------------------------------------------
+
+def test_host_syncs_is_none_on_a_cpu():
+    import types
+
+    from cbtrace.replay.steps import HostIssue
+
+    assert HostIssue().run(types.SimpleNamespace(device=torch.device("cpu"))) == dict(
+        host_ms=None, host_syncs=None)
+
+
+def test_syncs_are_counted_from_torchs_warnings_and_the_mode_is_restored(monkeypatch):
+    import warnings
+
+    from cbtrace.replay import steps
+
+    mode = ["default"]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode[0])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.__setitem__(0, m))
+    found: list = []
+    with pytest.warns(UserWarning, match="the call's own"):  # passed on, not swallowed
+        with steps.counting_syncs(found):
+            assert mode[0] == "warn"
+            for _ in range(3):  # the same line thrice: each counts
+                warnings.warn(steps.SYNC_WARNING)
+            warnings.warn("the call's own")
+    assert found == [3] and mode[0] == "default"
+    with pytest.raises(RuntimeError), steps.counting_syncs(found):
+        raise RuntimeError("the module failed")
+    assert mode[0] == "default" and found == [3]

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from cbtrace.attribution.attribute import attribute_file
+from cbtrace.cost import metrics
 from cbtrace.errors import RunDirError
 from cbtrace.rundir.lock import locked
 from cbtrace.rundir.read import find_trace, load_run
@@ -19,22 +20,32 @@ from cbtrace.schema.modules import INSITU
 
 
 def insitu_columns(run, manifest, df) -> dict[int, dict]:
-    """call_id -> {insitu_ms, error_pct, bwd_insitu_ms, bwd_error_pct} for every row of the
-    modules table ``df`` (the backward's only where replay measured it)."""
+    """call_id -> {insitu_ms, insitu_span_ms, error_basis, error_pct, bwd_insitu_ms,
+    bwd_error_pct, recompute_insitu_ms} for every row of the modules table ``df`` (the
+    backward's only where replay measured it). error_pct compares the isolated figure with the
+    in-situ figure ``error_basis`` names (``metrics.error_basis``): the span for a call timed
+    back to back, whose figure holds the host's gaps, else the busy time."""
     on_gpu = manifest.device.startswith("cuda")
     if not on_gpu and df["insitu_host_ms"].notna().all():
         insitu = dict(zip(df["call_id"], df["insitu_host_ms"]))  # CPU: unprofiled repeats
+        span = {}
     else:
-        insitu = _by_call(df, insitu_for_run(run, manifest))
+        table = insitu_for_run(run, manifest)
+        insitu, span = _by_call(df, table), _by_call(df, table, "gpu_span_ms")
     bwd = (_by_call(df, insitu_for_run(run, manifest, phase="bwd"))
            if df["bwd_ms"].notna().any() else {})
     recompute = _recompute(run, manifest, df)
     out = {}
-    for cid, iso, bwd_ms in zip(df["call_id"], df["isolated_ms"], df["bwd_ms"]):
-        ins, bwd_ins = _number(insitu.get(cid)), _number(bwd.get(cid))
-        out[int(cid)] = {"insitu_ms": ins, "error_pct": _error_pct(_number(iso), ins),
+    for cid, timer, iso, bwd_ms in zip(df["call_id"], df["timer"], df["isolated_ms"],
+                                       df["bwd_ms"]):
+        ins, spn, bwd_ins = (_number(d.get(cid)) for d in (insitu, span, bwd))
+        spn = spn if spn else None  # 0: no kernel of its own in the step
+        basis = metrics.error_basis(timer if isinstance(timer, str) else None, spn)
+        err = metrics.error_pct(_number(iso), spn if basis == "span" else ins)
+        out[int(cid)] = {"insitu_ms": ins, "insitu_span_ms": spn,
+                         "error_basis": basis if err is not None else None, "error_pct": err,
                          "bwd_insitu_ms": bwd_ins,
-                         "bwd_error_pct": _error_pct(_number(bwd_ms), bwd_ins),
+                         "bwd_error_pct": metrics.error_pct(_number(bwd_ms), bwd_ins),
                          "recompute_insitu_ms": _number(recompute.get(cid))}
     return out
 
@@ -52,17 +63,11 @@ def _recompute(run, manifest, df) -> dict:
         return {}
 
 
-def _by_call(df, ins) -> dict:
-    """call_id -> in-situ ms, matching the attribution's rows by (fqn, call_index)."""
-    by_key = dict(zip(zip(ins["fqn"], ins["call_index"]), ins["insitu_ms"]))
+def _by_call(df, ins, column: str = "insitu_ms") -> dict:
+    """call_id -> the attribution's ``column``, matching its rows by (fqn, call_index)."""
+    by_key = dict(zip(zip(ins["fqn"], ins["call_index"]), ins[column]))
     return {cid: by_key.get((f, int(i))) for cid, f, i in
             zip(df["call_id"], df["fqn"], df["call_index"])}
-
-
-def _error_pct(isolated, insitu):
-    if isolated is None or insitu is None or insitu <= 0:
-        return None
-    return 100.0 * (isolated / insitu - 1.0)
 
 
 def insitu_for_run(run_dir, manifest, phase: str = "fwd"):

@@ -90,6 +90,24 @@ def bound(flops, bytes_moved, seconds, peak_flops_per_s, peak_bytes_per_s,
     return None
 
 
+# Timers whose figure holds the gaps the host leaves between a call's kernels (K eager calls
+# issued back to back): compared with the call's in-situ span, the others with its busy time.
+SPAN_TIMERS = frozenset({"stream"})
+
+
+def error_basis(timer: str | None, span_ms) -> str:
+    """"span" when the isolated figure holds the host's gaps (a timer of ``SPAN_TIMERS``) and
+    the step gave the call a span (> 0), else "busy": the in-situ figure to compare with."""
+    return "span" if timer in SPAN_TIMERS and span_ms is not None and span_ms > 0 else "busy"
+
+
+def error_pct(isolated_ms, insitu_ms) -> float | None:
+    """100 * (isolated / in-situ - 1): how much slower the call reads alone than in the step."""
+    if isolated_ms is None or insitu_ms is None or insitu_ms <= 0:
+        return None
+    return 100.0 * (isolated_ms / insitu_ms - 1.0)
+
+
 def residual(parent_ms, children_ms: Iterable) -> float | None:
     """Parent time minus the sum of its children's: the glue a parent launches itself.
 
