@@ -16,10 +16,11 @@ from cbtrace.cost.metrics import binding_utilisation
 
 MFU_SCALE = ("#e3ecfb", "#0b3d91")   # 0 % -> 100 % MFU
 MBU_SCALE = ("#fdebd6", "#a84300")   # 0 % -> 100 % MBU
-BOUND_COLORS = {                      # Tableau 10: blue, orange, purple
+BOUND_COLORS = {                      # Tableau 10: blue, orange, purple, red
     "compute": "#4c78a8",
     "memory": "#f58518",
     "launch": "#b279a2",
+    "host": "#e45756",
 }
 SPEEDUP_SCALE = ("#f1f8ee", "#11632b")  # 1x (eager is fastest) -> SPEEDUP_MAX and above
 SPEEDUP_MAX = 4.0
