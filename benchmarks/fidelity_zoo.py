@@ -46,6 +46,9 @@ MODELS = {
     "gpt2": (f"{ZOO}:hf_gpt2", TINY, f"{ZOO}:hf_gpt2", REAL, "transformers"),
     "llama": (f"{ZOO}:hf_llama", TINY, f"{ZOO}:hf_llama", REAL, "transformers"),
     "mixtral": (f"{ZOO}:hf_mixtral", TINY, f"{ZOO}:hf_mixtral", REAL, "transformers"),
+    "fasterrcnn": (f"{ZOO}:tv_fasterrcnn", TINY, f"{ZOO}:tv_fasterrcnn", REAL, "torchvision"),
+    "gnn": (f"{ZOO}:pyg_gnn", TINY, f"{ZOO}:pyg_gnn", REAL, "torch_geometric"),
+    "compiled-gpt2": ("nanogpt:tiny", {}, f"{ZOO}:compiled_nanogpt", REAL, None),
 }
 DEFAULT_MODELS = "nanogpt,dlrm,dcn,hstu,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base"
 # the modules table's columns of each phase: status, in-situ ms, error %
@@ -55,7 +58,8 @@ PHASES = {"fwd": ("status", "insitu_ms", "error_pct"),
 ROW_COLUMNS = ("fqn", "module_type", "status", "status_reason", "timer", "timer_notes",
                "insitu_ms", "isolated_ms", "error_pct", "device_ms", "host_ms", "kernel_count",
                "bwd_status", "bwd_status_reason", "bwd_insitu_ms", "bwd_ms", "bwd_error_pct",
-               "bwd_timer_notes")
+               "bwd_timer_notes", "host_syncs", "insitu_span_ms", "error_basis", "step_compiled",
+               "eager_ms")
 COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
            "root_err%", "<10us_|err|_med%")
 

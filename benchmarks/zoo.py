@@ -288,6 +288,41 @@ def timm_convnext_tiny(size: str = "real"):
     return model, (torch.randn(_pick(size, 2, 64), 3, 224, 224),)
 
 
+def tv_fasterrcnn(size: str = "real"):
+    """A detection model: host copies and data-dependent shapes in its heads, an ImageList
+    passed between its modules."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.detection.fasterrcnn_resnet50_fpn(
+        weights=None, weights_backbone=None).eval()
+    side = _pick(size, 128, 640)
+    return model, ([torch.rand(3, side, side) for _ in range(_pick(size, 1, 4))],)
+
+
+class GNN(nn.Module):
+    """Two message-passing layers of torch_geometric (GCN, then GAT) with a ReLU between."""
+
+    def __init__(self, dim: int, hidden: int, out: int):
+        super().__init__()
+        from torch_geometric.nn import GATConv, GCNConv
+
+        self.conv1, self.act, self.conv2 = GCNConv(dim, hidden), nn.ReLU(), GATConv(hidden, out)
+
+    def forward(self, x, edge_index):
+        return self.conv2(self.act(self.conv1(x, edge_index)), edge_index)
+
+
+def pyg_gnn(size: str = "real"):
+    """A graph neural network of torch_geometric layers on a random graph."""
+    g = torch.Generator().manual_seed(0)
+    nodes, edges, dim = _pick(size, (64, 256, 16), (100_000, 1_000_000, 128))
+    torch.manual_seed(0)
+    model = GNN(dim, 256, 64).eval()
+    x = torch.randn(nodes, dim, generator=g)
+    return model, (x, torch.randint(0, nodes, (2, edges), generator=g))
+
+
 # name -> (spec, options, --step). The CPU suite runs every entry whose needs are installed.
 ENTRIES = {
     "gpt2": ("benchmarks/zoo.py:hf_gpt2", {}, "forward"),
