@@ -68,12 +68,21 @@ def add_utilisation(rec, device_name: str, peaks: PeakLookup | None = None) -> N
             setattr(rec, "mbu" + suffix, metrics.mbu(rec.bytes, seconds, p.bytes_per_s))
     rec.figures_suspect = metrics.suspect(rec.mfu, rec.hfu, rec.mbu)
     if peak is not None and peak.flops_per_s and peak.bytes_per_s:
-        # Launch-bound when issuing the call takes the host >= 1.5x its device time (metrics.bound
-        # says "launch" once the idle share, host - device, reaches half the device time). Not
-        # the synchronised eager wall time: that carries a fixed sync latency for every call.
-        idle = None if rec.host_ms is None else max(rec.host_ms - rec.isolated_ms, 0.0) / 1e3
+        host, device = host_and_device_s(rec)
         rec.bound = metrics.bound(rec.flops or 0.0, rec.bytes or 0.0, seconds, peak.flops_per_s,
-                                  peak.bytes_per_s, idle, rec.kernel_count or 0)
+                                  peak.bytes_per_s, kernel_count=rec.kernel_count or 0,
+                                  host_s=host, device_s=device)
+
+
+def host_and_device_s(rec) -> tuple[float | None, float | None]:
+    """(host issue time, device time) of a call, in s, for the "host" bound: host_ms against
+    isolated_ms, or against device_ms (the profiled pass) where the call was timed back to
+    back, its isolated figure then holding the host's own time. Not the synchronised eager
+    wall time: that carries a fixed sync latency for every call."""
+    if rec.host_ms is None:
+        return None, None
+    device = rec.device_ms if rec.timer in metrics.SPAN_TIMERS else rec.isolated_ms
+    return (rec.host_ms / 1e3, device / 1e3) if device else (None, None)
 
 
 def add_backward_utilisation(rec, device_name: str, peaks: PeakLookup | None = None) -> None:

@@ -181,3 +181,49 @@ def test_syncs_are_counted_from_torchs_warnings_and_the_mode_is_restored(monkeyp
     with pytest.raises(RuntimeError), steps.counting_syncs(found):
         raise RuntimeError("the module failed")
     assert mode[0] == "default" and found == [3]
+
+
+# ---- bound = host --------------------------------------------------------------------------
+
+H200_BF16, H200_BW = 989.5e12, 4.8e12
+
+
+def test_bound_is_host_when_issuing_takes_the_host_at_least_the_device_time():
+    from cbtrace.cost import metrics as m
+
+    # a GEMM's worth of FLOPs, but the host needs 7 ms to issue what the device runs in 3.8 ms
+    big = (2 * 4096 ** 3, 3 * 4096 ** 2 * 2)
+    assert m.bound(*big, 7e-3, H200_BF16, H200_BW, host_s=7e-3, device_s=3.8e-3) == "host"
+    assert m.bound(*big, 3.8e-3, H200_BF16, H200_BW, host_s=3.8e-3, device_s=3.8e-3) == "host"
+    assert m.bound(*big, 0.2e-3, H200_BF16, H200_BW, host_s=0.1e-3,
+                   device_s=0.2e-3) == "compute"
+    assert m.bound(*big, 0.2e-3, H200_BF16, H200_BW, host_s=None, device_s=0.2e-3) == "compute"
+
+
+def _rec(**kw):
+    """What add_utilisation reads and writes of a replayed row."""
+    import types
+
+    base = dict(compute_dtype="bf16", flops=2 * 4096 ** 3, flops_executed=None,
+                bytes=3 * 4096 ** 2 * 2, kernel_count=100, mfu=None, hfu=None, mbu=None,
+                bound=None)
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+def test_a_call_timed_back_to_back_is_host_bound_against_its_profiled_device_time():
+    from cbtrace.replay.derive import add_utilisation
+
+    # the stream timer's figure holds the host's time: device_ms (the profiled pass) decides
+    r = _rec(timer="stream", isolated_ms=7.18, host_ms=6.95, device_ms=3.79)
+    add_utilisation(r, "NVIDIA H200")
+    assert r.bound == "host"
+    r = _rec(timer="stream", isolated_ms=3.9, host_ms=1.0, device_ms=3.79)
+    add_utilisation(r, "NVIDIA H200")
+    assert r.bound == "compute"
+    # a graph-timed figure is device time itself: host_ms against isolated_ms
+    r = _rec(timer="graph", isolated_ms=0.2, host_ms=0.25, device_ms=0.19, kernel_count=1)
+    add_utilisation(r, "NVIDIA H200")
+    assert r.bound == "host"
+    r = _rec(timer="graph", isolated_ms=0.2, host_ms=0.05, device_ms=0.19, kernel_count=1)
+    add_utilisation(r, "NVIDIA H200")
+    assert r.bound == "compute"
