@@ -206,6 +206,13 @@ class ModuleRecord:
                                                  "compares with (span where the isolated figure "
                                                  "holds the host's gaps)", default=None)
     error_pct: float | None = column(INSITU, "%", "100 * (isolated / in-situ - 1)", default=None)
+    insitu_kernel_count: int | None = column(INSITU, doc="the call's own kernels in the step",
+                                             default=None)
+    kernel_error_pct: float | None = column(INSITU, "%", "100 * (device_ms / insitu_ms - 1): its "
+                                            "kernels alone against in the step, both "
+                                            "device-busy", default=None)
+    miss_cause: str | None = column(INSITU, doc="outside +-5 % of in situ: what the "
+                                                "measurements say it comes from", default=None)
     bwd_insitu_ms: float | None = column(INSITU, "ms", "the call's backward in the captured step",
                                          default=None)
     bwd_error_pct: float | None = column(INSITU, "%", "100 * (bwd_ms / bwd_insitu_ms - 1)",

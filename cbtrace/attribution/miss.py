@@ -1,0 +1,52 @@
+"""Why a call's isolated figure misses its in-situ one, from what was measured on both sides.
+
+The replay's profiled pass gives the call's kernels alone (``kernel_count``, ``device_ms``: the
+sum of their durations); the capture trace gives the same of the step (``insitu_kernel_count``,
+``insitu_ms``: device-busy). Comparing those like with like separates a miss in the kernels
+themselves (other kernels, or the same kernels slower or faster: cache or clock state) from a
+miss between them (launch gaps and the timer), which is what a call of a few microseconds
+mostly has.
+"""
+from __future__ import annotations
+
+import math
+
+from cbtrace.cost import metrics
+
+WITHIN_PCT = 5.0  # a call within this of in situ has nothing to explain
+
+
+def _num(v) -> float | None:
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def kernel_error_pct(device_ms, insitu_ms) -> float | None:
+    """The call's kernels alone against its kernels in the step, both device-busy (%)."""
+    return metrics.error_pct(_num(device_ms), _num(insitu_ms))
+
+
+def miss_cause(row: dict, insitu_kernels, kernel_err: float | None) -> str | None:
+    """What the measurements say about a call outside +-WITHIN_PCT of in situ (None inside it,
+    or without an error): the first that holds of other kernels, kernels slower or faster
+    alone, the host's pace, another timer, noisy samples, else the gaps between kernels."""
+    err = _num(row.get("error_pct"))
+    if err is None or abs(err) <= WITHIN_PCT:
+        return None
+    alone, step = _num(row.get("kernel_count")), _num(insitu_kernels)
+    if alone is not None and step is not None and step > 0 and round(alone) != round(step):
+        return f"other kernels: {round(alone)} alone, {round(step)} in the step"
+    if kernel_err is not None and abs(kernel_err) > WITHIN_PCT:
+        side = "slower" if kernel_err > 0 else "faster"
+        return (f"its kernels ran {abs(kernel_err):.0f} % {side} alone than in the step "
+                f"(cache or clock state)")
+    if row.get("error_basis") == "span":
+        return "host-paced: timed back to back against its span in the step"
+    timer = row.get("timer")
+    if isinstance(timer, str) and timer not in ("graph", "cpu"):
+        return f"timed by the {timer} timer ({row.get('timer_fallback') or 'asked for'})"
+    if row.get("noisy"):
+        return "noisy samples (a busy machine)"
+    if kernel_err is not None:
+        return (f"between its kernels: they match the step within {abs(kernel_err):.0f} %, "
+                f"the gaps and launches around them do not")
+    return None
