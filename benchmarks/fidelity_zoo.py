@@ -56,8 +56,8 @@ PHASES = {"fwd": ("status", "insitu_ms", "error_pct"),
           "bwd": ("bwd_status", "bwd_insitu_ms", "bwd_error_pct")}
 # per call, for <model>_rows.csv.gz (what a miss is looked into with)
 ROW_COLUMNS = ("fqn", "module_type", "status", "status_reason", "timer", "timer_notes",
-               "insitu_ms", "insitu_span_ms", "error_basis", "isolated_ms", "error_pct",
-               "device_ms", "host_ms", "host_syncs", "bound", "kernel_count",
+               "insitu_ms", "isolated_ms", "error_pct", "device_ms", "host_ms", "bound",
+               "kernel_count",
                "bwd_status", "bwd_status_reason", "bwd_insitu_ms", "bwd_ms", "bwd_error_pct",
                "bwd_timer_notes", "host_syncs", "insitu_span_ms", "error_basis", "step_compiled",
                "eager_ms")
