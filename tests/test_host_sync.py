@@ -115,11 +115,12 @@ def _insitu(monkeypatch, timers_, isolated, gpu_ms, span_ms):
     n = len(timers_)
     table = pd.DataFrame(dict(fqn=[f"m{i}" for i in range(n)], call_index=[0] * n,
                               cpu_ms=[9.0] * n, gpu_ms=gpu_ms, gpu_span_ms=span_ms,
-                              insitu_ms=gpu_ms))
+                              kernel_count=[1] * n, insitu_ms=gpu_ms))
     monkeypatch.setattr(join, "insitu_for_run", lambda run, manifest, phase="fwd": table)
     df = pd.DataFrame(dict(call_id=list(range(n)), fqn=list(table["fqn"]), call_index=[0] * n,
-                           timer=timers_, isolated_ms=isolated, bwd_ms=[None] * n,
-                           insitu_host_ms=[None] * n))
+                           timer=timers_, timer_fallback=[None] * n, isolated_ms=isolated,
+                           device_ms=gpu_ms, kernel_count=[1] * n, noisy=[False] * n,
+                           bwd_ms=[None] * n, insitu_host_ms=[None] * n))
     return join.insitu_columns("run", types.SimpleNamespace(device="cuda:0"), df)
 
 
@@ -227,3 +228,82 @@ def test_a_call_timed_back_to_back_is_host_bound_against_its_profiled_device_tim
     r = _rec(timer="graph", isolated_ms=0.2, host_ms=0.05, device_ms=0.19, kernel_count=1)
     add_utilisation(r, "NVIDIA H200")
     assert r.bound == "compute"
+
+
+# ---- on a GPU ------------------------------------------------------------------------------
+
+GPU_REPLAY = dict(budget_s=0.02, min_runs=5, warmup_runs=2, profile_runs=1, cold_budget_s=0.01,
+                  progress=False)
+
+
+class ReadsBack(torch.nn.Module):
+    """A data-dependent branch on the host (.item()), as detection heads and masks have."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.abs().max().item() >= 0:  # one host sync
+            y = y * 2
+        return y
+
+
+class AsksCapture(torch.nn.Module):
+    """Branches on whether it is being captured (as transformers' masks do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        if torch.cuda.is_current_stream_capturing():
+            return x
+        return self.lin(x)
+
+
+class Both(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.reads, self.asks = ReadsBack(), AsksCapture()
+
+    def forward(self, x):
+        return self.asks(self.reads(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_the_stream_timer_times_k_calls_back_to_back():
+    x = torch.randn(256, 256, device="cuda")
+    t = StreamTimer().measure(CallRunner(run=lambda i: (x @ x).sum().item()), 1, "cuda",
+                              TimingConfig(budget_s=0.02, min_runs=5))
+    assert t.timer == "stream" and t.runs >= 5 and t.median_ms > 0
+    assert "back to back" in t.notes and t.notes.startswith("K=")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_a_syncing_call_and_one_that_asks_about_capture_are_timed_back_to_back(tmp_path):
+    import cbtrace
+    from cbtrace.attribution.join import join_insitu
+
+    model = Both().cuda().eval()
+    x = torch.randn(64, 256, device="cuda")
+    with cbtrace.capture(model, tmp_path / "r"):
+        model(x)
+    mode = torch.cuda.get_sync_debug_mode()
+    df = cbtrace.replay(tmp_path / "r", model=model, **GPU_REPLAY)
+    assert torch.cuda.get_sync_debug_mode() == mode  # never left set
+    df = join_insitu(tmp_path / "r").set_index("fqn")
+    assert (df["status"] == "ok").all(), df[["status", "status_reason"]]
+    for fqn in ("", "reads", "asks"):  # capture refused: graph -> stream
+        assert df.loc[fqn, "timer"] == "stream", (fqn, df.loc[fqn, "timer_fallback"])
+        assert df.loc[fqn, "timer_fallback"].startswith("graph: ")
+        assert "back to back" in df.loc[fqn, "timer_notes"]
+        assert df.loc[fqn, "error_basis"] == "span"
+        assert df.loc[fqn, "insitu_span_ms"] >= df.loc[fqn, "insitu_ms"] > 0
+    assert df.loc["reads", "host_syncs"] >= 1 and df.loc["", "host_syncs"] >= 1
+    assert df.loc["asks", "host_syncs"] == 0
+    assert df.loc["reads.lin", "timer"] == "graph" and df.loc["reads.lin", "host_syncs"] == 0
+    assert df.loc["reads.lin", "error_basis"] == "busy"
