@@ -82,13 +82,10 @@ def slots_that_fit(device, per_slot_bytes: int, share: float = 0.5) -> int:
     return max(1, int(share * free) // max(per_slot_bytes, 1))
 
 
-# Whether a spin kernel is queued after the L2 flush too. The flush (a 256 MB memset: 94 us on
-# an H200) already keeps the GPU busy while the host records the start event and launches the
-# graph, as in ``triton.testing.do_bench`` (flush, then start); the spin (62 us) was dead time
-# on top (~0.1 s by count over a GPT-2-small replay's timed replays; measured, within the
-# run-to-run noise of its wall, per-call figures unchanged: RESULTS.md session 9). With no flush
-# (``flush_l2`` off or its buffer did not fit) the spin covers the launch. profile_models.py's
-# +spin variant sets this to compare.
+# Whether a spin kernel is queued after the L2 flush too: the flush already keeps the GPU busy
+# while the host records the start event and launches the graph (as in triton.testing.do_bench),
+# so a spin on top is dead time (RESULTS.md session 9). With no flush (``flush_l2`` off or its
+# buffer did not fit) the spin covers the launch. profile_models.py's +spin variant sets this.
 SPIN_UNDER_FLUSH = False
 
 
@@ -128,8 +125,8 @@ class GraphTimer(CudaTimer):
             side_stream_warmup(call.run, n_copies, cfg.warmup_runs, stream)
             try:
                 # K from the call's device time where the plan measured it, else from one call
-                # captured first: capturing K = 20 straight away ran a 1 ms GEMM 40 times back
-                # to back before sampling, and the lowered SM clock read lm_head 17 % slow.
+                # captured first: K = 20 straight away runs long GEMMs back to back before
+                # sampling, and the SM clock drops.
                 expected, k_max = call.expected_ms, cfg.graph_k
                 if not expected:
                     before = torch.cuda.memory_allocated(device)
@@ -169,7 +166,7 @@ class GraphTimer(CudaTimer):
     def _sampler(g, touches, k: int, device, cfg: TimingConfig, flusher: L2Flusher):
         """Per-call times of replays of ``g`` (K calls), less the replay of ``touches`` (the
         same K input touches alone) taken just before each, when there is one."""
-        stream = torch.cuda.current_stream(device)  # looked up once: ~30 us of Python a call
+        stream = torch.cuda.current_stream(device)  # looked up once: Python time per call
         spin_ms = gap_ms(cfg, flusher.buf is not None)
 
         def replay(graph, start, end):

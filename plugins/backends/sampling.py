@@ -20,8 +20,8 @@ def collect(sample: Callable[[int, int], list[float]], cfg: TimingConfig,
     more runs of a call that repeats itself to 1 % would not move its median (a CUDA graph
     replay of most modules; the replay wall is then set by the call, not the budget). A spread
     under ``floor_ms`` (the timer's own jitter per sample) also counts as converged: an empty
-    call's replays (a Dropout at p = 0) never come within 1 % of their ~0.1 us median, and took
-    the whole budget, 27 % of GPT-2's replay wall.
+    call's replays (a Dropout at p = 0) never come within 1 % of their sub-microsecond median,
+    and took the whole budget.
     """
     samples: list[float] = []
     t0 = time.perf_counter()
@@ -51,8 +51,7 @@ def warm_until_settled(sample: Callable[[int, int], list[float]], cfg: TimingCon
     """Warm up for ``cfg.warmup_s``; with ``cfg.settle_tol`` also until the median of one
     ``cfg.settle_window_s`` window of runs is within that tolerance of the median
     ``cfg.settle_lag`` windows before, for at most ``cfg.settle_max_s``. Heavy GEMMs run back
-    to back lower the SM clock for ~0.3 s on an H200 (an lm_head GEMM 0.86 -> 1.0 ms), so a
-    fixed warm-up leaves the timed runs wherever the clock happens to be. Runs per round are
+    to back lower the SM clock for a fraction of a second, so a fixed warm-up leaves the timed runs wherever the clock happens to be. Runs per round are
     sized so a window holds several rounds. Returns a note for the row (None when nothing to
     say)."""
     if not cfg.settle_tol:

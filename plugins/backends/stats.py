@@ -35,11 +35,10 @@ def plan_runs(*, per_run_s: float, left_s: float, done: int, min_runs: int, max_
     return max(min(n, max_runs - done), 0)
 
 
-# p10..p90 of an empty CUDA graph's replays between two events on the H200 was 0.5-1.0 us (25
-# Dropout calls of GPT-2 at K = 20, session 6): a spread under twice that is the events' own
-# jitter, not the call's (ms, per timed run). The graph timer divides it by K: it stops early
-# only calls under ~10 us whose K replays agree to 2 us; the events timer (one call a run)
-# does not use it, where it would stop a 4 us call spread +-40 %.
+# The events' own jitter per timed run (ms; twice an empty graph's p10..p90): a spread under it
+# is not the call's. Timers of K calls a run divide it by K, so only short calls whose K runs
+# agree stop early; the events timer (one call a run) does not use it, where it would stop a
+# short call of wide spread.
 EVENT_JITTER_MS = 2e-3
 
 
