@@ -140,6 +140,22 @@ def test_a_call_timed_back_to_back_is_compared_with_its_span(monkeypatch):
     assert out[4]["error_pct"] is None and out[4]["error_basis"] is None
 
 
+def test_a_cpu_run_has_no_span_and_compares_busy_time():
+    import types
+
+    import pandas as pd
+
+    from cbtrace.attribution import join
+
+    df = pd.DataFrame(dict(call_id=[0], fqn=[""], call_index=[0], timer=["cpu"],
+                           timer_fallback=[None], isolated_ms=[2.2], device_ms=[None],
+                           kernel_count=[0], noisy=[False], bwd_ms=[None],
+                           insitu_host_ms=[2.0]))
+    out = join.insitu_columns("run", types.SimpleNamespace(device="cpu"), df)[0]
+    assert out["insitu_span_ms"] is None and out["error_basis"] == "busy"
+    assert out["error_pct"] == pytest.approx(10.0)
+
+
 def test_error_basis_and_error_pct_are_pure():
     from cbtrace.cost import metrics
 
