@@ -38,3 +38,21 @@ def test_without_kernel_figures_nothing_is_made_up():
 def test_kernel_error_is_device_busy_against_device_busy():
     assert abs(kernel_error_pct(0.011, 0.010) - 10.0) < 1e-9
     assert kernel_error_pct(None, 0.01) is None and kernel_error_pct(0.01, 0.0) is None
+
+
+def test_every_miss_of_a_real_h200_run_names_its_cause(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from cbtrace.attribution.join import join_insitu
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "data" / "h200_nanogpt_run", run)
+    df = join_insitu(run)
+    ran = df["insitu_kernel_count"] > 0  # a Dropout at p = 0 runs no kernel
+    assert ran.sum() > 100 and df.loc[ran, "kernel_error_pct"].notna().all()
+    out = df["error_pct"].abs() > 5
+    assert out.any() and df.loc[out, "miss_cause"].notna().all()
+    assert df.loc[~out, "miss_cause"].isna().all()
+    # the replay ran the step's kernels: no row says otherwise
+    assert not df["miss_cause"].fillna("").str.startswith("other kernels").any()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from cbtrace.attribution import miss
 from cbtrace.attribution.attribute import attribute_file
 from cbtrace.cost import metrics
 from cbtrace.errors import RunDirError
@@ -20,32 +21,40 @@ from cbtrace.schema.modules import INSITU
 
 
 def insitu_columns(run, manifest, df) -> dict[int, dict]:
-    """call_id -> {insitu_ms, insitu_span_ms, error_basis, error_pct, bwd_insitu_ms,
-    bwd_error_pct, recompute_insitu_ms} for every row of the modules table ``df`` (the
-    backward's only where replay measured it). error_pct compares the isolated figure with the
+    """call_id -> {insitu_ms, insitu_span_ms, error_basis, error_pct, insitu_kernel_count,
+    kernel_error_pct, miss_cause, bwd_insitu_ms, bwd_error_pct, recompute_insitu_ms} for every
+    row of the modules table ``df`` (the backward's only where replay measured it); miss_cause
+    from ``attribution.miss``. error_pct compares the isolated figure with the
     in-situ figure ``error_basis`` names (``metrics.error_basis``): the span for a call timed
     back to back, whose figure holds the host's gaps, else the busy time."""
     on_gpu = manifest.device.startswith("cuda")
     if not on_gpu and df["insitu_host_ms"].notna().all():
         insitu = dict(zip(df["call_id"], df["insitu_host_ms"]))  # CPU: unprofiled repeats
-        span = {}
+        span, kernels = {}, {}
     else:
         table = insitu_for_run(run, manifest)
         insitu, span = _by_call(df, table), _by_call(df, table, "gpu_span_ms")
+        kernels = _by_call(df, table, "kernel_count") if "kernel_count" in table else {}
     bwd = (_by_call(df, insitu_for_run(run, manifest, phase="bwd"))
            if df["bwd_ms"].notna().any() else {})
     recompute = _recompute(run, manifest, df)
     out = {}
-    for cid, timer, iso, bwd_ms in zip(df["call_id"], df["timer"], df["isolated_ms"],
-                                       df["bwd_ms"]):
+    for row in df.reindex(columns=["call_id", "timer", "timer_fallback", "isolated_ms", "bwd_ms",
+                                   "kernel_count", "device_ms", "noisy"]).to_dict("records"):
+        cid, timer = row["call_id"], row["timer"]
         ins, spn, bwd_ins = (_number(d.get(cid)) for d in (insitu, span, bwd))
         spn = spn if spn else None  # 0: no kernel of its own in the step
         basis = metrics.error_basis(timer if isinstance(timer, str) else None, spn)
-        err = metrics.error_pct(_number(iso), spn if basis == "span" else ins)
+        err = metrics.error_pct(_number(row["isolated_ms"]), spn if basis == "span" else ins)
+        kerr = miss.kernel_error_pct(row["device_ms"], ins) if on_gpu else None
+        cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis},
+                                kernels.get(cid), kerr)
         out[int(cid)] = {"insitu_ms": ins, "insitu_span_ms": spn,
                          "error_basis": basis if err is not None else None, "error_pct": err,
+                         "insitu_kernel_count": _int(kernels.get(cid)), "kernel_error_pct": kerr,
+                         "miss_cause": cause,
                          "bwd_insitu_ms": bwd_ins,
-                         "bwd_error_pct": metrics.error_pct(_number(bwd_ms), bwd_ins),
+                         "bwd_error_pct": metrics.error_pct(_number(row["bwd_ms"]), bwd_ins),
                          "recompute_insitu_ms": _number(recompute.get(cid))}
     return out
 
@@ -73,8 +82,8 @@ def _by_call(df, ins, column: str = "insitu_ms") -> dict:
 def insitu_for_run(run_dir, manifest, phase: str = "fwd"):
     """In-situ time per captured call from the run's own capture trace.
 
-    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, insitu_ms] of the module
-    rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps to each call by sequence
+    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, kernel_count, insitu_ms]
+    of the module rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps to each call by sequence
     number); ``insitu_ms`` is gpu_ms (device time of the call's own kernels, cbtrace's
     input copies excluded) when the trace has device events, else cpu_ms. Not the span: during
     capture the host is slowed by hooks and copies, so the device idles inside a parent's span
@@ -88,7 +97,7 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd"):
     if (df["step"] >= 0).any():
         df = df[df["step"] == df.loc[df["step"] >= 0, "step"].min()]
     has_device = df["kernel_count"].sum() > 0
-    out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms"]].copy()
+    out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms", "kernel_count"]].copy()
     out["insitu_ms"] = out["gpu_ms"] if has_device else out["cpu_ms"]
     return out.reset_index(drop=True)
 
@@ -114,3 +123,8 @@ def _number(v) -> float | None:
         return None
     v = float(v)
     return None if math.isnan(v) else v
+
+
+def _int(v) -> int | None:
+    v = _number(v)
+    return None if v is None else int(v)
