@@ -60,9 +60,9 @@ ROW_COLUMNS = ("fqn", "module_type", "status", "status_reason", "timer", "timer_
                "kernel_count",
                "bwd_status", "bwd_status_reason", "bwd_insitu_ms", "bwd_ms", "bwd_error_pct",
                "bwd_timer_notes", "host_syncs", "insitu_span_ms", "error_basis", "step_compiled",
-               "eager_ms")
+               "eager_ms", "insitu_kernel_count", "kernel_error_pct", "miss_cause")
 COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
-           "root_err%", "<10us_|err|_med%")
+           "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named")
 
 
 def _pct(x) -> float:
@@ -83,6 +83,13 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
            "EmbBag_med%": _pct(bags[err].median()) if len(bags) else float("nan"),
            "root_err%": _pct(root[err].iloc[0]) if len(root) else float("nan"),
            "<10us_|err|_med%": _pct(small[err].abs().median()) if len(small) else float("nan")}
+    if phase == "fwd" and "kernel_error_pct" in df:  # like with like: kernels alone vs in the step
+        kern = small["kernel_error_pct"].dropna().abs()
+        row["<10us_|kern|_med%"] = _pct(kern.median()) if len(kern) else float("nan")
+        miss = big[big[err].abs() > WITHIN_PCT]
+        row["misses_named"] = f"{int(miss['miss_cause'].notna().sum())}/{len(miss)}"
+        row["causes"] = (miss["miss_cause"].dropna().str.split(":| \\(| \\d").str[0]
+                         .value_counts().to_dict())
     g = big.groupby("module_type")
     classes = [{"phase": phase, "module_type": t, "count": len(d),
                 "median_err%": float(d[err].median()), "insitu_ms_median": float(d[insitu].median()),
@@ -212,8 +219,10 @@ def main(argv=None) -> int:
         _write_csv(out / f"{name}_classes.csv", classes,
                    ("phase", "module_type", "count", "median_err%", "insitu_ms_median", "within5%",
                     "timer_notes"))
+        causes = "".join(f"\n  {name} {r['phase']} misses (>= 10 us) by cause: {r['causes']}"
+                         for r in model_rows if r.get("causes"))
         print(f"{name}: profiled in {wall:.1f} s\n{table(model_rows)}\n"
-              f"{class_lines(name, classes, args.top)}", flush=True)
+              f"{class_lines(name, classes, args.top)}{causes}", flush=True)
     _write_csv(out / "fidelity.csv", rows, COLUMNS)
     print(f"\n== fidelity ({args.device}, {args.dtype or 'model dtype'}, {args.size}, "
           f"{args.step}{', cold' if args.cold else ''}{', no context' if args.no_context else ''})")
