@@ -23,6 +23,31 @@ def is_compiled(module) -> bool:
     return type(module).__name__ == "OptimizedModule" and WRAPPER in module._modules
 
 
+def runs_compiled(module) -> bool:
+    """A torch.compile wrapper, or a module compiled in place (``module.compile()``)."""
+    return is_compiled(module) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_paths(model) -> set[str]:
+    """The user's paths (wrappers left out) of every module that runs under torch.compile: a
+    compiled module and everything below it."""
+    out: set[str] = set()
+    stack = [("", model, False)]
+    while stack:
+        name, module, inside = stack.pop()
+        while True:  # the wrappers around the user's module, any of them compiled
+            inside = inside or runs_compiled(module)
+            inner = _inner(module)
+            if inner is None:
+                break
+            module = inner
+        if inside:
+            out.add(name)
+        stack.extend((f"{name}.{k}" if name else k, c, inside)
+                     for k, c in module._modules.items() if c is not None)
+    return out
+
+
 def _inner(module):
     attr = WRAPPERS.get(type(module).__name__)
     return module._modules.get(attr) if attr is not None else None
@@ -70,7 +95,7 @@ def user_name(name: str) -> str:
 
 
 def has_compiled(model) -> bool:
-    return any(is_compiled(m) for m in model.modules())
+    return any(runs_compiled(m) for m in model.modules())
 
 
 def eager(model):

@@ -63,6 +63,9 @@ class ReplayConfig:
     left them in L2; never with ``cold``. Off by default: on the H200 it overshoots (NanoGPT
     GPT-2-small: 75 % of calls >= 10 us within +-5 % of in situ with it, 98 % without;
     ResNet-50: 69 % vs 76 %, its ReLUs -16 % vs +26 %; benchmarks/RESULTS.md)."""
+    eager_only: bool = False
+    """Time every call eagerly, also those the step ran under torch.compile (``step_compiled``),
+    which are otherwise timed compiled in isolated_ms, their eager time in eager_ms."""
     modes: tuple = ()
     """Also time each call compiled and/or from a CUDA graph: "compile", "cudagraph"."""
     compile_mode: str = "default"

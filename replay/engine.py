@@ -252,6 +252,8 @@ def timing_settings(cfg) -> dict:
                 "compile_mode": cfg.compile_mode, "backward": cfg.backward}
     if cfg.cold:
         settings.update(cold_warmup_s=cfg.cold_warmup_s, cold_settle_tol=cfg.cold_settle_tol)
+    if cfg.eager_only:  # only when set: rows of earlier replays keep their settings
+        settings["eager_only"] = True
     return settings
 
 

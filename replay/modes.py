@@ -51,11 +51,12 @@ from cbtrace.replay.limits import CallTimeout
 from cbtrace.replay.timing import join_notes
 
 
-def mode_steps(cfg, device, chain: list[str], backends: dict) -> list:
-    """The steps of ``cfg.modes``, in a fixed order, sharing one time budget."""
+def mode_steps(cfg, device, chain: list[str], backends: dict, compiled=None) -> list:
+    """The steps of ``cfg.modes``, in a fixed order, sharing one time budget; ``compiled``: the
+    ``Compiled`` step a plan already has (its entries and compile counts shared)."""
     steps = []
     if "compile" in cfg.modes:
-        steps.append(Compiled(cfg, chain, backends))
+        steps.append(compiled or Compiled(cfg, chain, backends))
     if "cudagraph" in cfg.modes:
         steps.append(CudaGraphed(cfg))
     if cfg.modes_budget_s is None:
@@ -234,6 +235,18 @@ class Compiled:
         return dict(compile_status=f"error: {why}", **row)
 
     def run(self, c: CallUnderTest) -> dict:
+        if c.row.get("eager_ms") is not None:  # AsInStep timed it compiled already
+            return dict(compile_status=f"{SKIPPED}the step ran it compiled: isolated_ms is the "
+                                       "compiled call")
+        return self.measure(c)[0]
+
+    def measure(self, c: CallUnderTest) -> tuple[dict, dict | None]:
+        """The row's compile fields, and the Timed step's figures of the compiled call (None
+        where it was not timed compiled)."""
+        with torch.compiler.set_stance("default"):  # a step_compiled row's plan runs eagerly
+            return self._measure(c)
+
+    def _measure(self, c: CallUnderTest) -> tuple[dict, dict | None]:
         before = _counters()
         key = self.cache.key(c.module, c.rec)
         try:
@@ -246,14 +259,14 @@ class Compiled:
         except CallTimeout:
             raise
         except Exception as e:  # noqa: BLE001 - the compile failed: record it, go on
-            return self._failed(one_line(e), compile_graphs=counted_since(before).graphs)
+            return self._failed(one_line(e), compile_graphs=counted_since(before).graphs), None
         first = counted_since(before)
         if first.graphs and c.rec.call_id not in self.compiles:
             self.cache.compiled_again(key, c.module)
         if first.frames and not first.frames_ok:  # dynamo gave up and ran the frame eagerly
             why = "; ".join(first.reasons) or "no frame converted"
             return self._failed(f"not compiled, dynamo ran it eagerly ({why})", compile_s=seconds,
-                                compile_graphs=0)
+                                compile_graphs=0), None
         try:
             # the eager row's device_ms sizes K; the same timer chain and settings as eager,
             # after the same predecessors (the eager call's own timed function never)
@@ -268,7 +281,7 @@ class Compiled:
             raise
         except Exception as e:  # noqa: BLE001
             return self._failed(f"compiled call failed while timed ({one_line(e)})",
-                                compile_s=seconds, compile_graphs=counted_since(before).graphs)
+                                compile_s=seconds, compile_graphs=counted_since(before).graphs), None
         later = counted_since(before).graphs - first.graphs
         # a call replayed again (CPU: timed twice) keeps the figures of its first compile
         seconds, graphs = self.compiles.setdefault(c.rec.call_id, (seconds, first.graphs))
@@ -277,7 +290,7 @@ class Compiled:
         return dict(compile_ms=timed["isolated_ms"], compile_status="ok", compile_s=seconds,
                     compile_graphs=graphs, compile_host_ms=host,
                     timer_notes=join_notes(c.row.get("timer_notes"), alone,
-                                           *self._notes(c, timed, first, later, host)))
+                                           *self._notes(c, timed, first, later, host))), timed
 
     @staticmethod
     def _notes(c, timed: dict, first: DynamoCounts, later: int, host) -> list[str | None]:
@@ -290,6 +303,41 @@ class Compiled:
         # e.g. the CPU timer's retry on one thread: dynamo guards on the thread count
         again = f"compile: {later} more graph(s) compiled while timed" if later > 0 else None
         return [timer, breaks, again, None if host is None else f"compile host={host:.3f}ms"]
+
+
+AS_IN_STEP = "timed compiled, as in the step"  # timer_notes of a step_compiled row
+# the Timed step's columns, which a step_compiled row takes from the compiled call
+TIMED_COLUMNS = ("timer", "timer_fallback", "isolated_ms", "isolated_ms_p10", "isolated_ms_p90",
+                 "runs", "timed_ms", "noisy")
+
+
+class AsInStep:
+    """A call the step ran under torch.compile (``step_compiled``) timed compiled, as the step
+    ran it, through ``Compiled``'s entries: isolated_ms and its timer columns are the compiled
+    call's, eager_ms the eager figure the Timed step took; host_ms the compiled call's issue
+    time where there is one (CUDA). Should the compile fail, the eager figures stay and
+    timer_notes says why."""
+
+    name = "as_in_step"
+
+    def __init__(self, compiled: Compiled):
+        self.compiled = compiled
+
+    def run(self, c: CallUnderTest) -> dict:
+        if not c.rec.step_compiled or c.row.get("isolated_ms") is None:
+            return {}
+        fields, timed = self.compiled.measure(c)
+        counts = {k: fields[k] for k in ("compile_s", "compile_graphs", "compile_host_ms")
+                  if k in fields}
+        if timed is None:
+            return dict(counts, timer_notes=join_notes(
+                c.row.get("timer_notes"), f"the step ran it compiled; timed eagerly: "
+                f"{fields['compile_status']}"))
+        host = fields.get("compile_host_ms")
+        return dict(counts, eager_ms=c.row["isolated_ms"],
+                    **{k: timed[k] for k in TIMED_COLUMNS},
+                    host_ms=host if host is not None else c.row.get("host_ms"),
+                    timer_notes=join_notes(fields["timer_notes"], AS_IN_STEP))
 
 
 # ---------------------------------------------------------------- cudagraph

@@ -8,8 +8,11 @@ Each step returns the ModuleRecord fields it measures; the row is their union pl
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Protocol
+
+import torch
 
 from cbtrace.replay import timers
 from cbtrace.replay.call import CallUnderTest, prepare
@@ -34,10 +37,16 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
     steps: list[Step] = [OpCount(reuse)] if cfg.count_flops else []
     steps += [ProfilerPass(cfg.profile_runs, ProfileCache() if reuse else None),
               Timed(chain, backends, cfg), HostIssue(cfg.host_runs), OutputCheck()]
+    compiled = None
+    if not cfg.eager_only:  # a call the step ran compiled: timed compiled (replay/modes.py)
+        from cbtrace.replay.modes import AsInStep, Compiled
+
+        compiled = Compiled(cfg, chain, backends)
+        steps.append(AsInStep(compiled))
     if cfg.modes:  # the same call compiled / from a CUDA graph (replay/modes.py)
         from cbtrace.replay.modes import mode_steps
 
-        steps += mode_steps(cfg, device, chain, backends)
+        steps += mode_steps(cfg, device, chain, backends, compiled)
     if cfg.backward:  # its backward on the output gradients (replay/backward.py)
         from cbtrace.replay.backward import BackwardStep
 
@@ -57,9 +66,13 @@ def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads
     row["status"] = "ok"
     timings = {} if timings is None else timings
     timings["prepare"] = timings.get("prepare", 0.0) + time.perf_counter() - t0
-    for step in plan:
-        t1 = time.perf_counter()
-        row.update(step.run(call))
-        timings[step.name] = timings.get(step.name, 0.0) + time.perf_counter() - t1
+    # the eager figures of a call the step ran compiled, or of any call with --eager-only: its
+    # compiled parts run eagerly (the compile steps time it compiled under the default stance)
+    eager = rec.step_compiled or cfg.eager_only
+    with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
+        for step in plan:
+            t1 = time.perf_counter()
+            row.update(step.run(call))
+            timings[step.name] = timings.get(step.name, 0.0) + time.perf_counter() - t1
     row["replay_wall_s"] = time.perf_counter() - t0
     return row

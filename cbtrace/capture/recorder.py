@@ -157,6 +157,7 @@ class capture:
         self._names: dict[int, list[str]] = {}
         self._selected: dict[str, bool] = {}
         self._bounds: dict[str, str] = {}  # fqn -> why it is recorded at its boundary only
+        self._in_compiled: set[str] = set()  # fqns under torch.compile in the step
         self._recomputed: dict[str, int] = {}  # fqn -> calls recomputed in the backward
         self._prof = None
         self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread under with_stack)
@@ -218,6 +219,8 @@ class capture:
             self._names.setdefault(id(mod), []).append(name)
             self._selected[name] = selected(name, self.cfg)  # once: hooks only look it up
         self._static = _static_facts(self.model)
+        # paths the user's step runs under torch.compile: their calls are step_compiled
+        self._in_compiled = module_tree.compiled_paths(self.model)
         self._flags = {n: m.training for n, m in module_tree.named_modules(self.model)}
         self._cuda = any(t.is_cuda for t in self.model.parameters()) or any(
             t.is_cuda for t in self.model.buffers())
@@ -238,7 +241,8 @@ class capture:
             pre = functools.partial(self._pre, names[0] if len(names) == 1 else None)
             self._handles += boundaries.hook_calls(mod, pre, self._post,
                                                    boundary=name in self._bounds)
-        self._eager = module_tree.eager(self.model)  # compiled parts run eagerly: calls of their own
+        # compiled parts run eagerly: calls of their own, marked step_compiled
+        self._eager = module_tree.eager(self.model)
         self._eager.__enter__()
         self._lap("hooks_install")
         self._t_step0 = self._t_lap  # capture_step_s: from here (profiler start) to hooks removed
@@ -407,7 +411,7 @@ class capture:
             input_bytes=self._snap.last_input_bytes, input_shapes="[]", input_meta="[]",
             output_meta="[]", training=module.training, grad_enabled=grad,
             autocast_dtype=autocast, inputs_ref=ref, synthesized=self._snap.last_synthesized,
-            boundary=self._bounds.get(fqn))
+            boundary=self._bounds.get(fqn), step_compiled=fqn in self._in_compiled)
         self.records.append(rec)
         return rec, copies
 

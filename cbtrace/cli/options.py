@@ -80,7 +80,8 @@ def timer_option(f):
 
 def replay_options(f):
     """The replay flags that ``replay`` and ``profile`` share: --timer/--cold/--context/
-    --timeout-s/--reuse-timing/--strict (each one ReplayConfig field, --strict aside)."""
+    --timeout-s/--reuse-timing/--eager-only/--strict (each one ReplayConfig field, --strict
+    aside)."""
     from cbtrace.replay.config import ReplayConfig
 
     for deco in reversed([
@@ -100,6 +101,9 @@ def replay_options(f):
                      help="time once the calls that are the same work and cannot depend on "
                           "values (e.g. 12 identical blocks): the second of each group checks "
                           "the first"),
+        click.option("--eager-only", is_flag=True,
+                     help="time every call eagerly, also those the step ran under torch.compile "
+                          "(by default timed compiled, their eager time in eager_ms)"),
         click.option("--strict", is_flag=True, help="exit 1 if any call is not ok (for CI)"),
     ]):
         f = deco(f)

@@ -17,7 +17,7 @@ from cbtrace.cli.options import (model_options, parse_kv, replay_options, strict
                                 "and time the whole step with and without each")
 def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthesize_above_bytes,
             with_stack, seed, out, timer, cold, context, tb_logdir, timeout_s, reuse_timing,
-            verify_top, strict):
+            eager_only, verify_top, strict):
     """Capture, replay and attribute: isolated vs in-situ time per module.
 
     Adds insitu_ms and error_pct (isolated / in-situ - 1) to RUN/modules.parquet and prints the
@@ -34,7 +34,7 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
 
         logdir_target(out, tb_logdir)  # an existing view is refused before any work
     replay_options = dict(timer=timer, cold=cold, context=context, timeout_s=timeout_s,
-                          reuse_timing=reuse_timing)
+                          reuse_timing=reuse_timing, eager_only=eager_only)
     if verify_top is not None:
         replay_options["modes"] = ("compile",)
     df = profile(spec, out, replay_options=replay_options, device=device,

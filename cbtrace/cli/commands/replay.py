@@ -44,7 +44,7 @@ from cbtrace.replay.config import ReplayConfig
               help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, resume, model_spec,
             trust, timeout_s, modes, compile_mode, modes_budget_s, backward, reuse_timing,
-            count_every_call, nproc, strict, top):
+            eager_only, count_every_call, nproc, strict, top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
     Writes the results into RUN/modules.parquet and prints the slowest modules. The model is
@@ -66,7 +66,8 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, re
                 model_spec=model_spec, trust=trust, timeout_s=timeout_s,
                 modes=parse_modes(modes), compile_mode=compile_mode,
                 modes_budget_s=modes_budget_s, backward=backward,
-                reuse_timing=reuse_timing, reuse_counts=not count_every_call)
+                reuse_timing=reuse_timing, reuse_counts=not count_every_call,
+                eager_only=eager_only)
     if budget_s is not None:
         opts["cold_budget_s" if cold else "budget_s"] = budget_s
     df = cbtrace.replay(run, device=device, **opts)
