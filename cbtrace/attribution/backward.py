@@ -113,13 +113,14 @@ RECOMPUTE = "cbtrace.recompute::"  # capture's range around a call recomputed in
 def recompute_of(forest: Forest, lab: np.ndarray, labels: list
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Activation checkpointing: per host event, the forward module call (its node) whose
-    recomputation in the backward encloses it (the outermost ``cbtrace.recompute::<fqn>``
-    range), else -1; which events are those outermost ranges; and the same call for the
-    innermost range (the module whose op it recomputes).
+    recomputation in the backward encloses it (the outermost ``cbtrace.recompute::<fqn>#<k>``
+    range: the fqn's k-th call in the capture, as capture matched it), else -1; which events
+    are those outermost ranges; and the same call for the innermost range (the module whose op
+    it recomputes).
 
-    The k-th recomputation of an fqn in a step belongs to its k-th forward call from the last
-    (the backward runs in reverse); a module called several times inside one checkpointed
-    region breaks that pairing."""
+    A range without ``#<k>`` (an older capture): the k-th recomputation of an fqn in a step
+    belongs to its k-th forward call from the last (the backward runs in reverse), wrong where
+    a module is called both inside and outside a checkpoint."""
     n = len(forest)
     none = np.full(n, -1, np.int64)
     if not n:
@@ -131,13 +132,22 @@ def recompute_of(forest: Forest, lab: np.ndarray, labels: list
         return none, np.zeros(n, bool), none
     step = forest.step_of_host
     calls: dict = {}  # (step, fqn) -> forward module nodes in time order
+    in_capture: dict = {}  # fqn -> the same over all steps (capture's call_index)
     mods = np.flatnonzero(lab >= 0)
     for m in mods[np.argsort(forest.ts[mods], kind="stable")].tolist():
         calls.setdefault((int(step[m]), labels[lab[m]]), []).append(m)
+        in_capture.setdefault(labels[lab[m]], []).append(m)
     seen: dict = {}
     target = np.full(n + 1, -1, np.int64)  # [-1]: events outside every recomputation
     for r in ranges[np.argsort(forest.ts[ranges], kind="stable")].tolist():
-        key = (int(step[r]), forest.strings[forest.name[r]][len(RECOMPUTE):])
+        name = forest.strings[forest.name[r]][len(RECOMPUTE):]
+        fqn, sep, index = name.rpartition("#")
+        if sep and index.isdigit():
+            fwd = in_capture.get(fqn, [])
+            if int(index) < len(fwd):
+                target[r] = fwd[int(index)]
+            continue
+        key = (int(step[r]), name)
         k = seen[key] = seen.get(key, -1) + 1
         fwd = calls.get(key)
         if fwd:
