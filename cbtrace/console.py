@@ -14,6 +14,9 @@ import sys
 import tempfile
 import time
 
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+
 LINE_EVERY_S = 5.0
 _KINETO = re.compile(rb"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] "
                      # CPU memory profiling saw a block freed that it never saw allocated:
@@ -43,11 +46,6 @@ class Progress:
                      f"{label}: {total} calls")
 
     def _rich(self, done: int):
-        try:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
-                                       TextColumn, TimeElapsedColumn, TimeRemainingColumn)
-        except ImportError:  # rich is a dependency; a broken install still gets the lines
-            return None
         bar = RichProgress(TextColumn(self.label), BarColumn(), MofNCompleteColumn(),
                            TimeElapsedColumn(), TimeRemainingColumn(),
                            TextColumn("{task.fields[name]}"), transient=True)

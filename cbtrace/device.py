@@ -2,6 +2,8 @@
 memory a CUDA device has free for torch."""
 from __future__ import annotations
 
+import torch
+
 from cbtrace.errors import CbtraceError
 
 
@@ -12,8 +14,6 @@ class DeviceError(CbtraceError):
 def resolve_device(device=None, *, default: str = "auto"):
     """A torch.device: ``device`` if valid here, else ``default`` ("auto": cuda if available,
     else cpu); a bare "cuda" becomes the current CUDA device."""
-    import torch
-
     want = default if device is None else device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,8 +42,6 @@ def free_memory(device, exact: bool = False) -> int:
     calls for want of memory it has. Free blocks in the pool of a graph still alive (a compiled mode's) count too, though only
     that graph can use them: ``exact`` hands every cached block back first (empty_cache) and
     returns the driver's figure."""
-    import torch
-
     if exact:
         torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(device)[0]

@@ -12,6 +12,7 @@ unconditionally: BatchNorm updates its running stats without bumping their versi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch
 
@@ -116,8 +117,6 @@ class StateGuard:
 
 def state_fingerprint(model: torch.nn.Module) -> str:
     """sha256 of parameters, buffers, RNG and train flags (tests compare before/after replay)."""
-    import hashlib
-
     h = hashlib.sha256(state_digest(model, sampled=False).encode())
     h.update(torch.random.get_rng_state().numpy().tobytes())
     if torch.cuda.is_initialized():
@@ -148,8 +147,6 @@ def state_digest(model, sampled: bool = True, *, scheme: str = SAMPLED) -> str:
     of embedding tables (or dlrm:large's 1.2 GB of tables and Linears) whole cost a capture and
     a replay a second or more each. ``sampled=False``: every byte (digests without a prefix,
     as runs stored before "v2:")."""
-    import hashlib
-
     how = SCHEMES[scheme] if sampled else None
     h = hashlib.sha256()
     model = module_tree.unwrap(model)  # the same digest compiled, wrapped in DDP or not

@@ -6,8 +6,11 @@ so ``cbtrace --help`` imports neither torch nor pyarrow.
 import importlib
 import importlib.util
 import sys
+import warnings
 
 import click
+
+from cbtrace.errors import CbtraceError
 
 # name -> (module, short help). Each module defines a click command named ``command``.
 COMMANDS = {
@@ -72,8 +75,6 @@ def _interrupted():
 
 
 def main(argv=None):
-    import warnings
-
     old_format = warnings.formatwarning
     warnings.formatwarning = _one_line_warning
     try:
@@ -95,8 +96,6 @@ def _in_flags(e, argv) -> str:
 
 
 def _run(argv):
-    from cbtrace.errors import CbtraceError
-
     try:
         cli.main(args=argv, prog_name="cbtrace", standalone_mode=False)
     except Interrupted:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from cbtrace.errors import ProviderError
+
 
 @dataclass
 class Provider:
@@ -27,7 +29,7 @@ class Provider:
 
     def model_and_batch(self, device="cpu", dtype=None):
         """(model, batch) on ``device``; floating parameters and inputs cast to ``dtype`` if given."""
-        import torch
+        import torch  # here: attribution imports this module and runs without torch
 
         torch.manual_seed(self.seed)
         model = self.build_model("cpu")  # init on CPU: identical weights on every device
@@ -67,7 +69,7 @@ class RecSysProvider(Provider):
 
     def jagged_ids(self, batch_size: int, generator=None):
         """(values, lengths) of a key-major jagged batch: per table, per sample, 1-3 valid ids."""
-        import torch
+        import torch  # here: attribution imports this module and runs without torch
 
         values, lengths = [], []
         for t in self.tables():
@@ -81,7 +83,7 @@ class RecSysProvider(Provider):
         """(dense features, key-major jagged ids, their offsets, ids per table as host ints) on
         ``device``: the batch of the plain-PyTorch recommenders (dlrm, dcn). Host ints split the
         ids without a device sync, as KeyedJaggedTensor.length_per_key() does."""
-        import torch
+        import torch  # here: attribution imports this module and runs without torch
 
         values, lengths = self.jagged_ids(batch_size)
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
@@ -91,7 +93,7 @@ class RecSysProvider(Provider):
 
     def keyed_jagged_batch(self, batch_size: int, generator=None):
         """A torchrec KeyedJaggedTensor for the tables' features (needs torchrec)."""
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # optional dependency
 
         values, lengths = self.jagged_ids(batch_size, generator)
         keys = [f for t in self.tables() for f in (t.feature_names or (t.name,))]
@@ -100,9 +102,9 @@ class RecSysProvider(Provider):
 
 def move_batch(batch, device, dtype=None):
     """Move every tensor of a (nested) batch; floating tensors are cast to ``dtype`` if given."""
-    import torch
+    import torch  # here: attribution imports this module and runs without torch
 
-    from cbtrace.nested import map_tensors
+    from cbtrace.nested import map_tensors  # torch too
 
     def mv(x):
         if dtype is not None and x.is_floating_point():
@@ -115,7 +117,5 @@ def move_batch(batch, device, dtype=None):
 def pick_preset(provider: str, presets: dict, name: str):
     """``presets[name]``, or a ProviderError naming the provider and the known presets."""
     if name not in presets:
-        from cbtrace.errors import ProviderError
-
         raise ProviderError(f"{provider}: unknown preset '{name}' (known: {', '.join(presets)})")
     return presets[name]

@@ -17,12 +17,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cbtrace.errors import ProviderError
-from cbtrace.model.provider import Provider
+from cbtrace import registry
+from cbtrace.errors import ProviderError, one_line
+from cbtrace.model.provider import Provider, move_batch
 
 
 @dataclass
@@ -33,16 +35,14 @@ class CallableProvider(Provider):
     options: dict = field(default_factory=dict)
 
     def model_and_batch(self, device="cpu", dtype=None):
-        import torch
-
-        from cbtrace.model.provider import move_batch
+        import torch  # here: attribution imports this module and runs without torch
 
         torch.manual_seed(self.seed)
         try:
             out = self.factory(**self.options)
         except Exception as e:
             raise ProviderError(f"{self.spec}: the model callable raised "
-                                f"({type(e).__name__}: {e})") from e
+                                f"({one_line(e)})") from e
         if isinstance(out, Provider):
             out.spec, out.seed = self.spec, self.seed
             return out.model_and_batch(device, dtype)
@@ -73,16 +73,14 @@ def _load_callable(spec: str):
         try:
             mod_spec.loader.exec_module(module)
         except Exception as e:
-            raise ProviderError(f"{target}: failed to import ({type(e).__name__}: {e})") from e
+            raise ProviderError(f"{target}: failed to import ({one_line(e)})") from e
     else:
-        import os
-
         if os.getcwd() not in sys.path:  # `pkg.module:fn` of the current directory, as python -m
             sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(target)
         except ImportError as e:
-            raise ProviderError(f"{target}: cannot import ({e})") from e
+            raise ProviderError(f"{target}: cannot import ({one_line(e, with_type=False)})") from e
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise ProviderError(f"{spec}: '{attr}' is not a callable in {target}")
@@ -92,15 +90,11 @@ def _load_callable(spec: str):
 def is_registered(spec: str) -> bool:
     """True if ``spec`` (``NAME[:PRESET]``) names a provider registered through the plugin
     hooks, so that resolving it imports no module the spec names."""
-    from cbtrace import registry
-
     return str(spec).partition(":")[0] in registry.models()
 
 
 def resolve(spec: str, *, seed: int = 0, options: dict | None = None) -> Provider:
     """Spec string -> Provider (registered names first, then module/file callables)."""
-    from cbtrace import registry
-
     options = dict(options or {})
     models = registry.models()
     name, _, preset = spec.partition(":")

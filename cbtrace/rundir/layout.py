@@ -25,6 +25,7 @@ def prepare_new_run(out_dir, *, overwrite: bool = False) -> Path:
         if not out.is_dir():
             raise RunDirError(f"{out}: exists and is not a directory")
         if any(p.name != ".cbtrace.lock" for p in out.iterdir()) and not overwrite:
+            # here: lock reads manifests through rundir.read, which imports this module
             from cbtrace.rundir.lock import check_new_run
 
             check_new_run(out)  # a run in use, or left by a command that died: say which

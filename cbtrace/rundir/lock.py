@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from cbtrace.errors import RunDirError, one_line
+from cbtrace.rundir.read import read_manifest
 
 LOCK = ".cbtrace.lock"
 ENV = "CBTRACE_RUN_LOCK"  # the run a parent process holds, for its children
@@ -250,8 +251,6 @@ def dead_text(run, info: dict) -> str:
 
 
 def _check_manifest(run: Path) -> None:
-    from cbtrace.rundir.read import read_manifest
-
     try:
         manifest = read_manifest(run)
     except RunDirError:

@@ -57,7 +57,7 @@ def read_modules(run):
     A table without a column every capture writes is refused in one line; columns a later
     cbtrace added are filled with their defaults; undeclared columns are dropped.
     """
-    import pyarrow as pa
+    import pyarrow as pa  # here: `cbtrace <cmd> --help` imports this module and must stay light
     import pyarrow.parquet as pq
 
     path = Path(run) / MODULES

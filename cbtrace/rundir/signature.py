@@ -17,7 +17,10 @@ import secrets
 from pathlib import Path
 
 from cbtrace.errors import RunDirError
+from cbtrace.rundir.files import atomic_write_bytes, sha256_file
 from cbtrace.rundir.layout import MANIFEST
+from cbtrace.rundir.read import read_manifest
+from cbtrace.schema import manifest as manifest_schema
 
 SIGNATURE = "manifest.sig"
 PREFIX = "hmac-sha256:"
@@ -93,8 +96,6 @@ def signed_bytes(run) -> bytes | None:
 
 def signed_manifest(run):
     """The run's Manifest as signed (decoded from the very bytes checked), or None."""
-    from cbtrace.schema import manifest as manifest_schema
-
     data = signed_bytes(run)
     if data is None:
         return None
@@ -107,8 +108,6 @@ def signed_manifest(run):
 def sign(run, manifest_bytes: bytes | None = None) -> Path:
     """Write ``manifest.sig`` for the manifest as it is on disk (or ``manifest_bytes``, what
     was just written there); the key is made on first use."""
-    from cbtrace.rundir.files import atomic_write_bytes
-
     run = Path(run)
     data = manifest_bytes if manifest_bytes is not None else (run / MANIFEST).read_bytes()
     path = run / SIGNATURE
@@ -127,9 +126,6 @@ def trust(run, shown: bytes | None = None) -> Path:
     missing or differs from its recorded sha256 (every byte is read: the run is from
     elsewhere, so its recorded sizes and times prove nothing). ``shown``: the manifest's bytes
     the user read; a manifest changed since is refused."""
-    from cbtrace.rundir.files import sha256_file
-    from cbtrace.rundir.read import read_manifest
-
     run = Path(run)
     data = (run / MANIFEST).read_bytes() if (run / MANIFEST).is_file() else None
     if shown is not None and data != shown:

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cbtrace.console import announce
 from cbtrace.errors import RunDirError, SchemaError
 from cbtrace.rundir.files import atomic_path, atomic_write_bytes, sha256_file
 from cbtrace.rundir import signature
 from cbtrace.rundir.signature import SIGNATURE
 from cbtrace.rundir.layout import MANIFEST, MODULES
+from cbtrace.rundir.read import read_manifest, read_modules
 from cbtrace.schema import manifest as manifest_schema
 from cbtrace.schema.modules import (COLUMNS, DERIVED, ModuleRecord, arrow_schema,
                                     records_to_table, stage_columns)
@@ -29,8 +34,6 @@ def write_stage(run, stage: str, by_call: dict[int, dict], manifest=None):
     """Set ``stage``'s columns from ``by_call`` (``write_columns``), then write the manifest
     (``manifest`` if given, else the one on disk) with fresh checksums.
     Returns the new modules DataFrame."""
-    from cbtrace.rundir.read import read_manifest
-
     df = write_columns(run, stage, by_call)
     write_manifest(run, manifest if manifest is not None else read_manifest(run),
                    rewritten=[MODULES])
@@ -43,10 +46,6 @@ def write_columns(run, stage: str, by_call: dict[int, dict], table=None):
     table; the caller writes the manifest next (``write_manifest``, ``rewritten=[MODULES]``).
     ``table``: the modules DataFrame as read (``read_modules``), else it is read again; it is
     changed in place and returned."""
-    import pyarrow as pa
-
-    from cbtrace.rundir.read import read_modules
-
     allowed = stage_columns(stage)
     extra = sorted({k for row in by_call.values() for k in row} - set(allowed))
     if extra:
@@ -103,8 +102,6 @@ def write_manifest(run, manifest, *, known: dict | None = None, rewritten=(),
     try:
         signature.sign(run, data)
     except RunDirError as e:  # no key could be made or read: the run stays usable, unsigned
-        from cbtrace.console import announce
-
         signature.unsign(run)
         announce(f"{run} is not signed ({e}); replay it with --trust or cbtrace trust")
 
@@ -118,8 +115,6 @@ def _keeps_signature(run: Path, manifest) -> bool:
 
 
 def _write_table(run, table) -> None:
-    import pyarrow.parquet as pq
-
     assert table.column_names == list(COLUMNS), "modules.parquet keeps the declared columns"
     with atomic_path(Path(run) / MODULES) as tmp:
         pq.write_table(table, tmp)

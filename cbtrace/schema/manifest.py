@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from cbtrace._version import __version__
 from cbtrace.errors import RunDirError
 
 SCHEMA_VERSION = 2
@@ -126,9 +127,7 @@ class Manifest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 def environment() -> Environment:
     """This process's versions and host."""
-    import torch
-
-    from cbtrace._version import __version__
+    import torch  # here: `cbtrace <cmd> --help` imports this module and must stay light
 
     return Environment(cbtrace_version=__version__, torch_version=str(torch.__version__),
                        cuda_version=torch.version.cuda, python_version=platform.python_version(),

@@ -16,6 +16,7 @@ def command(run_dir, trace, run_opt, out, force, no_pftrace):
 
     Examples: cbtrace annotate runs/gpt;  cbtrace annotate --trace t.pt.trace.json.gz --run runs/gpt
     """
+    # imported on use, so that `cbtrace annotate --help` imports no torch/pandas/pyarrow
     from cbtrace.annotate.pftrace import unavailable_reason
     from cbtrace.annotate.write import annotate, pftrace_path
 

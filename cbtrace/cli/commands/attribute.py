@@ -1,6 +1,10 @@
+import contextlib
+from pathlib import Path
+
 import click
 
 from cbtrace.cli.options import parse_kv
+from cbtrace.rundir.files import atomic_path
 
 OUT_SUFFIXES = (".parquet", ".csv")
 
@@ -34,12 +38,9 @@ def command(traces, out, capture_run, spec, opts, top, force, steps_per_window, 
     each call's min / median / max over ranks, its slowest rank and the spread.
     Example: cbtrace attribute logs/ --model nanogpt --out table.parquet
     """
-    import contextlib
-    from pathlib import Path
-
+    # imported on use, so that `cbtrace attribute --help` imports no torch/pandas/pyarrow
     from cbtrace.attribution.attribute import attribute, summary_text
     from cbtrace.attribution.ranks import across_text
-    from cbtrace.rundir.files import atomic_path
 
     if capture_run and spec:
         raise click.UsageError("give --capture-run or --model, not both")

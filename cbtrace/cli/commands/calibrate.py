@@ -3,6 +3,8 @@ from pathlib import Path
 
 import click
 
+from cbtrace.errors import CbtraceError
+
 
 @click.command(help="Measure this device's achievable matmul FLOP/s per dtype and copy bandwidth, "
                     "and store them (peaks used for mfu_calibrated / mbu_calibrated).")
@@ -11,8 +13,8 @@ import click
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Calibration file (default: $CBTRACE_CALIBRATION or ~/.cache/cbtrace/calibration.json).")
 def command(device, out):
+    # imported on use, so that `cbtrace calibrate --help` imports no torch/pandas/pyarrow
     from cbtrace.cost.calibrate import calibrate, format_calibration
-    from cbtrace.errors import CbtraceError
 
     try:
         entry = calibrate(device, out=out)

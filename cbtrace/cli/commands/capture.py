@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import click
 
 from cbtrace.cli.options import model_options, parse_kv
@@ -12,8 +14,7 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
 
     Example: cbtrace capture --model nanogpt:tiny --out runs/gpt
     """
-    from pathlib import Path
-
+    # imported on use, so that `cbtrace capture --help` imports no torch/pandas/pyarrow
     from cbtrace.capture.from_spec import capture_model
 
     cap = capture_model(spec, Path(out), device=device, dtype=dtype, step=step, seed=seed,

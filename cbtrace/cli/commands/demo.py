@@ -1,3 +1,6 @@
+import importlib
+from pathlib import Path
+
 import click
 
 
@@ -12,8 +15,7 @@ def command(out, models):
     For each demo model: RUN/modules.parquet (per-module figures), the Kineto trace and its
     annotated_ copy, and RUN/icicle.html.
     """
-    from pathlib import Path
-
+    # imported on use, so that `cbtrace demo --help` imports no torch/pandas/pyarrow
     from cbtrace.attribution.join import error_table
     from cbtrace.plugins.reporters.summary import status_text, summary_table
     from cbtrace.workflows.profile_model import profile
@@ -31,8 +33,6 @@ def command(out, models):
 
 
 def _optional_step(name, target, run):
-    import importlib
-
     mod, fn = target.split(":")
     try:
         func = getattr(importlib.import_module(mod), fn)

@@ -1,9 +1,11 @@
 import math
 import sys
+from pathlib import Path
 
 import click
 
-from cbtrace.workflows.diff import DiffConfig
+from cbtrace.plugins.reporters import fmt
+from cbtrace.workflows.diff import DiffConfig, check_out_path, diff_runs, write_diff
 
 HEADER = ("module", "call", "match", "regressed", "time A", "time B", "Δ time", "mem A",
           "mem B", "Δ mem", "work changed")
@@ -67,10 +69,6 @@ def command(run_a, run_b, fail_on_regression, out_file, force, min_time_rel, min
 
     Example: cbtrace diff runs/before runs/after --fail-on-regression --out diff.parquet
     """
-    from pathlib import Path
-
-    from cbtrace.workflows.diff import check_out_path, diff_runs, write_diff
-
     if out_file is not None:
         check_out_path(out_file, force=force)  # a one-line error before any work
     df = diff_runs(run_a, run_b, min_time_rel=min_time_rel, min_time_ms=min_time_ms,
@@ -81,6 +79,7 @@ def command(run_a, run_b, fail_on_regression, out_file, force, min_time_rel, min
     if out_file is not None:
         click.echo(f"wrote {write_diff(df, out_file, force=force)}")
     if icicle:
+        # imported on use, so that `cbtrace diff --help` imports no numpy
         from cbtrace.plugins.reporters.diff_icicle import write_diff_icicle
 
         folder = Path(out_file).parent if out_file is not None else Path(run_b)
@@ -98,8 +97,6 @@ def _change(delta, rel, fmt_value) -> str:
 
 
 def _row(r) -> tuple:
-    from cbtrace.plugins.reporters import fmt
-
     name = r.fqn or "(root)"
     if r.match == "position" and r.fqn_a != r.fqn_b:
         name = f"{r.fqn_a or '(root)'} -> {name}"
@@ -139,8 +136,6 @@ def regressions_text(df) -> str:
 
 def summary_text(df) -> str:
     """Counts of the other verdicts and the thresholds applied, a few lines."""
-    from cbtrace.plugins.reporters import fmt
-
     n = df["verdict"].value_counts().to_dict()
     moved = int((df["match"] == "position").sum())
     a = df.attrs

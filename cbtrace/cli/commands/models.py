@@ -1,11 +1,11 @@
 import click
 
+from cbtrace import registry
+
 
 @click.command("models")
 def command():
     """List registered model providers, serializers, measurement backends and reporters."""
-    from cbtrace import registry
-
     for title, items in [("models", registry.models()), ("backends", registry.backends()),
                          ("reporters", registry.reporters())]:
         click.echo(f"{title}: {', '.join(sorted(items)) or '-'}")

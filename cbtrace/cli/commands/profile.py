@@ -2,6 +2,10 @@ import click
 
 from cbtrace.cli.options import (model_options, parse_kv, replay_options, strict_exit,
                                  timer_warning)
+from cbtrace.plugins.reporters.opportunities import verified_table
+from cbtrace.plugins.reporters.summary import status_text, summary_table
+from cbtrace.rundir.read import read_manifest
+from cbtrace.workflows.tb_logdir import logdir_target, place_in_logdir
 
 
 @click.command("profile")
@@ -23,15 +27,14 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
     Adds insitu_ms and error_pct (isolated / in-situ - 1) to RUN/modules.parquet and prints the
     error table by module class. Example: cbtrace profile --model nanogpt:tiny --out runs/gpt
     """
+    # imported on use, so that `cbtrace profile --help` imports no torch/pandas/pyarrow
+    from cbtrace.annotate.write import annotate
     from cbtrace.attribution.join import error_table
-    from cbtrace.workflows.profile_model import profile
-    from cbtrace.plugins.reporters.summary import status_text, summary_table
     from cbtrace.replay.engine import replay_notes
-    from cbtrace.rundir.read import read_manifest
+    from cbtrace.replay.opportunity import verify_spec
+    from cbtrace.workflows.profile_model import profile
 
     if tb_logdir:
-        from cbtrace.workflows.tb_logdir import logdir_target
-
         logdir_target(out, tb_logdir)  # an existing view is refused before any work
     replay_options = dict(timer=timer, cold=cold, context=context, timeout_s=timeout_s,
                           reuse_timing=reuse_timing, eager_only=eager_only)
@@ -47,16 +50,10 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
     for note in replay_notes(read_manifest(out), step == "train"):
         click.echo(note)
     if tb_logdir:
-        from cbtrace.annotate.write import annotate
-        from cbtrace.workflows.tb_logdir import place_in_logdir
-
         annotate(run=out)
         click.echo(f"TensorBoard: {place_in_logdir(out, tb_logdir)}; "
                    f"tensorboard --logdir {tb_logdir}")
     if verify_top is not None:
-        from cbtrace.plugins.reporters.opportunities import verified_table
-        from cbtrace.replay.opportunity import verify_spec
-
         checked = verify_spec(spec, df, verify_top, device=device, dtype=dtype, step=step,
                               seed=seed, options=parse_kv(opts))
         types = dict(zip(df["fqn"].fillna(""), df["module_type"]))

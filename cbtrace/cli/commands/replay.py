@@ -2,8 +2,13 @@ import os
 
 import click
 
+import cbtrace
 from cbtrace.cli.options import parse_modes, replay_options, strict_exit, timer_warning
+from cbtrace.plugins.reporters.opportunities import modes_note
+from cbtrace.plugins.reporters.summary import status_text, summary_table
 from cbtrace.replay.config import ReplayConfig
+from cbtrace.rundir.lock import RunLock
+from cbtrace.rundir.read import read_manifest
 
 
 @click.command("replay")
@@ -55,11 +60,8 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, re
     """
     if nproc is not None and "LOCAL_RANK" not in os.environ:  # not yet under torchrun
         return launch_torchrun(click.get_current_context(), nproc)
-    import cbtrace
-    from cbtrace.plugins.reporters.opportunities import modes_note
-    from cbtrace.plugins.reporters.summary import status_text, summary_table
+    # imported on use, so that `cbtrace replay --help` imports no torch/pandas/pyarrow
     from cbtrace.replay.engine import replay_notes
-    from cbtrace.rundir.read import read_manifest
 
     opts = dict(timer=timer, resume=resume, memory_budget_bytes=memory_budget_bytes, cold=cold,
                 context=context,
@@ -89,6 +91,7 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, re
 def launch_torchrun(ctx, nproc: int) -> None:
     """``torchrun --standalone --nproc-per-node N -m cbtrace.replay RUN <the other flags>``,
     through torchrun's own elastic agent; its exit status is this command's."""
+    # imported on use, so that `cbtrace replay --help` imports no torch/pandas/pyarrow
     from torch.distributed.run import get_args_parser, run
 
     args = [ctx.params["run"]]
@@ -101,8 +104,6 @@ def launch_torchrun(ctx, nproc: int) -> None:
                 args.append(p.opts[0])
         elif value is not None and value != p.default:
             args += [p.opts[0], ",".join(value) if isinstance(value, tuple) else str(value)]
-    from cbtrace.rundir.lock import RunLock
-
     launcher = ["--standalone", "--nproc-per-node", str(nproc), "-m", "cbtrace.replay", *args]
     with RunLock(ctx.params["run"], "replay"):  # held for the ranks, which it starts
         try:

@@ -1,5 +1,10 @@
 import click
 
+from cbtrace.plugins.reporters.opportunities import opportunity_table
+from cbtrace.plugins.reporters.summary import summary_table
+from cbtrace.rundir.read import read_modules
+from cbtrace.workflows.report import report_run
+
 
 @click.command("report")
 @click.argument("run", type=click.Path(exists=True, file_okay=False))
@@ -19,10 +24,6 @@ def command(run, out_dir, svg, extra, top, opportunities):
     icicle.html is one self-contained file: open it in any browser, offline.
     Example: cbtrace report runs/gpt --svg; cbtrace report runs/gpt --opportunities
     """
-    from cbtrace.workflows.report import report_run
-    from cbtrace.plugins.reporters.summary import summary_table
-    from cbtrace.rundir.read import read_modules
-
     names = ["icicle", "summary"] + (["svg"] if svg else [])
     names += [n for n in extra if n not in names]
     for path in report_run(run, out_dir=out_dir, names=names):
@@ -30,7 +31,5 @@ def command(run, out_dir, svg, extra, top, opportunities):
     df = read_modules(run)
     click.echo(summary_table(df, top=top))
     if opportunities:
-        from cbtrace.plugins.reporters.opportunities import opportunity_table
-
         click.echo("")
         click.echo(opportunity_table(df, top=top))

@@ -1,5 +1,12 @@
 """cbtrace trust: sign a run from elsewhere, once read, so that replay rebuilds its model."""
+from pathlib import Path
+
 import click
+
+from cbtrace.model.spec import is_registered
+from cbtrace.rundir.layout import MANIFEST
+from cbtrace.rundir.read import read_manifest
+from cbtrace.rundir.signature import key_path, trust
 
 
 @click.command("trust")
@@ -12,13 +19,6 @@ def command(run, yes):
     Runs you capture are signed already; editing a run's manifest drops its signature.
     Example: cbtrace trust runs/from-a-teammate
     """
-    from cbtrace.rundir.read import read_manifest
-    from cbtrace.rundir.signature import key_path, trust
-
-    from pathlib import Path
-
-    from cbtrace.rundir.layout import MANIFEST
-
     shown = (Path(run) / MANIFEST).read_bytes() if (Path(run) / MANIFEST).is_file() else None
     manifest = read_manifest(run)
     for line in describe(manifest):
@@ -32,8 +32,6 @@ def command(run, yes):
 
 def describe(manifest) -> list[str]:
     """What replaying the run would run, one line each."""
-    from cbtrace.model.spec import is_registered
-
     m = manifest.model
     out = [f"captured {manifest.created} on {manifest.environment.hostname} "
            f"(cbtrace {manifest.environment.cbtrace_version})"]
