@@ -51,8 +51,9 @@ def warm_until_settled(sample: Callable[[int, int], list[float]], cfg: TimingCon
     """Warm up for ``cfg.warmup_s``; with ``cfg.settle_tol`` also until the median of one
     ``cfg.settle_window_s`` window of runs is within that tolerance of the median
     ``cfg.settle_lag`` windows before, for at most ``cfg.settle_max_s``. Heavy GEMMs run back
-    to back lower the SM clock for a fraction of a second, so a fixed warm-up leaves the timed runs wherever the clock happens to be. Runs per round are
-    sized so a window holds several rounds. Returns a note for the row (None when nothing to
+    to back lower the SM clock for a fraction of a second, so a fixed warm-up leaves the timed
+    runs wherever the clock happens to be. Runs per round are sized so a window holds several
+    rounds. Returns a note for the row (None when nothing to
     say)."""
     if not cfg.settle_tol:
         warm_for(sample, cfg.warmup_s, n)
