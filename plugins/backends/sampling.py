@@ -53,8 +53,7 @@ def warm_until_settled(sample: Callable[[int, int], list[float]], cfg: TimingCon
     ``cfg.settle_lag`` windows before, for at most ``cfg.settle_max_s``. Heavy GEMMs run back
     to back lower the SM clock for a fraction of a second, so a fixed warm-up leaves the timed
     runs wherever the clock happens to be. Runs per round are sized so a window holds several
-    rounds. Returns a note for the row (None when nothing to
-    say)."""
+    rounds. Returns a note for the row (None when nothing to say)."""
     if not cfg.settle_tol:
         warm_for(sample, cfg.warmup_s, n)
         return None
