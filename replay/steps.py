@@ -130,6 +130,7 @@ class HostIssue:
 
 
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's text in sync-debug "warn" mode
+_SHOWN: dict = {}  # the warnings registry of the calls' own warnings passed on
 
 
 @contextlib.contextmanager
@@ -147,9 +148,10 @@ def counting_syncs(found: list):
         finally:
             torch.cuda.set_sync_debug_mode(previous)
     syncs = [w for w in caught if SYNC_WARNING in str(w.message)]
-    for w in caught:  # the call's own warnings go on as they would have
+    for w in caught:  # the call's own warnings go on, once per place as they would have
         if w not in syncs:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                                   registry=_SHOWN)
     found.append(len(syncs))
 
 
