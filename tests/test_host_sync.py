@@ -41,10 +41,9 @@ def test_a_window_issues_k_calls_back_to_back_and_divides_by_k():
     assert got == [1.0, 1.0]  # each window: 4 calls (1 ms each in the fake's clock) / K = 4
     runs = [x for x in log if isinstance(x, tuple)]
     assert [i for _, i in runs] == [0, 1, 2, 0, 1, 2, 0, 1]  # copies rotate across windows
-    # one sync before each window opens and one at the end: none between the calls
-    assert len(syncs) == 3
-    first_window = log[log.index("event"):log.index("event", log.index("event") + 1) + 1]
-    assert first_window.count("event") == 2 and "flush" not in first_window
+    # flush, sync, start, 4 calls, end (x2), one sync at the end: none between the calls
+    assert log[:7] == ["flush", "event", ("run", 0), ("run", 1), ("run", 2), ("run", 0), "event"]
+    assert syncs == [1, 8, 14] and log[1] == log[8] == "event" and len(log) == 14
     assert sample(2, 1) == [1.0]
     assert [i for _, i in [x for x in log if isinstance(x, tuple)][-4:]] == [2, 0, 1, 2]
 
