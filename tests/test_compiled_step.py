@@ -138,6 +138,18 @@ def test_the_cli_flag_is_documented():
     assert "--eager-only" in out
 
 
+def test_modes_compile_leaves_a_step_compiled_row_to_isolated_ms(tmp_path):
+    model = _net()
+    model.block = torch.compile(model.block)
+    _capture(model, tmp_path / "r", max_depth=1)
+    df = cbtrace.replay(tmp_path / "r", model=model, modes=("compile",), **FAST)
+    rows = {r["fqn"]: r for r in df.to_dict("records")}
+    block = rows["block"]
+    assert AS_IN_STEP in _notes(block) and block["eager_ms"] > 0
+    assert block["compile_status"].startswith("skipped: the step ran it compiled")
+    assert rows["out"]["compile_status"] == "ok" and rows["out"]["compile_ms"] > 0
+
+
 def _notes(row) -> str:
     return "" if _missing(row["timer_notes"]) else row["timer_notes"]
 
