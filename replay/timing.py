@@ -137,7 +137,7 @@ class Timing:
     p10_ms: float
     p90_ms: float
     runs: int            # timed samples (graph: replays, each the mean of K calls)
-    timer: str           # backend name: "graph" | "events" | "cpu" | a plugin's
+    timer: str           # backend name: "graph" | "stream" | "events" | "cpu" | a plugin's
     samples_ms: list[float] = field(default_factory=list)
     notes: str | None = None  # e.g. "K=20", "spin=0.050ms", fallback reasons
     noisy: bool = False  # the samples say the machine was busy (waits off-CPU, a wide spread)

@@ -76,8 +76,8 @@ class ModuleRecord:
 
     status: str | None = column(REPLAY, doc="ok | skipped | error", default=None)
     status_reason: str | None = column(REPLAY, doc="why skipped or failed", default=None)
-    timer: str | None = column(REPLAY, doc="the timer behind isolated_ms (graph | events | cpu "
-                                           "| a plugin's | aggregated)", default=None)
+    timer: str | None = column(REPLAY, doc="the timer behind isolated_ms (graph | stream | events "
+                                           "| cpu | a plugin's | aggregated)", default=None)
     timer_fallback: str | None = column(REPLAY, doc="why timers before it were not used",
                                         default=None)
     timer_notes: str | None = column(REPLAY, doc='how it timed: "K=20", spin, "cold", ...',
