@@ -7,15 +7,31 @@ class CbtraceError(Exception):
     An error about one argument's value passes ``param`` (the library's argument name, e.g.
     ``"max_depth"``) and ``value``: the message reads ``max_depth -1: <reason>``, and the CLI
     names its flag instead (``--max-depth -1: <reason>``, ``for_flag``).
+
+    An error that a flag-like argument of the call would let go on passes ``retry`` (e.g.
+    ``"force"``) and says so as ``force=True`` in its message ("pass force=True to overwrite
+    it"); the CLI puts its flag there instead ("pass --force to overwrite it", ``for_cli``).
     """
 
-    def __init__(self, message: str = "", *, param: str | None = None, value=None):
-        self.param, self.value, self.reason = param, value, message
+    param = value = retry = None  # for a subclass whose __init__ does not pass them on
+    reason = ""
+
+    def __init__(self, message: str = "", *, param: str | None = None, value=None,
+                 retry: str | None = None):
+        self.param, self.value, self.reason, self.retry = param, value, message, retry
         super().__init__(f"{param} {value}: {message}" if param else message)
 
     def for_flag(self, flag: str) -> str:
         """The message with the CLI's flag in place of the library argument's name."""
         return f"{flag} {self.value}: {self.reason}" if self.param else str(self)
+
+    def for_cli(self, flags: dict[str, str]) -> str:
+        """The message with CLI flags (``flags``: library argument -> flag) in place of the
+        library arguments it names (``param``, ``retry``); one without a flag keeps its name."""
+        text = self.for_flag(flags[self.param]) if self.param in flags else str(self)
+        if self.retry in flags:
+            text = text.replace(f"{self.retry}=True", flags[self.retry])
+        return text
 
 
 class RunDirError(CbtraceError):

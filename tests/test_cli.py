@@ -242,6 +242,20 @@ def test_profile_tb_logdir_keeps_the_run_at_out(tmp_path):
     line = _one_line_error(["profile", "--model", "dlrm:tiny", "--device", "cpu", "--out",
                             str(again), "--tb-logdir", str(tb)])
     assert "already exists" in line and str(tb / "d") in line and not again.exists()
+    assert line.endswith("choose another --tb-logdir or --out name")  # the CLI names its flags
+
+
+def test_library_advice_names_the_cli_flag(tmp_path):
+    """The library advises ``resume=True`` (its own terms); the CLI says ``--resume``, also
+    from a command that lacks the flag (a capture into a failed replay's run)."""
+    (tmp_path / "manifest.json").write_text('{"complete": true}')
+    (tmp_path / ".cbtrace.lock").write_text('{"pid": 1, "host": "elsewhere", "command": '
+                                            '"replay", "state": "failed", "error": "Killed"}')
+    line = _one_line_error(["capture", "--model", "nanogpt:tiny", "--device", "cpu", "--out",
+                            str(tmp_path)])
+    assert line == (f"Error: {tmp_path}: a failed replay: replay (pid 1 on elsewhere) stopped "
+                    f"(Killed); replay it again with --resume (or remove {tmp_path})")
+    assert "resume=True" not in line
 
 
 def test_readme_is_a_short_page_whose_links_exist():

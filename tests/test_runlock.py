@@ -166,7 +166,8 @@ def test_full_disk_in_replay_keeps_rows_and_resumes(tmp_path, monkeypatch):
     with pytest.raises(RunDirError) as e:
         cbtrace.replay(run, **FAST)
     msg = str(e.value)
-    assert "\n" not in msg and "disk full" in msg and f"cbtrace replay {run} --resume" in msg
+    assert "\n" not in msg and "disk full" in msg and "replay it again with resume=True" in msg
+    assert e.value.retry == "resume"  # the CLI names --resume in its place (test_cli)
     assert read_holder(run)["state"] == "failed"
     monkeypatch.setattr(progress.ProgressLog, "append", real)
     df = cbtrace.replay(run, resume=True, **FAST)
@@ -226,10 +227,11 @@ def test_annotate_takes_the_lock_and_leaves_a_dead_runs_mark(tmp_path):
     with pytest.raises(RunDirError) as e:  # a new capture into it is told what it is
         check_new_run(run)
     assert str(e.value) == (f"{run}: a failed replay: replay (pid 1 on elsewhere) stopped "
-                            f"(KeyboardInterrupt); cbtrace replay {run} --resume (or remove {run})")
+                            f"(KeyboardInterrupt); replay it again with resume=True (or remove "
+                            f"{run})")
     (run / LOCK).write_text(json.dumps({"pid": 1, "host": "elsewhere", "command": "replay"}))
     with pytest.raises(RunDirError, match=r"a dead replay: replay \(pid 1 on elsewhere\) gone "
-                                          r"without a word \(killed or crashed\); cbtrace replay"):
+                                          r"without a word \(killed or crashed\); replay it again"):
         check_new_run(run)
 
 

@@ -83,16 +83,23 @@ def main(argv=None):
         warnings.formatwarning = old_format
 
 
-def _in_flags(e, argv) -> str:
-    """The error's message naming the flag, where the library named its own argument."""
+def _in_flags(e: CbtraceError, argv) -> str:
+    """The error's message naming the flags, where the library named its own arguments: the
+    command's own flag, else (for ``retry``) the flag of the command that has it."""
     args = sys.argv[1:] if argv is None else list(argv)
     name = next((a for a in args if a in COMMANDS), None)
-    if getattr(e, "param", None) is None or name is None:
+    if (e.param is None and e.retry is None) or name is None:
         return str(e)
-    params = importlib.import_module(COMMANDS[name][0]).command.params
-    flags = [max(p.opts, key=len) for p in params
-             if p.name == e.param and isinstance(p, click.Option)]
-    return e.for_flag(flags[0]) if flags else str(e)
+    flags = _flags(name)
+    if e.retry not in (None, *flags):  # e.g. capture into a failed replay's run
+        flags.update({k: f for c in COMMANDS for k, f in _flags(c).items() if k == e.retry})
+    return e.for_cli(flags)
+
+
+def _flags(command: str) -> dict[str, str]:
+    """A command's options: library argument -> its longest flag."""
+    params = importlib.import_module(COMMANDS[command][0]).command.params
+    return {p.name: max(p.opts, key=len) for p in params if isinstance(p, click.Option)}
 
 
 def _run(argv):

@@ -108,7 +108,7 @@ class RunLock:
         self.previous = read_holder(self.run) or None
         if self.command == "replay" and self.previous and _dead_capture(self.run, self.previous):
             os.close(fd)  # the lock file stays as the dead capture left it
-            raise RunDirError(f"{self.run}: {dead_text(self.run, self.previous)}")
+            raise _refused(self.run, dead_text(self.run, self.previous))
         self._fd, self._depth = fd, 1
         self._write({"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
                      "argv": " ".join(sys.argv[:8])[:300], "started": time.time(),
@@ -146,7 +146,8 @@ class RunLock:
             where = f": {full.filename}" if full.filename else ""
             raise DiskFull(f"{self.run}: disk full ({full.strerror or 'ENOSPC'}{where}); what "
                            "was written is kept and the run is marked incomplete: free space, "
-                           f"then {resume_hint(self.run, self.command)}") from None
+                           f"then {resume_hint(self.run, self.command)}",
+                           retry="resume" if self.command == "replay" else None) from None
 
     def _write(self, info: dict) -> None:
         """Rewrite the lock file in place (it is small: a full disk rarely refuses it)."""
@@ -204,9 +205,16 @@ def _nothing_written(run: Path) -> bool:
 
 
 def resume_hint(run, command: str) -> str:
+    """What to do with a run ``command`` left unfinished; for a replay it names
+    ``resume=True``, which the error carries as its ``retry`` for the CLI."""
     if command == "replay":
-        return f"cbtrace replay {run} --resume (or remove {run})"
+        return f"replay it again with resume=True (or remove {run})"
     return f"remove it (rm -r {run}) and capture again"
+
+
+def _refused(run, text: str) -> RunDirError:
+    """``run: text`` as a RunDirError; a text advising a resumed replay carries retry="resume"."""
+    return RunDirError(f"{run}: {text}", retry="resume" if "resume=True" in text else None)
 
 
 def check_new_run(run) -> None:
@@ -235,12 +243,12 @@ def check_new_run(run) -> None:
                           "directory") from None
     finally:
         os.close(fd)
-    raise RunDirError(f"{run}: {dead_text(run, info)}")
+    raise _refused(run, dead_text(run, info))
 
 
 def dead_text(run, info: dict) -> str:
     """'a dead capture: capture (pid ...) gone without a word ...; remove it (...)', or 'a
-    failed replay: ... stopped (error); cbtrace replay RUN --resume ...'."""
+    failed replay: ... stopped (error); replay it again with resume=True ...'."""
     command = info.get("command") or "cbtrace command"
     if info.get("error"):
         state, how = "failed", f"stopped ({info['error']})"

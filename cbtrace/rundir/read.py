@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cbtrace.errors import RunDirError
+from cbtrace.errors import RunDirError, one_line
 from cbtrace.rundir.layout import MANIFEST, MODULES
 from cbtrace.schema import manifest as manifest_schema
 from cbtrace.schema.modules import COLUMNS, ModuleRecord, frame_to_records, required_fields
@@ -66,7 +66,7 @@ def read_modules(run):
     try:
         df = pq.read_table(path).to_pandas()
     except (pa.ArrowInvalid, OSError) as e:
-        raise RunDirError(f"{path}: corrupt Parquet file ({e})") from None
+        raise RunDirError(f"{path}: corrupt Parquet file ({one_line(e, with_type=False)})") from None
     missing = [c for c in required_fields() if c not in df.columns]
     if missing:
         raise RunDirError(f"{path}: not a cbtrace modules table (missing {', '.join(missing)})")

@@ -103,7 +103,8 @@ def write_manifest(run, manifest, *, known: dict | None = None, rewritten=(),
         signature.sign(run, data)
     except RunDirError as e:  # no key could be made or read: the run stays usable, unsigned
         signature.unsign(run)
-        announce(f"{run} is not signed ({e}); replay it with --trust or cbtrace trust")
+        announce(f"{run} is not signed ({e}): replay rebuilds its model from its spec only "
+                 "once it is trusted (cbtrace trust)")
 
 
 def _keeps_signature(run: Path, manifest) -> bool:

@@ -300,7 +300,7 @@ def check_out_path(path, *, force: bool = False) -> Path:
         raise DiffError(f"{path}: the table is written as .parquet or .csv, not "
                         f"'{path.suffix or '(no suffix)'}'")
     if path.exists() and not force:
-        raise DiffError(f"{path} exists; pass --force to overwrite it")
+        raise DiffError(f"{path} exists; pass force=True to overwrite it", retry="force")
     if not path.parent.is_dir():
         raise DiffError(f"{path}: no folder {path.parent}")
     return path

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cbtrace import registry
-from cbtrace.errors import CbtraceError, RunDirError
+from cbtrace.errors import CbtraceError, RunDirError, one_line
 from cbtrace.rundir.read import load_run
 from cbtrace.schema.modules import frame_to_records
 
@@ -42,7 +42,7 @@ def report_run(run, *, out_dir=None, names=DEFAULT_REPORTERS) -> list[Path]:
         try:
             written += list(reporter.report(records, manifest, out) or [])
         except (ValueError, KeyError, OSError) as e:
-            raise ReportError(f"{run}: reporter '{name}' failed: {e}") from e
+            raise ReportError(f"{run}: reporter '{name}' failed: {one_line(e)}") from e
         finally:
             reporter.close()
     return written

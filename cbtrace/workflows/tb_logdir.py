@@ -21,7 +21,7 @@ def logdir_target(run, logdir) -> Path:
         return Path(run)
     target = Path(logdir) / Path(run).name
     if target.exists() or target.is_symlink():
-        raise RunDirError(f"{target}: already exists; choose another --tb-logdir or --out name")
+        raise RunDirError(f"{target}: already exists; choose another logdir or run name")
     return target
 
 

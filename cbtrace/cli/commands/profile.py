@@ -2,6 +2,7 @@ import click
 
 from cbtrace.cli.options import (model_options, parse_kv, replay_options, strict_exit,
                                  timer_warning)
+from cbtrace.errors import RunDirError
 from cbtrace.plugins.reporters.opportunities import verified_table
 from cbtrace.plugins.reporters.summary import status_text, summary_table
 from cbtrace.rundir.read import read_manifest
@@ -35,7 +36,11 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
     from cbtrace.workflows.profile_model import profile
 
     if tb_logdir:
-        logdir_target(out, tb_logdir)  # an existing view is refused before any work
+        try:
+            logdir_target(out, tb_logdir)  # an existing view is refused before any work
+        except RunDirError as e:  # the logdir and the run's name are these flags here
+            raise click.ClickException(f"{str(e).partition(';')[0]}; choose another "
+                                       "--tb-logdir or --out name") from None
     replay_options = dict(timer=timer, cold=cold, context=context, timeout_s=timeout_s,
                           reuse_timing=reuse_timing, eager_only=eager_only)
     if verify_top is not None:
