@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 WRAPPER = "_orig_mod"
 # wrapper class name -> the attribute holding the user's module: torch.compile, and the data
 # parallel wrappers a training job puts around its model (DDP, DataParallel, FSDP1)
@@ -103,6 +105,4 @@ def eager(model):
     ``force_eager``), so every module call is a call of its own; a no-op for eager models."""
     if not has_compiled(model):
         return contextlib.nullcontext()
-    import torch
-
     return torch.compiler.set_stance("force_eager")
