@@ -1,19 +1,15 @@
 import os
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
+from helpers.paths import SHARED
+from helpers.settings import FAST_REPLAY
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # tests see only the plugins they register (tests/test_plugins.py unsets it for its subprocesses)
 os.environ["CBTRACE_DISABLE_PLUGIN_AUTOLOAD"] = "1"
 # runs are signed with a key of the suite's own, never the user's ~/.config/cbtrace/key
 os.environ.setdefault("CBTRACE_CONFIG_DIR", tempfile.mkdtemp(prefix="cbtrace-config-"))
-
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-sys.path.insert(0, str(REPO / "benchmarks"))  # doc tools the tests drive (screenshot.py)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,3 +33,9 @@ def shared_traces():
     if not d.is_dir():
         pytest.skip(f"shared traces not found at {d}")
     return d
+
+
+@pytest.fixture
+def fast_replay() -> dict:
+    """A copy of FAST_REPLAY: ``cbtrace.replay(run, **fast_replay)``."""
+    return dict(FAST_REPLAY)

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from test_annotate_data import (RUN_ID, load_trace, module_calls, record_capture_trace,
-                                shared_module_traces, write_fake_run)
+from helpers.annotate_data import (RUN_ID, load_trace, module_calls, record_capture_trace,
+                                   shared_module_traces, write_fake_run)
 
 from cbtrace.annotate.write import annotate, pftrace_path
 from cbtrace.annotate.figures import BUCKETS, NO_FIGURE_CNAME
@@ -272,7 +272,7 @@ def test_gpu_capture_trace(tmp_path):
 def test_metadata_names_replay_device_and_its_peaks(tmp_path, capture_trace):
     import pandas as pd
 
-    from runs import write_run
+    from helpers.runs import write_run
 
     from cbtrace.rundir.read import read_manifest, read_records
     from cbtrace.schema.manifest import ReplayInfo

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from test_annotate_data import record_capture_trace, write_fake_run
+from helpers.annotate_data import record_capture_trace, write_fake_run
+from helpers.servers import free_port, stop
 
 from cbtrace.annotate.write import annotate
-from servers import free_port, stop
 
 WORKER = "annotated_worker0"
 

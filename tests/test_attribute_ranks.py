@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import REPO
+from helpers.paths import REPO
 
 from cbtrace.attribution import comm
 from cbtrace.attribution.attribute import attribute, summary_text

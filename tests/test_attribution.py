@@ -93,7 +93,7 @@ def test_aggregates_over_steps(df):
 
 
 def test_insitu_for_run(tmp_path):
-    from runs import manifest
+    from helpers.runs import manifest
 
     shutil.copy(TRACE, tmp_path / TRACE.name)
     out = insitu_for_run(tmp_path, manifest(trace=TRACE.name))
@@ -103,7 +103,7 @@ def test_insitu_for_run(tmp_path):
 
 
 def test_capture_run_names_nn_module_events(tmp_path, shared_traces):
-    from runs import record, write_run
+    from helpers.runs import record, write_run
 
     from cbtrace.errors import RunDirError
 

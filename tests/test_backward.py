@@ -1,12 +1,11 @@
 """--backward: each call's backward timed on its own, on the gradients captured in the step."""
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
 from cbtrace.state import state_fingerprint
-
-FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, profile_runs=1, progress=False)
 
 
 def _capture_train(model, x, run):
@@ -23,7 +22,7 @@ def test_linear_backward_flops_count_grad_input_only_when_needed(tmp_path, input
     for p in model.parameters():
         p.grad = None
     before = state_fingerprint(model)
-    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST).set_index("fqn")
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY).set_index("fqn")
     lin = df.loc["0"]
     assert lin["bwd_status"] == "ok" and lin["grad_source"] == "captured"
     assert lin["bwd_ms"] > 0 and lin["bwd_flops"] > 0
@@ -41,11 +40,11 @@ def test_random_gradients_when_none_were_captured_and_a_forward_capture(tmp_path
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)).train()
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randn(4, 8))  # forward only: no gradients reached the outputs
-    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST)
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY)
     assert (df["bwd_status"] == "ok").all() and (df["grad_source"] == "random").all()
     with torch.no_grad(), cbtrace.capture(model, tmp_path / "nograd", trace=False):
         model(torch.randn(4, 8))
-    df = cbtrace.replay(tmp_path / "nograd", model=model, backward=True, **FAST)
+    df = cbtrace.replay(tmp_path / "nograd", model=model, backward=True, **FAST_REPLAY)
     assert (df["bwd_status"] == "skipped").all()
     assert df["bwd_status_reason"].str.contains("no output requires grad").all()
 
@@ -60,7 +59,7 @@ def test_backward_of_a_demo_model_step(tmp_path):
 
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         run_step(provider, model, batch, "train")
-    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST)
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY)
     ok = df[df["bwd_status"] == "ok"]
     assert len(ok) >= len(df) - 3, df[df["bwd_status"] != "ok"][["fqn", "bwd_status_reason"]]
     assert (ok["grad_source"] == "captured").mean() > 0.8
@@ -82,7 +81,7 @@ def test_profile_of_a_train_step_joins_the_backward_in_situ(tmp_path):
     from cbtrace.workflows.profile_model import profile
 
     df = profile("dlrm:tiny", tmp_path / "r", device="cpu", step="train", max_depth=2,
-                 replay_options=dict(FAST))
+                 replay_options=dict(FAST_REPLAY))
     ok = df[df["bwd_status"] == "ok"]
     assert len(ok) and ok["bwd_insitu_ms"].notna().mean() > 0.5
     both = ok[ok["bwd_insitu_ms"] > 0]
@@ -98,7 +97,7 @@ def test_backward_is_timed_from_cuda_graphs(tmp_path):
     _capture_train(model, torch.randn(64, 256, device="cuda", requires_grad=True),
                    tmp_path / "r")
     before = state_fingerprint(model)
-    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST)
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY)
     assert (df["bwd_status"] == "ok").all(), df[["fqn", "bwd_status", "bwd_status_reason"]]
     assert set(df["bwd_timer"]) == {"graph"}, df[["fqn", "bwd_timer", "bwd_timer_notes"]]
     assert (df["bwd_ms"] > 0).all() and state_fingerprint(model) == before

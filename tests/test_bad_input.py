@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from helpers.paths import REPO
 
 from cbtrace.capture.from_spec import capture_model
 from cbtrace.errors import CaptureError, ProviderError

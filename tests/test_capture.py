@@ -397,7 +397,7 @@ def test_inputs_round_trip_bitwise(tmp_path):
 
 
 def test_in_place_mutation_stores_value_at_call_time(tmp_path):
-    spec = f"{REPO / 'tests/fixtures/hf_gpt2.py'}:inplace_model"
+    spec = f"{REPO / 'tests/helpers/spec_models.py'}:inplace_model"
     cap = capture_model(spec, tmp_path / "r", device="cpu", warmup=0)
     (x_first,), _ = cbtrace.load_inputs(cap.out, "first")
     (x_second,), _ = cbtrace.load_inputs(cap.out, "second")
@@ -408,7 +408,7 @@ def test_in_place_mutation_stores_value_at_call_time(tmp_path):
 
 def test_public_library_model_through_file_spec(tmp_path):
     pytest.importorskip("transformers")
-    spec = f"{REPO / 'tests/fixtures/hf_gpt2.py'}:build"
+    spec = f"{REPO / 'tests/helpers/spec_models.py'}:build"
     cap = capture_model(spec, tmp_path / "r", device="cpu")
     df = read_modules(cap.out)
     assert "transformer.h.1.attn" in set(df["fqn"])

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -15,8 +16,6 @@ from cbtrace.attribution.attribute import attribute_file
 from cbtrace.attribution.join import insitu_columns
 from cbtrace.capture.host_times import host_times
 from cbtrace.rundir.read import find_trace, load_run
-
-FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1, cold_budget_s=0.01)
 
 
 class Block(nn.Module):
@@ -134,7 +133,7 @@ def test_encoder_fast_path_taken_in_the_captured_step_and_replayed(tmp_path, mas
         assert all("forward" not in vars(m) for m in enc.modules())  # nothing left behind
         if masked:
             assert '"t":"nested"' in cap.records[1].inputs_ref
-        df = cbtrace.replay(tmp_path / "r", model=enc, **FAST)
+        df = cbtrace.replay(tmp_path / "r", model=enc, **FAST_REPLAY)
     assert list(df["status"]) == ["ok"] * 3, df["status_reason"].tolist()
 
 
@@ -164,7 +163,7 @@ def test_torchscript_submodule_is_a_leaf_captured_and_replayed(tmp_path, kind):
     assert json.loads(inner.input_shapes) == [[4, 16]]
     # no wrapper left on the instance (a scripted module caches its script method there)
     assert not isinstance(vars(model.inner).get("forward"), types.FunctionType)
-    df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
     assert list(df["status"]) == ["ok"] * 4, df["status_reason"].tolist()
     assert df.set_index("fqn").loc["inner", "flops"] == 2 * 4 * 16 * 16 + 2 * 4 * 16 * 8 + 4 * 16
     assert torch.equal(model(x), y)
@@ -197,5 +196,5 @@ def test_jagged_nested_input_is_stored_and_replayed(tmp_path):
     ref = json.loads(cap.records[1].inputs_ref)["args"][0]
     assert ref["t"] == "nested" and ref["layout"] == "jagged"
     assert [p["shape"] for p in ref["parts"]] == [[3, 8], [5, 8]]
-    df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
     assert list(df["status"]) == ["ok"] * 2, df["status_reason"].tolist()

@@ -4,6 +4,7 @@ import time
 
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
@@ -33,8 +34,7 @@ class Net(nn.Module):
         return self.t(self.b(self.a(x)))
 
 
-FAST = dict(context=True, budget_s=0.01, min_runs=3, warmup_runs=1, count_flops=False, progress=False,
-            host_runs=1, profile_runs=1)
+FAST = {**FAST_REPLAY, "context": True, "count_flops": False, "host_runs": 1}
 
 
 @pytest.fixture

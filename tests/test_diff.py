@@ -388,7 +388,7 @@ def test_diff_icicle_in_chromium(runs, tmp_path):
         pytest.skip("no Chromium at /usr/bin/chromium (set CBTRACE_CHROMIUM)")
     from playwright.sync_api import sync_playwright
 
-    from screenshot import block_network, launch
+    from helpers.servers import block_network, launch
 
     page_path, data = _diff_icicle(runs, tmp_path)
     ids = {n["q"]: n["id"] for n in data["nodes"] if n["k"] == "module"}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
@@ -19,7 +20,7 @@ from cbtrace.workflows.diff import DiffError, diff_runs
 
 transformers = pytest.importorskip("transformers")
 
-REPLAY = dict(budget_s=0.02, min_runs=20, warmup_runs=1, profile_runs=1, progress=False)
+REPLAY = {**FAST_REPLAY, "budget_s": 0.02, "min_runs": 20}  # times steady enough to compare
 HIDDEN, FF, WIDE = 32, 37, 111
 FFN = "encoder.layer.1"
 # the widened Linears, the GELU between them (its work triples too) and every call up to the root

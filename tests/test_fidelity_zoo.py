@@ -1,11 +1,36 @@
-"""benchmarks/fidelity_zoo.py: its figures from a modules table worked out by hand, and a CPU
-run on nanogpt:tiny that prints the table and writes the summaries."""
+"""benchmarks/fidelity_zoo.py, run as a script: its figures from a modules table worked out by
+hand, and a CPU run on nanogpt:tiny that prints the table and writes the summaries."""
 import csv
 import json
+import subprocess
+import sys
 
-import fidelity_zoo
 import pandas as pd
 import pytest
+from helpers.paths import REPO
+
+SCRIPT = REPO / "benchmarks" / "fidelity_zoo.py"
+COLUMNS = ["model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
+           "root_err%", "<10us_|err|_med%"]
+# the script's own functions, called in a process of its own: the tests import nothing from
+# benchmarks/ (argv: the script, then a modules table or the script's arguments)
+FIGURES = """import json, runpy, sys
+import pandas as pd
+fidelity = runpy.run_path(sys.argv[1])["fidelity"]
+df = pd.read_parquet(sys.argv[2])
+print(json.dumps({p: fidelity(df, p) for p in ("fwd", "bwd")}, default=lambda o: o.item()))
+"""
+# main() with one more model, whose library is missing
+MISSING_LIBRARY = """import runpy, sys
+script = runpy.run_path(sys.argv[1])
+script["MODELS"]["needs-x"] = ("nanogpt:tiny", {}, "nanogpt", {}, "no_such_module_for_cbtrace")
+sys.exit(script["main"](sys.argv[2:]))
+"""
+
+
+def python(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def table(rows):
@@ -28,8 +53,18 @@ DF = table([
 ])
 
 
-def test_forward_figures_by_hand():
-    row, classes = fidelity_zoo.fidelity(DF, "fwd")
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory):
+    """fidelity(DF, phase) for both phases, as the script computes them."""
+    table_path = tmp_path_factory.mktemp("fidelity") / "modules.parquet"
+    DF.to_parquet(table_path)
+    out = python("-c", FIGURES, SCRIPT, table_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_forward_figures_by_hand(figures):
+    row, classes = figures["fwd"]
     assert (row["calls"], row["errors"], row["skipped"], row["n>=10us"]) == (8, 1, 1, 4)
     assert row["within5%"] == pytest.approx(75.0)  # 2, -4, -1 within; 6 not
     assert row["EmbBag_med%"] == pytest.approx(-1.0)
@@ -42,8 +77,8 @@ def test_forward_figures_by_hand():
     assert [c["module_type"] for c in classes] == ["Net", "EmbeddingBag"]  # by in-situ time
 
 
-def test_backward_figures_read_the_backward_columns():
-    row, classes = fidelity_zoo.fidelity(DF, "bwd")
+def test_backward_figures_read_the_backward_columns(figures):
+    row, classes = figures["bwd"]
     assert (row["calls"], row["errors"], row["n>=10us"]) == (7, 1, 3)
     assert row["within5%"] == pytest.approx(100 * 2 / 3)  # -8 misses
     assert row["root_err%"] == -8.0 and row["EmbBag_med%"] == pytest.approx(2.0)
@@ -51,24 +86,21 @@ def test_backward_figures_read_the_backward_columns():
     assert {c["phase"] for c in classes} == {"bwd"}
 
 
-def test_unknown_model_is_one_line_error(capsys):
-    with pytest.raises(SystemExit) as e:
-        fidelity_zoo.main(["--out", "unused", "--models", "nanogpt,nosuch"])
-    assert e.value.code == 2 and "unknown nosuch" in capsys.readouterr().err
+def test_unknown_model_is_one_line_error():
+    out = python(SCRIPT, "--out", "unused", "--models", "nanogpt,nosuch")
+    assert out.returncode == 2 and "unknown nosuch" in out.stderr
 
 
 @pytest.mark.slow
-def test_a_cpu_run_on_nanogpt_tiny(tmp_path, capsys, monkeypatch):
+def test_a_cpu_run_on_nanogpt_tiny(tmp_path):
     # a model whose library is missing is skipped with a note, the others still run
-    monkeypatch.setitem(fidelity_zoo.MODELS, "needs-x",
-                        ("nanogpt:tiny", {}, "nanogpt", {}, "no_such_module_for_cbtrace"))
-    rc = fidelity_zoo.main(["--out", str(tmp_path), "--models", "needs-x,nanogpt",
-                            "--device", "cpu", "--budget-s", "0.002"])
-    out = capsys.readouterr().out
-    assert rc == 0
+    proc = python("-c", MISSING_LIBRARY, SCRIPT, "--out", tmp_path, "--models", "needs-x,nanogpt",
+                  "--device", "cpu", "--budget-s", "0.002", timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "needs-x: skipped (no_such_module_for_cbtrace is not installed)" in out
     final = out[out.index("== fidelity (cpu"):].splitlines()
-    assert final[1].split() == list(fidelity_zoo.COLUMNS)
+    assert final[1].split() == COLUMNS
     cells = final[2].split()
     assert cells[:2] == ["nanogpt", "fwd"] and int(cells[2]) >= 20 and cells[3] == "0"
     assert "nanogpt fwd class medians" in out and "Linear" in out
@@ -76,7 +108,7 @@ def test_a_cpu_run_on_nanogpt_tiny(tmp_path, capsys, monkeypatch):
     assert summary["spec"] == "nanogpt:tiny" and summary["rows"][0]["errors"] == 0
     with open(tmp_path / "fidelity.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["model"] for r in rows] == ["nanogpt"] and tuple(rows[0]) == fidelity_zoo.COLUMNS
+    assert [r["model"] for r in rows] == ["nanogpt"] and list(rows[0]) == COLUMNS
     assert (tmp_path / "nanogpt_classes.csv").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "fidelity.csv", "nanogpt.json", "nanogpt_classes.csv", "nanogpt_rows.csv.gz"]  # no run

@@ -6,13 +6,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
 from cbtrace.global_state import GLOBALS, GlobalSettings, read_globals, same_value
-
-FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1, cold_budget_s=0.01,
-            progress=False)
 
 
 def _flip(flag: str):
@@ -172,7 +170,8 @@ def entry_points(tmp_path_factory):
             run("capture", capture)
             run("capture_model", lambda: capture_model("dlrm:tiny", d / "spec_run", device="cpu",
                                                        warmup=0, trace=False))
-            run("replay_first_calibrates", lambda: cbtrace.replay(d / "run", model=model, **FAST))
+            run("replay_first_calibrates",
+                lambda: cbtrace.replay(d / "run", model=model, **FAST_REPLAY))
             assert (d / "calibration.json").is_file()  # the first replay did calibrate
             run("calibrate", lambda: calibrate("cpu", out=d / "again.json"))
         finally:

@@ -19,8 +19,9 @@ from cbtrace.replay.timing import TimingConfig  # noqa: E402
 from cbtrace.state import state_fingerprint  # noqa: E402
 from cbtrace.store.load import load_call_inputs  # noqa: E402
 from cbtrace.store.snapshot import Snapshotter  # noqa: E402
-from equality import first_difference  # noqa: E402
-from snapshots import take  # noqa: E402
+from helpers.equality import first_difference  # noqa: E402
+from helpers.settings import FAST_REPLAY  # noqa: E402
+from helpers.snapshots import take  # noqa: E402
 from transformers import cache_utils as cu  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
@@ -429,8 +430,7 @@ def test_transformers_models_replay_ok(tmp_path, build, layer, cache_type, devic
     args, kwargs = cbtrace.load_inputs(tmp_path / "r", layer)
     assert any(isinstance(v, cache_type) for v in (*args, *kwargs.values())), (args, kwargs)
     before = state_fingerprint(model)
-    df = cbtrace.replay(tmp_path / "r", model=model, budget_s=0.002, min_runs=3, warmup_runs=1,
-                        profile_runs=1)
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
     bad = df[df["status"] != "ok"][["fqn", "status", "status_reason"]]
     assert bad.empty, "\n" + bad.to_string()
     assert state_fingerprint(model) == before

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 
-from conftest import REPO
+from helpers.paths import REPO
 from hypothesis import strategies as st
 
 from cbtrace.plugins.reporters import palette
 
 from cbtrace.plugins.reporters import icicle_model
 from cbtrace.plugins.reporters.icicle import json_for_script, render_html
-from sample_runs import write_sample_run
+from helpers.sample_runs import write_sample_run
 from cbtrace.plugins.reporters.summary import self_times, summary_table
 from cbtrace.plugins.reporters.svg import render_svg
 from cbtrace.plugins.reporters.icicle_tree import build_tree, layout, preorder, record_rows
@@ -276,7 +276,7 @@ def browser():
         pytest.skip("no Chromium at /usr/bin/chromium (set CBTRACE_CHROMIUM)")
     from playwright.sync_api import sync_playwright
 
-    from screenshot import launch
+    from helpers.servers import launch
 
     pw = sync_playwright().start()
     b = launch(pw)
@@ -288,7 +288,7 @@ def browser():
 @pytest.mark.browser
 def test_icicle_offline_in_chromium(browser, runs, tmp_path):
     from cbtrace.plugins.reporters.icicle import IcicleReporter
-    from screenshot import block_network
+    from helpers.servers import block_network
 
     html = IcicleReporter().report(*_records(runs["transformer"]), tmp_path)[0]
     page = browser.new_page(viewport={"width": 1400, "height": 900})

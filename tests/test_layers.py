@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers.paths import REPO
 
 LINT = shutil.which("lint-imports", path=str(REPO / ".venv" / "bin")) or shutil.which("lint-imports")
 

@@ -20,7 +20,7 @@ from cbtrace.replay import opportunity as opp
 from cbtrace.rundir.read import load_run
 from cbtrace.schema.modules import records_to_frame
 from cbtrace.state import state_fingerprint
-from runs import record, write_run
+from helpers.runs import record, write_run
 
 FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, profile_runs=1)
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from test_annotate_data import record_capture_trace, write_fake_run
+from helpers.annotate_data import record_capture_trace, write_fake_run
+from helpers.servers import CHROMIUM, CHROMIUM_ARGS, free_port, stop
 
 from cbtrace.annotate.write import annotate, pftrace_path
-from servers import CHROMIUM, CHROMIUM_ARGS, free_port, stop
 
 # vizviewer binds 0.0.0.0 and has no --host flag: run its main with the bind address pinned.
 SERVE = """

@@ -240,7 +240,7 @@ def test_a_timer_written_against_the_documented_contract_is_selectable_and_used(
 
 
 def test_every_hook_is_documented_and_in_the_readme():
-    from conftest import REPO
+    from helpers.paths import REPO
 
     specs = [name for name, f in vars(hookspecs).items()
              if callable(f) and hasattr(f, "cbtrace_spec")]

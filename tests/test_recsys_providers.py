@@ -3,6 +3,7 @@ builds at its stated sizes, the tiny ones capture and replay on the CPU with 0 e
 EmbeddingBag lookups replay jagged bags of variable length."""
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
@@ -11,7 +12,7 @@ from cbtrace.model.spec import resolve
 from cbtrace.plugins.providers import dcn
 from cbtrace.state import state_digest, state_fingerprint
 
-FAST = dict(budget_s=0.002, min_runs=2, warmup_runs=1, profile_runs=1)
+FAST = {**FAST_REPLAY, "budget_s": 0.002, "min_runs": 2}  # the recommenders' many calls
 
 
 def meta_model(spec):

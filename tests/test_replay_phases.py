@@ -1,14 +1,13 @@
 """Where a replay's wall goes (manifest.replay: timings_s inside the per-call loop, outside_s
 the rest), and ``cbtrace profile`` replaying the model its capture ran instead of a rebuild."""
 import pytest
+from helpers.settings import FAST_REPLAY
 
 import cbtrace
 from cbtrace.capture.from_spec import capture_model
 from cbtrace.rundir.read import read_manifest
 from cbtrace.state import same_state, state_digest
 
-FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1, cold_budget_s=0.01,
-            progress=False)
 OUTSIDE = {"load_run", "verify_inputs", "calibrate", "state_copy", "setup", "finalize", "write",
            "other"}
 
@@ -28,7 +27,7 @@ def cap(tmp_path_factory):
 
 
 def test_the_phases_add_up_to_the_replay_wall(cap):
-    cbtrace.replay(cap.out, **FAST)  # rebuilt from the spec
+    cbtrace.replay(cap.out, **FAST_REPLAY)  # rebuilt from the spec
     r = read_manifest(cap.out).replay
     assert OUTSIDE | {"rebuild", "verify_state"} == set(r.outside_s)
     assert {"load", "state_guard", "loop_other"} <= set(r.timings_s)
@@ -41,7 +40,7 @@ def test_the_phases_add_up_to_the_replay_wall(cap):
 
 
 def test_a_live_model_is_not_rebuilt(cap):
-    cbtrace.replay(cap.out, model=cap.model, **FAST)
+    cbtrace.replay(cap.out, model=cap.model, **FAST_REPLAY)
     r = read_manifest(cap.out).replay
     assert set(r.outside_s) == OUTSIDE
 
@@ -64,7 +63,7 @@ def test_profile_replays_the_captured_model(tmp_path, monkeypatch):
         raise AssertionError("profile rebuilt the model it had just captured")
 
     monkeypatch.setattr(rebuild, "rebuild_model", refuse)
-    df = profile("nanogpt:tiny", tmp_path / "run", device="cpu", replay_options=FAST)
+    df = profile("nanogpt:tiny", tmp_path / "run", device="cpu", replay_options=FAST_REPLAY)
     assert (df["status"] == "ok").all() and df["insitu_ms"].notna().any()
     m = read_manifest(tmp_path / "run")
     assert "rebuild" not in m.replay.outside_s

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from cbtrace.cli.main import main
-from sample_runs import write_sample_run
+from helpers.sample_runs import write_sample_run
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_report_errors_are_one_line(tmp_path, run, capsys):
     code, _, err = _cli(["report", str(tmp_path)], capsys)
     assert code == 1 and len(err.strip().splitlines()) == 1
     assert "manifest.json: invalid manifest: Object missing required field" in err
-    from runs import manifest
+    from helpers.runs import manifest
     from cbtrace.schema.manifest import encode
 
     (tmp_path / "manifest.json").write_bytes(encode(manifest()))

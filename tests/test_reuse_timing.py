@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 
 import cbtrace
 from cbtrace.capture.from_spec import capture_model
 from cbtrace.replay.reuse import TimingReuse, value_free
 
-FAST = dict(budget_s=0.002, min_runs=3, warmup_runs=1, profile_runs=1, progress=False)
+FAST = {**FAST_REPLAY, "budget_s": 0.002}  # nanogpt:tiny's many calls, replayed in each test
 
 
 class Router(torch.nn.Module):

@@ -17,7 +17,6 @@ from cbtrace.errors import RunDirError
 from cbtrace.rundir.lock import LOCK, RunLock, check_new_run, read_holder
 from cbtrace.rundir.read import read_modules
 
-FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1, cold_budget_s=0.01)
 
 # A model that, when CBTRACE_TEST_GATE names a file, waits in its forward while that file is
 # absent (replay) or while the run's lock file exists (capture): the test decides when it ends.
@@ -148,7 +147,7 @@ def test_full_disk_in_capture_is_one_line_and_marks_the_run(tmp_path, monkeypatc
         check_new_run(tmp_path / "r")
 
 
-def test_full_disk_in_replay_keeps_rows_and_resumes(tmp_path, monkeypatch):
+def test_full_disk_in_replay_keeps_rows_and_resumes(tmp_path, monkeypatch, fast_replay):
     from cbtrace.replay import progress
 
     run = capture_model("dlrm:tiny", tmp_path / "r", device="cpu").out
@@ -164,13 +163,13 @@ def test_full_disk_in_replay_keeps_rows_and_resumes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(progress.ProgressLog, "append", append)
     with pytest.raises(RunDirError) as e:
-        cbtrace.replay(run, **FAST)
+        cbtrace.replay(run, **fast_replay)
     msg = str(e.value)
     assert "\n" not in msg and "disk full" in msg and "replay it again with resume=True" in msg
     assert e.value.retry == "resume"  # the CLI names --resume in its place (test_cli)
     assert read_holder(run)["state"] == "failed"
     monkeypatch.setattr(progress.ProgressLog, "append", real)
-    df = cbtrace.replay(run, resume=True, **FAST)
+    df = cbtrace.replay(run, resume=True, **fast_replay)
     assert len(df) == n and (df["status"] == "ok").all()
     assert not (run / LOCK).exists()
 

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from runs import manifest, record, write_run
+from helpers.runs import manifest, record, write_run
 
 from cbtrace.errors import RunDirError, SchemaError
 from cbtrace.rundir import writer

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from cbtrace import registry
 from cbtrace.errors import PluginError, SerializationError
-from equality import first_difference
-from snapshots import take
+from helpers.equality import first_difference
+from helpers.snapshots import take
 from cbtrace.store.load import load_call_inputs
 from cbtrace.store.snapshot import Snapshotter, tensor_meta
 

@@ -8,8 +8,8 @@ import torch
 
 from cbtrace.errors import SerializationError
 from cbtrace.store import shards
-from equality import first_difference
-from snapshots import take
+from helpers.equality import first_difference
+from helpers.snapshots import take
 from cbtrace.store.load import load_call_inputs
 from cbtrace.store.snapshot import Snapshotter
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from cbtrace.plugins.reporters import logdir as ld
-from sample_runs import write_sample_run
-from servers import CHROMIUM, CHROMIUM_ARGS, free_port, stop
+from helpers.sample_runs import write_sample_run
+from helpers.servers import CHROMIUM, CHROMIUM_ARGS, free_port, stop
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 REAL_TRACE = (SHARED / "traces/generated/torch2.13cpu_transformer2/"
@@ -169,7 +169,7 @@ def test_tab_in_chromium(server, tmp_path):
         pytest.skip("no Chromium at /usr/bin/chromium (set CBTRACE_CHROMIUM)")
     from playwright.sync_api import sync_playwright
 
-    from screenshot import launch
+    from helpers.servers import launch
 
     outside, errors = [], []
 

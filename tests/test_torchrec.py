@@ -1,6 +1,7 @@
 """torchrec's own DeepFM on KeyedJaggedTensor: capture, load back, replay (needs torchrec 1.8)."""
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 
 pytest.importorskip("torchrec.sparse.jagged_tensor")
 
@@ -27,7 +28,7 @@ def test_kjt_inputs_round_trip(run):
 
 
 def test_torchrec_replay(run):
-    df = cbtrace.replay(run, budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
+    df = cbtrace.replay(run, **FAST_REPLAY)
     bad = df[df["status"] != "ok"][["fqn", "status_reason"]]
     assert bad.empty, bad
     ebc = df[df["fqn"] == "sparse_arch.embedding_bag_collection"].iloc[0]

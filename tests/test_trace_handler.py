@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_annotate_data import _model, load_trace, module_calls
+from helpers.annotate_data import load_trace, module_calls, tiny_model
 
 import cbtrace
 
@@ -12,7 +12,7 @@ def _train(on_trace_ready, steps: int = 3):
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    model = _model()
+    model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 16, 64)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True,

@@ -2,13 +2,13 @@
 forward and backward with no error (CPU here; the graph timer's case is GPU-marked)."""
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
 from cbtrace.state import state_fingerprint
 
-FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, progress=False, host_runs=1,
-            profile_runs=1, backward=True)
+FAST = {**FAST_REPLAY, "host_runs": 1, "backward": True}
 
 
 class Block(nn.Module):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import manifest as make_manifest
+from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
@@ -30,9 +32,7 @@ from cbtrace.rundir import signature
 from cbtrace.rundir.read import find_trace, read_manifest, read_records
 from cbtrace.schema.manifest import ModelSource
 from cbtrace.store.serializer import lookup_class, qualname_of
-from runs import manifest as make_manifest
 
-FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1, cold_budget_s=0.01)
 # replay/config.py and engine.py pass these to rebuild_model (the lead's half of issue 13)
 CONFIG_READY = {"trust", "model_spec"} <= set(ReplayConfig.__dataclass_fields__)
 needs_config = pytest.mark.skipif(not CONFIG_READY, reason="ReplayConfig has no trust/model_spec "
@@ -123,7 +123,7 @@ def test_a_spec_naming_a_command_is_refused_and_runs_nothing(run_copy, tmp_path)
     assert "--model SPEC" in line and "--trust" in line
     assert not touched.exists()
     with pytest.raises(ReplayError, match="not a registered provider"):
-        cbtrace.replay(run, **FAST)
+        cbtrace.replay(run, **FAST_REPLAY)
     assert not touched.exists()
 
 
@@ -195,7 +195,7 @@ def test_an_edited_manifest_is_refused_in_one_line(run_copy, tmp_path, how):
     assert "is not a registered provider" in line and evil in line and "--trust" in line
     assert not planted.exists() and not sentinel.exists()
     with pytest.raises(ReplayError, match="not signed by you"):
-        cbtrace.replay(run, **FAST)
+        cbtrace.replay(run, **FAST_REPLAY)
     assert not planted.exists()
 
 
@@ -205,7 +205,7 @@ def test_another_users_signature_is_not_trusted(run_copy, tmp_path, monkeypatch)
     assert signature.signed_manifest(run) is None
     assert not (tmp_path / "other-user").exists()  # checking makes no key
     with pytest.raises(ReplayError, match="not a registered provider"):
-        cbtrace.replay(run, **FAST)
+        cbtrace.replay(run, **FAST_REPLAY)
     assert not sentinel.exists()
 
 
@@ -219,7 +219,7 @@ def test_a_planted_signature_is_not_trusted(run_copy, file_run, tmp_path):
     for r in (run, other):
         assert signature.signed_manifest(r) is None
         with pytest.raises(ReplayError, match="not signed by you"):
-            cbtrace.replay(r, **FAST)
+            cbtrace.replay(r, **FAST_REPLAY)
     assert not sentinel.exists()
 
 
@@ -522,7 +522,7 @@ def test_input_files_and_files_outside_the_run_are_refused(traced_run, tmp_path)
     run, outside, model = traced_run
     edit_manifest(run, lambda doc: doc.__setitem__("input_files", ["../elsewhere/x.parquet"]))
     with pytest.raises(RunDirError, match="input_files names '../elsewhere/x.parquet'"):
-        cbtrace.replay(run, model=model, **FAST)
+        cbtrace.replay(run, model=model, **FAST_REPLAY)
     edit_manifest(run, lambda doc: (doc.__setitem__("input_files", []),
                                     doc["files"].__setitem__("/etc/passwd", "0" * 64)))
     assert "files names '/etc/passwd'" in one_line_error("replay", run, cwd=tmp_path)

@@ -1,19 +1,22 @@
 """The zoo (benchmarks/zoo.py): every model people bring captures and replays with 0 errors and
 leaves the model's state bit-identical, through the Python API and through the CLI."""
 import importlib.util
+import runpy
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO
-from zoo import ENTRIES
+from helpers.paths import REPO
+from helpers.settings import FAST_REPLAY
 
 import cbtrace
 from cbtrace.capture.from_spec import run_step
 from cbtrace.model.spec import resolve
 from cbtrace.state import state_fingerprint
 
-FAST = dict(budget_s=0.002, min_runs=2, warmup_runs=1, profile_runs=1)
+FAST = {**FAST_REPLAY, "budget_s": 0.002, "min_runs": 2}  # every call of every zoo model
+# the zoo is a model file (--model benchmarks/zoo.py:NAME), read here by path as cbtrace reads it
+ENTRIES = runpy.run_path(str(REPO / "benchmarks" / "zoo.py"))["ENTRIES"]
 NEEDS = {"torchrec-deepfm": "torchrec", "torchrec-dlrm": "torchrec"}
 CLI = ("llama", "t5", "cnn-train", "compiled")  # also captured and replayed by the CLI
 TABLE: dict[str, tuple] = {}

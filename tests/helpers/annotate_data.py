@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 GENERATED = SHARED / "traces" / "generated"
 RUN_ID = "run@2026-01-01T00:00:00"  # <run directory name>@<manifest.created>
 
@@ -19,7 +19,7 @@ def shared_module_traces() -> list[Path]:
     return sorted(GENERATED.glob("*/*.pt.trace.json.gz")) if GENERATED.is_dir() else []
 
 
-def _model():
+def tiny_model():
     import torch
     from torch import nn
 
@@ -72,7 +72,7 @@ def record_capture_trace(out_dir: Path, steps: int = 1, gz: bool = True,
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    model = _model().to(device)
+    model = tiny_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     handles = _hook(model)
     x = torch.randn(16, 32, 64, device=device)
@@ -112,7 +112,7 @@ def write_fake_run(run: Path, trace: Path | None = None) -> Path:
     """A run directory with modules.parquet (made-up figures) and manifest; copies ``trace``."""
     import shutil
 
-    from runs import write_run
+    from helpers.runs import write_run
 
     from cbtrace.schema.modules import ModuleRecord
 

@@ -6,7 +6,7 @@ The figures (times, FLOPs, bytes, MFU/MBU, bound) come from a roofline on a nomi
 fixed efficiencies and seeded noise: plausible, but test data. The manifest says so
 (``"synthetic_figures": true``) and the icicle's subtitle shows it.
 
-    python tests/sample_runs.py OUT_DIR [transformer|dlrm] [--no-timings]
+    python -m tests.helpers.sample_runs OUT_DIR [transformer|dlrm] [--no-timings]
 """
 from __future__ import annotations
 
@@ -159,9 +159,9 @@ def write_sample_run(out_dir, kind: str = "transformer", *, timings: bool = True
     ``extra`` maps attribute names to modules added to the model's root before the walk
     (e.g. a module named ``<script>alert(1)</script>`` for escaping tests).
     """
-    from runs import write_run
-
     from cbtrace.schema.manifest import ModelSource
+
+    from .runs import write_run
 
     model = MODELS[kind]()
     for name, mod in (extra or {}).items():
