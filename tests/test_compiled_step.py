@@ -150,6 +150,25 @@ def test_modes_compile_leaves_a_step_compiled_row_to_isolated_ms(tmp_path):
     assert rows["out"]["compile_status"] == "ok" and rows["out"]["compile_ms"] > 0
 
 
+def test_a_failed_compile_keeps_the_eager_figure_and_says_why(tmp_path, monkeypatch):
+    from cbtrace.replay import modes
+
+    def broken(mode):
+        def entry(module, *args, **kwargs):
+            raise RuntimeError("no compiler here")
+        return entry
+
+    monkeypatch.setattr(modes, "compiled_entry", broken)
+    model = _net()
+    model.block = torch.compile(model.block)
+    _capture(model, tmp_path / "r", max_depth=1)
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    block = {r["fqn"]: r for r in df.to_dict("records")}["block"]
+    assert block["status"] == "ok" and block["isolated_ms"] > 0 and _missing(block["eager_ms"])
+    assert "the step ran it compiled; timed eagerly: error: RuntimeError: no compiler here" in (
+        _notes(block))
+
+
 def _notes(row) -> str:
     return "" if _missing(row["timer_notes"]) else row["timer_notes"]
 
