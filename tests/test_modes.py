@@ -521,7 +521,7 @@ def test_icicle_page_switches_to_speedup(tmp_path):
     from playwright.sync_api import sync_playwright
 
     from cbtrace.plugins.reporters.icicle import render_html
-    from screenshot import launch
+    from helpers.servers import launch
 
     recs = _hand_run()
     opp.add_opportunities(recs)
