@@ -243,7 +243,9 @@ class Compiled:
     def measure(self, c: CallUnderTest) -> tuple[dict, dict | None]:
         """The row's compile fields, and the Timed step's figures of the compiled call (None
         where it was not timed compiled)."""
-        with torch.compiler.set_stance("default"):  # a step_compiled row's plan runs eagerly
+        from cbtrace.replay.plan import stance
+
+        with stance("default"):  # a step_compiled row's plan runs eagerly
             return self._measure(c)
 
     def _measure(self, c: CallUnderTest) -> tuple[dict, dict | None]:

@@ -69,10 +69,16 @@ def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads
     # the eager figures of a call the step ran compiled, or of any call with --eager-only: its
     # compiled parts run eagerly (the compile steps time it compiled under the default stance)
     eager = rec.step_compiled or cfg.eager_only
-    with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
+    with stance("force_eager") if eager else contextlib.nullcontext():
         for step in plan:
             t1 = time.perf_counter()
             row.update(step.run(call))
             timings[step.name] = timings.get(step.name, 0.0) + time.perf_counter() - t1
     row["replay_wall_s"] = time.perf_counter() - t0
     return row
+
+
+def stance(name: str):
+    """torch.compiler's stance ``name`` for the block (torch < 2.6 has none: a no-op there)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance(name) if set_stance is not None else contextlib.nullcontext()
