@@ -152,14 +152,8 @@ def _capture(tmp_path, plan, reentrant):
     return run, cap
 
 
-# capture's recorder (cbtrace/capture/recorder.py) still matches by order (mark_recomputed,
-# ranges named by fqn alone) until it calls checkpoint_state and Recomputes
-PENDING = pytest.mark.xfail(strict=True, reason="the recorder does not match by region yet")
-
-
 @pytest.mark.parametrize("reentrant", MODES)
-@pytest.mark.parametrize("plan", [pytest.param((True, False), id="ckpt-first", marks=PENDING),
-                                  pytest.param((False, True), id="ckpt-last")])
+@pytest.mark.parametrize("plan", [(True, False), (False, True)], ids=["ckpt-first", "ckpt-last"])
 def test_capture_flags_and_times_the_checkpointed_call(tmp_path, reentrant, plan):
     run, cap = _capture(tmp_path, plan, reentrant)
     k = plan.index(True)

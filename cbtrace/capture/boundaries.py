@@ -131,18 +131,6 @@ def recompute_range(fqn: str, rec) -> str:
     return f"{RECOMPUTE}{fqn}" if rec is None else f"{RECOMPUTE}{fqn}#{rec.call_index}"
 
 
-def mark_recomputed(records, counts: dict) -> None:
-    """Set ``recomputed`` on the forward calls that ``counts`` (fqn -> recomputations) says were
-    recomputed: the last ones of each fqn, as the backward runs in reverse. Wrong where a
-    module is called both inside and outside a checkpoint: ``Recomputes`` matches by region."""
-    by_fqn: dict = {}
-    for rec in records:
-        by_fqn.setdefault(rec.fqn, []).append(rec)
-    for fqn, k in counts.items():
-        for rec in by_fqn.get(fqn, [])[-k:]:
-            rec.recomputed = True
-
-
 def why_boundary(module) -> str | None:
     """Why ``module`` is recorded at its boundary only, or None for an ordinary module."""
     if isinstance(module, torch.jit.ScriptModule):

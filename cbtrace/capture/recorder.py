@@ -158,7 +158,7 @@ class capture:
         self._selected: dict[str, bool] = {}
         self._bounds: dict[str, str] = {}  # fqn -> why it is recorded at its boundary only
         self._in_compiled: set[str] = set()  # fqns under torch.compile in the step
-        self._recomputed: dict[str, int] = {}  # fqn -> calls recomputed in the backward
+        self._recomputes = boundaries.Recomputes()  # forward call each recomputation redoes
         self._prof = None
         self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread under with_stack)
         self._lock = threading.RLock()
@@ -362,9 +362,10 @@ class capture:
                 if not self._selected.get(fqn):  # reached through an unselected path
                     self._push((None, module, None, pending))
                     return
-            if boundaries.in_backward():  # checkpointing recomputes it: backward work, no call
-                self._recomputed[fqn] = self._recomputed.get(fqn, 0) + 1
-                self._push((None, module, RANGE_ENTER(boundaries.RECOMPUTE + fqn, None), pending))
+            backward, region = boundaries.checkpoint_state()  # this thread's, not the helper's
+            if backward:  # checkpointing recomputes it: backward work, no call
+                name = boundaries.recompute_range(fqn, self._recomputes.recompute(fqn, region))
+                self._push((None, module, RANGE_ENTER(name, None), pending))
                 return
             grad = _GRAD_ENABLED()  # this thread's modes
             autocast = _autocast_dtype() if _ANY_AUTOCAST() else None
@@ -372,7 +373,7 @@ class capture:
             copy_range = RANGE_ENTER(f"cbtrace.copy::{fqn}", None)
             try:
                 rec, copies = self._helper.call(self._plan_call, module, fqn, args, kwargs,
-                                                grad, autocast, stream)
+                                                grad, autocast, stream, region)
                 try:
                     run_copies(copies)
                 except BaseException as e:
@@ -384,7 +385,7 @@ class capture:
         finally:
             self._release()
 
-    def _plan_call(self, module, fqn, args, kwargs, grad, autocast, stream):
+    def _plan_call(self, module, fqn, args, kwargs, grad, autocast, stream, region):
         """The call's record and its input copies to run (on the helper thread; kernels it
         launches, e.g. statistics of synthesized inputs, and the copies' buffers go to the
         caller's stream)."""
@@ -392,7 +393,9 @@ class capture:
             _follow_stream(stream, self._stream)
         _RECORD_OPS(False)
         try:
-            return self._record_call(module, fqn, args, kwargs, grad, autocast)
+            rec, copies = self._record_call(module, fqn, args, kwargs, grad, autocast)
+            self._recomputes.forward(rec, region)
+            return rec, copies
         finally:
             _RECORD_OPS(True)
 
@@ -490,7 +493,7 @@ class capture:
                     self.trace_path = self._write_trace()
                     t["trace_write"] = time.perf_counter() - t1
                 t1 = time.perf_counter()
-                boundaries.mark_recomputed(self.records, self._recomputed)
+                self._recomputes.mark()
                 for rec in self.records:
                     rec.input_meta, rec.input_shapes = _input_meta(rec.inputs_ref)
                     if any(r is not None for r in self._grads.get(rec.call_id, ())):
