@@ -24,9 +24,10 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     """call_id -> {insitu_ms, insitu_span_ms, error_basis, error_pct, insitu_kernel_count,
     kernel_error_pct, miss_cause, bwd_insitu_ms, bwd_error_pct, recompute_insitu_ms} for every
     row of the modules table ``df`` (the backward's only where replay measured it); miss_cause
-    from ``attribution.miss``. error_pct compares the isolated figure with the
-    in-situ figure ``error_basis`` names (``metrics.error_basis``): the span for a call timed
-    back to back, whose figure holds the host's gaps, else the busy time."""
+    from ``attribution.miss``. error_pct compares the isolated figure with the in-situ figure
+    ``error_basis`` names (``metrics.error_basis``): the plain repeat of the step for a root
+    timed back to back or run compiled, the eager figure against the captured (eager) step for
+    a call the step ran compiled, the span for a call timed back to back, else the busy time."""
     on_gpu = manifest.device.startswith("cuda")
     if not on_gpu and df["insitu_host_ms"].notna().all():
         insitu = dict(zip(df["call_id"], df["insitu_host_ms"]))  # CPU: unprofiled repeats
@@ -40,12 +41,19 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     recompute = _recompute(run, manifest, df)
     out = {}
     for row in df.reindex(columns=["call_id", "timer", "timer_fallback", "isolated_ms", "bwd_ms",
-                                   "kernel_count", "device_ms", "noisy"]).to_dict("records"):
+                                   "kernel_count", "device_ms", "noisy", "step_compiled",
+                                   "eager_ms", "insitu_step_ms"]).to_dict("records"):
         cid, timer = row["call_id"], row["timer"]
         ins, spn, bwd_ins = (_number(d.get(cid)) for d in (insitu, span, bwd))
         spn = spn if spn else None  # 0: no kernel of its own in the step
-        basis = metrics.error_basis(timer if isinstance(timer, str) else None, spn)
-        err = metrics.error_pct(_number(row["isolated_ms"]), spn if basis == "span" else ins)
+        basis = metrics.error_basis(timer if isinstance(timer, str) else None, spn,
+                                    step_ms=_number(row["insitu_step_ms"]),
+                                    compiled=_flag(row["step_compiled"]))
+        iso, vs = _number(row["isolated_ms"]), {"span": spn, "step": _number(
+            row["insitu_step_ms"])}.get(basis, ins)
+        if basis == "eager":  # the captured step ran it eagerly: its eager figure, if taken
+            iso = _number(row["eager_ms"]) if _number(row["eager_ms"]) is not None else iso
+        err = metrics.error_pct(iso, vs)
         kerr = miss.kernel_error_pct(row["device_ms"], ins) if on_gpu else None
         cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis},
                                 kernels.get(cid), kerr)
@@ -83,9 +91,10 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd"):
     """In-situ time per captured call from the run's own capture trace.
 
     Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, kernel_count, insitu_ms]
-    of the module rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps to each call by sequence
-    number); ``insitu_ms`` is gpu_ms (device time of the call's own kernels, cbtrace's
-    input copies excluded) when the trace has device events, else cpu_ms. Not the span: during
+    of the module rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps to each call
+    by sequence number); ``insitu_ms`` is gpu_ms (device time of the call's own kernels,
+    cbtrace's input copies excluded) when the trace has device events, else cpu_ms. Not the
+    span, except where the isolated figure holds the host's gaps too (``insitu_columns``): during
     capture the host is slowed by hooks and copies, so the device idles inside a parent's span
     for reasons that are cbtrace's, not the model's.
     """
@@ -123,6 +132,10 @@ def _number(v) -> float | None:
         return None
     v = float(v)
     return None if math.isnan(v) else v
+
+
+def _flag(v) -> bool:
+    return v is not None and v == v and bool(v)  # NaN (a column absent from the table): False
 
 
 def _int(v) -> int | None:

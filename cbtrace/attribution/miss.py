@@ -40,7 +40,9 @@ def miss_cause(row: dict, insitu_kernels, kernel_err: float | None) -> str | Non
         return (f"its kernels ran {abs(kernel_err):.0f} % {side} alone than in the step "
                 f"(cache or clock state)")
     if row.get("error_basis") == "span":
-        return "host-paced: timed back to back against its span in the step"
+        return "host-paced: timed back to back against its span in the captured (hooked) step"
+    if row.get("error_basis") == "step":
+        return "timed back to back or compiled, against the step repeated as the user runs it"
     timer = row.get("timer")
     if isinstance(timer, str) and timer not in ("graph", "cpu"):
         return f"timed by the {timer} timer ({row.get('timer_fallback') or 'asked for'})"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+
 from cbtrace import module_tree
 from cbtrace.calltree import CallTree
 from cbtrace.capture import boundaries
@@ -81,6 +83,30 @@ def host_times(model, records, run_step, *, repeats: int = 7,
     per_call = hook_overhead_ms(parents, spans, statistics.median(plain))
     nested = descendants(records)
     return {r.call_id: max(s - per_call * n, 0.0) for r, s, n in zip(records, spans, nested)}
+
+
+def step_ms(run_step, device, repeats: int = 3) -> float:
+    """The step as the user runs it (no hooks, no profiler, compiled parts compiled): CUDA events
+    around it on a GPU, from its first launch to its last kernel's end with the host's gaps
+    (what a root timed back to back or compiled compares with), wall time on a CPU; the median
+    of ``repeats`` after one untimed step (a compiled model compiles in it)."""
+    cuda = torch.device(device).type == "cuda"
+    run_step()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            torch.cuda.synchronize(device)
+            start.record()
+            run_step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run_step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def descendants(records) -> list[int]:

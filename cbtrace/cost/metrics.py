@@ -100,10 +100,18 @@ def bound(flops, bytes_moved, seconds, peak_flops_per_s, peak_bytes_per_s,
 SPAN_TIMERS = frozenset({"stream"})
 
 
-def error_basis(timer: str | None, span_ms) -> str:
-    """"span" when the isolated figure holds the host's gaps (a timer of ``SPAN_TIMERS``) and
-    the step gave the call a span (> 0), else "busy": the in-situ figure to compare with."""
-    return "span" if timer in SPAN_TIMERS and span_ms is not None and span_ms > 0 else "busy"
+def error_basis(timer: str | None, span_ms, *, step_ms=None, compiled: bool = False) -> str:
+    """The in-situ figure to compare a call with: "step", the plain repeat of the step (a root
+    that holds the host's gaps, a timer of ``SPAN_TIMERS``, or that the step ran compiled, when
+    that repeat was timed); "eager", the captured step's busy time against the call's eager
+    figure (a call the step ran compiled: capture runs it eagerly); "span", the captured step's
+    span of a call that holds the host's gaps (> 0); else "busy"."""
+    paced = timer in SPAN_TIMERS
+    if (paced or compiled) and step_ms is not None and step_ms > 0:
+        return "step"
+    if compiled:
+        return "eager"
+    return "span" if paced and span_ms is not None and span_ms > 0 else "busy"
 
 
 def error_pct(isolated_ms, insitu_ms) -> float | None:

@@ -73,6 +73,10 @@ class ModuleRecord:
     insitu_host_ms: float | None = column(
         HOST_INSITU, "ms", "CPU runs: host time of the call in an unprofiled repeat of the step",
         default=None)
+    insitu_step_ms: float | None = column(
+        HOST_INSITU, "ms", "the root of a forward step captured from a spec: the step run as "
+        "the user runs it (no hooks, no profiler, compiled parts compiled), CUDA events around "
+        "it on a GPU, wall time on a CPU", default=None)
 
     status: str | None = column(REPLAY, doc="ok | skipped | error", default=None)
     status_reason: str | None = column(REPLAY, doc="why skipped or failed", default=None)
@@ -202,9 +206,9 @@ class ModuleRecord:
     insitu_span_ms: float | None = column(INSITU, "ms", "the call's span in the step: its first "
                                           "kernel's start to its last's end, gaps included",
                                           default=None)
-    error_basis: str | None = column(INSITU, doc="busy | span: the in-situ figure error_pct "
-                                                 "compares with (span where the isolated figure "
-                                                 "holds the host's gaps)", default=None)
+    error_basis: str | None = column(INSITU, doc="busy | span | step | eager: the in-situ figure "
+                                                 "error_pct compares with (docs/timers.md)",
+                                     default=None)
     error_pct: float | None = column(INSITU, "%", "100 * (isolated / in-situ - 1)", default=None)
     insitu_kernel_count: int | None = column(INSITU, doc="the call's own kernels in the step",
                                              default=None)
