@@ -216,6 +216,17 @@ def steady_issue_ms(run, n_copies: int, device, *, warmup: int = 3, repeats: int
     return statistics.median(samples)
 
 
+NOTHING_TO_FUSE = "one kernel and no submodule: nothing to fuse"
+
+
+def nothing_to_fuse(c: CallUnderTest) -> bool:
+    """A leaf module whose profiled pass saw at most one kernel on a GPU: compiled, it runs that
+    kernel (or one like it) behind guards, so its compile would only cost the modes' wall."""
+    kernels = c.row.get("kernel_count")
+    return (c.device.type == "cuda" and kernels is not None and kernels <= 1
+            and next(c.module.children(), None) is None)
+
+
 class Compiled:
     """compile_ms (timed as isolated_ms), compile_status, compile_s, compile_graphs, and on
     CUDA compile_host_ms (host time to issue the compiled call in steady state: guards and
@@ -238,6 +249,8 @@ class Compiled:
         if c.row.get("eager_ms") is not None:  # AsInStep timed it compiled already
             return dict(compile_status=f"{SKIPPED}the step ran it compiled: isolated_ms is the "
                                        "compiled call")
+        if nothing_to_fuse(c):
+            return dict(compile_status=f"{SKIPPED}{NOTHING_TO_FUSE}")
         return self.measure(c)[0]
 
     def measure(self, c: CallUnderTest) -> tuple[dict, dict | None]:

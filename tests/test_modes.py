@@ -16,6 +16,7 @@ from cbtrace.plugins.reporters import icicle_model, palette
 from cbtrace.plugins.reporters.icicle_tree import record_rows
 from cbtrace.plugins.reporters.opportunities import (module_opportunities, opportunity_table,
                                                      overlap)
+from cbtrace.replay import modes
 from cbtrace.replay import opportunity as opp
 from cbtrace.rundir.read import load_run
 from cbtrace.schema.modules import records_to_frame
@@ -580,7 +581,9 @@ def test_modes_on_nanogpt_cuda(tmp_path):
                   max_depth=2)
     df = cbtrace.replay(tmp_path / "r", modes=("compile", "cudagraph"), **FAST)
     assert (df["status"] == "ok").all()
-    assert (df["compile_status"] == "ok").mean() >= 0.9, df[["fqn", "compile_status"]]
+    leaf = df["compile_status"] == f"skipped: {modes.NOTHING_TO_FUSE}"  # one-kernel leaves
+    assert leaf.any() and (df.loc[~leaf, "compile_status"] == "ok").mean() >= 0.9, \
+        df[["fqn", "compile_status"]]
     assert (df["cudagraph_status"] == "ok").mean() >= 0.9, df[["fqn", "cudagraph_status"]]
     ok = df[df["cudagraph_status"] == "ok"]
     # launch included: a one-call graph replay is never faster than the device time of K
@@ -680,3 +683,22 @@ def test_cudagraph_mode_memory_returns_to_its_level_between_calls():
     # nothing stays allocated, and the calls after the first reuse what the first reserved
     assert allocated == [level] * 6
     assert reserved[1:] == [reserved[0]] * 5, reserved
+
+
+def test_a_one_kernel_leaf_on_a_gpu_is_not_compiled():
+    from types import SimpleNamespace
+
+    from cbtrace.replay.config import ReplayConfig
+
+    def call(module, kernels, device="cuda"):
+        return SimpleNamespace(module=module, device=torch.device(device),
+                               row={"kernel_count": kernels})
+
+    leaf, parent = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    assert modes.nothing_to_fuse(call(leaf, 1)) and modes.nothing_to_fuse(call(nn.Identity(), 0))
+    assert not modes.nothing_to_fuse(call(leaf, 2))      # two kernels may fuse
+    assert not modes.nothing_to_fuse(call(parent, 1))    # a parent's glue may fuse with its own
+    assert not modes.nothing_to_fuse(call(leaf, 1, "cpu"))  # no kernel count on a CPU
+    assert not modes.nothing_to_fuse(call(leaf, None))
+    step = modes.Compiled(ReplayConfig(**FAST), ["cpu"], {})
+    assert step.run(call(leaf, 1)) == {"compile_status": f"skipped: {modes.NOTHING_TO_FUSE}"}
