@@ -14,8 +14,6 @@ import numpy as np
 # A kernel costs at least this much device+host time however little work it does (launch
 # latency of an eager CUDA launch is ~4-6 us; a CUDA-graph node ~2-3 us).
 KERNEL_FLOOR_S = 5e-6
-# Launch-bound when the device is busy less than this share of the wall time.
-LAUNCH_BUSY_SHARE = 0.5
 
 
 def _ok(*values) -> bool:
@@ -62,16 +60,14 @@ def suspect(*fractions) -> bool:
 
 
 def bound(flops, bytes_moved, seconds, peak_flops_per_s, peak_bytes_per_s,
-          launch_overhead_s=None, kernel_count=None, *, host_s=None,
-          device_s=None) -> str | None:
+          kernel_count=None, *, host_s=None, device_s=None) -> str | None:
     """"host", "launch", "compute" or "memory": what limits a call that took ``seconds``.
 
     Rule, in order:
     1. "host" if the host's time to issue the call is at least its device time
        (``host_s >= device_s``): in a step the device then waits for the host between kernels.
-    2. "launch" if the device was busy less than half the wall time
-       (``launch_overhead_s >= LAUNCH_BUSY_SHARE * seconds``), or if the call took no more than
-       the launch floor of its kernels (``seconds <= kernel_count * KERNEL_FLOOR_S``, 5 us each).
+    2. "launch" if the call took no more than the launch floor of its kernels
+       (``seconds <= kernel_count * KERNEL_FLOOR_S``, 5 us each).
     3. Otherwise the roofline: "compute" if flops / peak FLOP/s >= bytes / peak bandwidth (the
        time the FLOPs need at peak is the larger), else "memory". With one peak missing, the side
        that can be judged decides only if it alone explains >= half the time; else None.
@@ -80,8 +76,6 @@ def bound(flops, bytes_moved, seconds, peak_flops_per_s, peak_bytes_per_s,
         return None
     if _ok(host_s, device_s) and device_s > 0 and host_s >= device_s:
         return "host"
-    if launch_overhead_s is not None and launch_overhead_s >= LAUNCH_BUSY_SHARE * seconds:
-        return "launch"
     if kernel_count and seconds <= kernel_count * KERNEL_FLOOR_S:
         return "launch"
     t_compute = flops / peak_flops_per_s if _ok(flops, peak_flops_per_s) and peak_flops_per_s > 0 else None
