@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 
 import cbtrace
 from cbtrace.rundir.read import read_manifest, read_modules, read_records
@@ -254,8 +255,8 @@ def test_failed_copy_caught_by_the_model_is_never_reused(tmp_path, monkeypatch):
     assert pd.isna(df.loc[("lin", 1), "capture_error"])
     (got,), _ = cbtrace.load_inputs(tmp_path / "r", "lin", call_index=1)
     assert torch.equal(got, x)  # its own copy, not the failed call's zeros
-    out = cbtrace.replay(tmp_path / "r", model=model, budget_s=0.01, min_runs=3, warmup_runs=1,
-                         profile_runs=1).set_index(["fqn", "call_index"])
+    out = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
+    out = out.set_index(["fqn", "call_index"])
     assert out.loc[("lin", 0), "status"] == "error"
     assert "inputs not captured" in out.loc[("lin", 0), "status_reason"]
     assert out.loc[("lin", 1), "status"] == "ok"
@@ -469,7 +470,7 @@ def test_synthesized_dlrm_inputs_still_replay(tmp_path):
     cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu", synthesize_above_bytes=64)
     df = read_modules(cap.out)
     assert df["synthesized"].any()
-    out = cbtrace.replay(cap.out, budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
+    out = cbtrace.replay(cap.out, **FAST_REPLAY)
     bad = out[out["status"] != "ok"][["fqn", "status_reason"]]
     assert bad.empty, bad
 
@@ -562,7 +563,7 @@ def test_cpu_capture_records_host_insitu_and_profile_uses_it(tmp_path):
     # fake clock in test_host_times_net_each_call_of_the_hooks_nested_in_it
     assert root["insitu_host_ms"] > 0
     assert descendants(read_records(cap.out))[0] == len(df) - 1
-    cbtrace.replay(cap.out, budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1)
+    cbtrace.replay(cap.out, **FAST_REPLAY)
     out = join_insitu(cap.out)
     assert (out["insitu_ms"] == out["insitu_host_ms"]).all()
     # a parent whose span is all hook cost nets to 0 in situ, which has no error (how many do

@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
@@ -28,8 +29,7 @@ from cbtrace.workflows.regress import (contradicts, memory_change, spread_floor,
                                        work_change)
 
 MiB = 1 << 20
-REPLAY = dict(budget_s=0.02, min_runs=20, warmup_runs=1, profile_runs=1, progress=False)
-FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, profile_runs=1, progress=False)
+REPLAY = {**FAST_REPLAY, "budget_s": 0.02, "min_runs": 20}  # times steady enough to compare
 SLOW_S = 0.020  # 100x the call's own time
 MEMORY = ("transformer.h.0", "transformer.h.1")
 SLOW = "transformer.h.1.attn.c_proj"
@@ -265,8 +265,8 @@ def test_renamed_modules_align_by_position(tmp_path):
             return model(*batch)
 
     batch = (torch.randn(4, 16),)
-    a = _capture_replay(Runner, Net("block"), batch, tmp_path / "a", **FAST)
-    b = _capture_replay(Runner, Net("stage", extra=True), batch, tmp_path / "b", **FAST)
+    a = _capture_replay(Runner, Net("block"), batch, tmp_path / "a", **FAST_REPLAY)
+    b = _capture_replay(Runner, Net("stage", extra=True), batch, tmp_path / "b", **FAST_REPLAY)
     df = diff_runs(a, b)
     how = dict(zip(df["fqn"], df["match"]))
     assert how == {"": "name", "inp": "name", "stage": "position", "stage.0": "position",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
@@ -17,8 +18,6 @@ from cbtrace.rundir.files import sha256_file
 from cbtrace.capture.from_spec import capture_model
 from cbtrace.model.spec import resolve
 from cbtrace.state import state_fingerprint
-
-FAST = dict(budget_s=0.01, min_runs=3, warmup_runs=1, profile_runs=1, cold_budget_s=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +33,7 @@ def test_replay_leaves_model_state_untouched(tmp_path, spec):
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         provider.run(model, batch)
     before = state_fingerprint(model)
-    df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
     assert state_fingerprint(model) == before
     assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["fqn", "status_reason"]]
     assert (df["timer"] == "cpu").all() and (df["isolated_ms"] > 0).all()
@@ -50,7 +49,7 @@ def test_batchnorm_running_stats_unchanged(tmp_path):
         model(x)
     stats = model[1].running_mean.clone(), model[1].running_var.clone()
     tracked = model[1].num_batches_tracked.clone()
-    cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
     assert torch.equal(model[1].running_mean, stats[0])
     assert torch.equal(model[1].running_var, stats[1])
     assert torch.equal(model[1].num_batches_tracked, tracked)
@@ -58,7 +57,7 @@ def test_batchnorm_running_stats_unchanged(tmp_path):
 
 
 def test_rebuilds_model_from_spec_and_fills_figures(gpt_run):
-    df = cbtrace.replay(gpt_run, **FAST)
+    df = cbtrace.replay(gpt_run, **FAST_REPLAY)
     ok = df[df["status"] == "ok"]
     assert len(ok) == len(df)
     lin = ok[ok["module_type"] == "Linear"]
@@ -71,11 +70,11 @@ def test_rebuilds_model_from_spec_and_fills_figures(gpt_run):
 
 
 def test_cold_flag_reaches_every_row_and_the_manifest(gpt_run):
-    df = cbtrace.replay(gpt_run, cold=True, **FAST)
+    df = cbtrace.replay(gpt_run, cold=True, **FAST_REPLAY)
     ok = df[df["status"] == "ok"]
     assert len(ok) and ok["timer_notes"].str.contains("cold").all()
     assert read_manifest(gpt_run).replay.cold is True
-    df = cbtrace.replay(gpt_run, **FAST)  # and a plain replay clears the notes again
+    df = cbtrace.replay(gpt_run, **FAST_REPLAY)  # and a plain replay clears the notes again
     assert not df["timer_notes"].fillna("").str.contains("cold").any()
 
 
@@ -94,10 +93,10 @@ def test_replay_settings_are_validated_and_cold_warm_up_counts_for_resume():
 
 def test_resume_redoes_rows_timed_with_other_settings(tmp_path):
     run = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu").out
-    first = cbtrace.replay(run, **FAST)
-    again = cbtrace.replay(run, resume=True, **FAST)  # same settings: every row kept
+    first = cbtrace.replay(run, **FAST_REPLAY)
+    again = cbtrace.replay(run, resume=True, **FAST_REPLAY)  # same settings: every row kept
     assert (again["isolated_ms"].values == first["isolated_ms"].values).all()
-    cold = cbtrace.replay(run, resume=True, cold=True, **FAST)  # other settings: all redone
+    cold = cbtrace.replay(run, resume=True, cold=True, **FAST_REPLAY)  # other settings: all redone
     ok = cold[cold["status"] == "ok"]
     assert len(ok) and ok["timer_notes"].str.contains("cold").all()
 
@@ -113,7 +112,7 @@ def test_skip_and_aggregate_under_memory_budget(tmp_path):
     budget = footprint_bytes(recs["transformer.h.0"]) - 1
     too_big = {f for f, r in recs.items() if footprint_bytes(r) > budget}
     assert "transformer.h.0.attn" not in too_big and "" in too_big
-    df = cbtrace.replay(cap.out, memory_budget_bytes=budget, **FAST)
+    df = cbtrace.replay(cap.out, memory_budget_bytes=budget, **FAST_REPLAY)
     row = df[df["fqn"] == "transformer.h.0"].iloc[0]
     assert row["status"] == "skipped" and "budget" in row["status_reason"]
     assert bool(row["aggregated"])
@@ -136,7 +135,7 @@ def test_module_that_raises_is_recorded_and_replay_goes_on(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), Flaky(), torch.nn.ReLU())
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randn(2, 4))
-    df = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("fqn")
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY).set_index("fqn")
     assert df.loc["1", "status"] == "error" and "boom on replay" in df.loc["1", "status_reason"]
     assert df.loc["0", "status"] == "ok" and df.loc["2", "status"] == "ok"
 
@@ -209,7 +208,7 @@ def test_reassigned_buffers_and_swapped_parameters_are_restored(tmp_path):
         model(torch.randn(2, 3))
     before = state_fingerprint(model)
     buf = model[0].n
-    cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
     assert state_fingerprint(model) == before
     assert model[0].n is buf
 
@@ -235,14 +234,14 @@ def test_replay_again_clears_stale_figures_and_refuses_corrupt_inputs(tmp_path):
     from cbtrace.errors import ReplayError
 
     cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu")
-    cbtrace.replay(cap.out, **FAST)
+    cbtrace.replay(cap.out, **FAST_REPLAY)
     before = sha256_file(cap.out / "modules.parquet")
     shard = next((cap.out / "inputs").glob("*.parquet"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(ReplayError, match="corrupt"):
-        cbtrace.replay(cap.out, **FAST)
+        cbtrace.replay(cap.out, **FAST_REPLAY)
     assert sha256_file(cap.out / "modules.parquet") == before  # results kept
     from cbtrace.replay.engine import fresh_replay_fields
     from cbtrace.schema.modules import frame_to_records
@@ -265,7 +264,7 @@ def test_inplace_op_on_a_non_leaf_input_replays_as_in_the_step(tmp_path):
     bn = model[1].eval()(model[0](x)).detach()  # eval: the values, not the batch statistics
     assert got.shape == bn.shape and got.stride() == bn.stride()
     before = state_fingerprint(model.train())
-    df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
     assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["fqn", "status_reason"]]
     assert state_fingerprint(model) == before
 
@@ -307,7 +306,7 @@ def test_a_hanging_call_times_out_and_replay_goes_on_with_honest_counts(tmp_path
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randn(3, 4))
     model[0].hang = True
-    df = cbtrace.replay(tmp_path / "r", model=model, timeout_s=1.0, progress=False, **FAST)
+    df = cbtrace.replay(tmp_path / "r", model=model, timeout_s=1.0, **FAST_REPLAY)
     assert model[0].slept == 0  # every 60 s sleep was cut short, however busy the machine
     by = df.set_index("fqn")
     assert by.loc["0", "status"] == "timeout" and "longer than 1 s" in by.loc["0", "status_reason"]
@@ -376,7 +375,7 @@ def test_calls_of_the_same_work_reuse_one_profiled_pass_value_dependent_ones_do_
     root = Twice()
     with cbtrace.capture(root, tmp_path / "r", trace=False):
         root(x)
-    df = cbtrace.replay(tmp_path / "r", model=root, **FAST).set_index("fqn")
+    df = cbtrace.replay(tmp_path / "r", model=root, **FAST_REPLAY).set_index("fqn")
     assert "profiled as m.0" in df.loc["m.1", "timer_notes"]  # same work: the pass reused
     assert df.loc["m.1", "kernel_count"] == df.loc["m.0", "kernel_count"]
     assert df.loc["m.2", "flops"] != df.loc["m.3", "flops"]  # routing: other work...
@@ -410,10 +409,10 @@ def test_a_call_of_the_same_key_as_a_value_free_one_takes_its_count(tmp_path, mo
     enter = opcount.OpCounter.__enter__
     monkeypatch.setattr(opcount.OpCounter, "__enter__", lambda self: entered.append(1) or
                         enter(self))
-    cached = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("fqn")
+    cached = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY).set_index("fqn")
     n_cached = len(entered)
     monkeypatch.setattr(CountCache, "get", lambda self, key: None)
-    every = cbtrace.replay(tmp_path / "r", model=model, **FAST).set_index("fqn")
+    every = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY).set_index("fqn")
     assert len(every) == 17 and len(entered) - n_cached == 17  # one count per call without it
     # the root; block 0 and block 0's up: once each; blocks 1-3 and their ups: twice each
     # (1 taken each); the 4 GELUs and 4 downs: twice each (2 taken each)
