@@ -8,16 +8,17 @@ class CbtraceError(Exception):
     ``"max_depth"``) and ``value``: the message reads ``max_depth -1: <reason>``, and the CLI
     names its flag instead (``--max-depth -1: <reason>``, ``for_flag``).
 
-    An error that a flag-like argument of the call would let go on passes ``retry`` (e.g.
-    ``"force"``) and says so as ``force=True`` in its message ("pass force=True to overwrite
-    it"); the CLI puts its flag there instead ("pass --force to overwrite it", ``for_cli``).
+    An error that an argument of the call would let go on passes ``retry`` (e.g. ``"force"``,
+    or several names) and says so as ``force=True`` or ``model_spec=SPEC`` in its message
+    ("pass force=True to overwrite it"); the CLI puts its flag there instead ("pass --force to
+    overwrite it", ``for_cli``).
     """
 
     param = value = retry = None  # for a subclass whose __init__ does not pass them on
     reason = ""
 
     def __init__(self, message: str = "", *, param: str | None = None, value=None,
-                 retry: str | None = None):
+                 retry: str | tuple[str, ...] | None = None):
         self.param, self.value, self.reason, self.retry = param, value, message, retry
         super().__init__(f"{param} {value}: {message}" if param else message)
 
@@ -25,12 +26,20 @@ class CbtraceError(Exception):
         """The message with the CLI's flag in place of the library argument's name."""
         return f"{flag} {self.value}: {self.reason}" if self.param else str(self)
 
+    @property
+    def retries(self) -> tuple[str, ...]:
+        """The argument names ``retry`` gives, as a tuple."""
+        return () if self.retry is None else (
+            (self.retry,) if isinstance(self.retry, str) else tuple(self.retry))
+
     def for_cli(self, flags: dict[str, str]) -> str:
         """The message with CLI flags (``flags``: library argument -> flag) in place of the
         library arguments it names (``param``, ``retry``); one without a flag keeps its name."""
         text = self.for_flag(flags[self.param]) if self.param in flags else str(self)
-        if self.retry in flags:
-            text = text.replace(f"{self.retry}=True", flags[self.retry])
+        for name in self.retries:
+            if name in flags:
+                text = text.replace(f"{name}=True", flags[name]).replace(f"{name}=",
+                                                                         f"{flags[name]} ")
         return text
 
 

@@ -16,8 +16,8 @@ import time
 from cbtrace.errors import CbtraceError, ReplayError
 
 HOW = ("the run is not signed by you (captured here, or cbtrace trust RUN after reading it); "
-       "pass --model SPEC to name the model (cbtrace.replay: model= or model_spec=), or "
-       "--trust (trust=True) to rebuild it from the run's spec")
+       "pass the model (model=) or its spec (model_spec=SPEC), or trust=True to rebuild it "
+       "from the run's spec")
 
 
 def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
@@ -41,11 +41,11 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
     named = spec is not None
     spec = spec if named else manifest.model.spec
     if not spec:
-        raise ReplayError(f"{where}run was captured from a live model (no spec): pass model= "
-                          "to replay, or --model SPEC")
+        raise ReplayError(f"{where}run was captured from a live model (no spec): pass the "
+                          "model (model=) or its spec (model_spec=SPEC)", retry="model_spec")
     if not (named or trust or is_registered(spec) or signed_source(run, manifest)):
         raise ReplayError(f"{where}the run's model spec '{spec}' is not a registered provider; "
-                          + HOW)
+                          + HOW, retry=("model_spec", "trust"))
     dtype = manifest.step.dtype if manifest.step is not None else None
     whose = "the model" if named else "the run's model"
     t0 = time.perf_counter()

@@ -105,7 +105,8 @@ def annotate(run=None, trace=None, out=None, force: bool = False, pftrace: bool 
     outputs = [dst, pftrace_path(dst)] if pftrace else [dst]
     for path in outputs:
         if path.exists() and not force:
-            raise TraceError(f"{path}: already exists (pass --force to overwrite)")
+            raise TraceError(f"{path}: already exists (pass force=True to overwrite)",
+                             retry="force")
     with _lock(run, dst), atomic_paths(*outputs) as tmps:
         _write(run, trace, own, insitu, dst, tmps)
     for path in outputs:

@@ -88,11 +88,12 @@ def _in_flags(e: CbtraceError, argv) -> str:
     command's own flag, else (for ``retry``) the flag of the command that has it."""
     args = sys.argv[1:] if argv is None else list(argv)
     name = next((a for a in args if a in COMMANDS), None)
-    if (e.param is None and e.retry is None) or name is None:
+    if (e.param is None and not e.retries) or name is None:
         return str(e)
     flags = _flags(name)
-    if e.retry not in (None, *flags):  # e.g. capture into a failed replay's run
-        flags.update({k: f for c in COMMANDS for k, f in _flags(c).items() if k == e.retry})
+    others = set(e.retries) - set(flags)  # e.g. capture into a failed replay's run
+    if others:
+        flags.update({k: f for c in COMMANDS for k, f in _flags(c).items() if k in others})
     return e.for_cli(flags)
 
 
