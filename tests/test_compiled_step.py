@@ -13,8 +13,8 @@ import cbtrace
 from cbtrace import module_tree
 from cbtrace.cli.commands.replay import command as replay_command
 from cbtrace.replay.modes import AS_IN_STEP
+from helpers.settings import FAST_REPLAY
 
-FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, profile_runs=1, progress=False)
 
 
 class Block(nn.Module):
@@ -94,11 +94,11 @@ def replays(tmp_path_factory):
     model = _net()
     model.block = torch.compile(model.block)
     _capture(model, path / "c", max_depth=1)
-    eager = cbtrace.replay(path / "c", model=model, eager_only=True, **FAST)
-    compiled = cbtrace.replay(path / "c", model=model, **FAST)
+    eager = cbtrace.replay(path / "c", model=model, eager_only=True, **FAST_REPLAY)
+    compiled = cbtrace.replay(path / "c", model=model, **FAST_REPLAY)
     plain_model = _net()
     _capture(plain_model, path / "p", max_depth=1)
-    plain = cbtrace.replay(path / "p", model=plain_model, **FAST)
+    plain = cbtrace.replay(path / "p", model=plain_model, **FAST_REPLAY)
     return tuple({r["fqn"]: r for r in df.to_dict("records")} for df in (eager, compiled, plain))
 
 
@@ -142,7 +142,7 @@ def test_modes_compile_leaves_a_step_compiled_row_to_isolated_ms(tmp_path):
     model = _net()
     model.block = torch.compile(model.block)
     _capture(model, tmp_path / "r", max_depth=1)
-    df = cbtrace.replay(tmp_path / "r", model=model, modes=("compile",), **FAST)
+    df = cbtrace.replay(tmp_path / "r", model=model, modes=("compile",), **FAST_REPLAY)
     rows = {r["fqn"]: r for r in df.to_dict("records")}
     block = rows["block"]
     assert AS_IN_STEP in _notes(block) and block["eager_ms"] > 0
@@ -162,7 +162,7 @@ def test_a_failed_compile_keeps_the_eager_figure_and_says_why(tmp_path, monkeypa
     model = _net()
     model.block = torch.compile(model.block)
     _capture(model, tmp_path / "r", max_depth=1)
-    df = cbtrace.replay(tmp_path / "r", model=model, **FAST)
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
     block = {r["fqn"]: r for r in df.to_dict("records")}["block"]
     assert block["status"] == "ok" and block["isolated_ms"] > 0 and _missing(block["eager_ms"])
     assert "the step ran it compiled; timed eagerly: error: RuntimeError: no compiler here" in (

@@ -22,8 +22,8 @@ from cbtrace.rundir.read import load_run
 from cbtrace.schema.modules import records_to_frame
 from cbtrace.state import state_fingerprint
 from helpers.runs import record, write_run
+from helpers.settings import FAST_REPLAY
 
-FAST = dict(budget_s=0.005, min_runs=3, warmup_runs=1, profile_runs=1)
 
 
 def _replay_spec(tmp_path, spec: str, max_depth: int, **options):
@@ -33,7 +33,7 @@ def _replay_spec(tmp_path, spec: str, max_depth: int, **options):
     with cbtrace.capture(model, tmp_path / "r", trace=False, max_depth=max_depth):
         provider.run(model, batch)
     before = state_fingerprint(model)
-    df = cbtrace.replay(tmp_path / "r", model=model, **{**FAST, **options})
+    df = cbtrace.replay(tmp_path / "r", model=model, **{**FAST_REPLAY, **options})
     assert state_fingerprint(model) == before
     return df
 
@@ -239,7 +239,8 @@ def _replay_small(tmp_path, model, max_depth=None, **options):
     with cbtrace.capture(model, tmp_path / "r", trace=False, max_depth=max_depth), \
             torch.no_grad():
         model(x)  # no grad: a call's input and the next's output differ in nothing dynamo guards
-    return cbtrace.replay(tmp_path / "r", model=model, **{**FAST, **options}).set_index("fqn")
+    settings = {**FAST_REPLAY, **options}
+    return cbtrace.replay(tmp_path / "r", model=model, **settings).set_index("fqn")
 
 
 def test_a_module_that_cannot_compile_is_recorded_and_replay_goes_on(tmp_path):
@@ -343,7 +344,7 @@ def test_the_compiled_call_is_timed_not_the_eager_calls_timed_function():
     from cbtrace.replay.config import ReplayConfig
     from cbtrace.replay.modes import Compiled
 
-    cfg, dev, backends = ReplayConfig(modes=("compile",), **FAST), torch.device("cpu"), \
+    cfg, dev, backends = ReplayConfig(modes=("compile",), **FAST_REPLAY), torch.device("cpu"), \
         registry.backends()
     module = CountsEager()
     rec = SimpleNamespace(grad_enabled=False, autocast_dtype=None, fqn="m", call_id=0,
@@ -562,7 +563,7 @@ def test_modes_on_cuda(tmp_path):
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(x)
     df = cbtrace.replay(tmp_path / "r", model=model, modes=("compile", "cudagraph"),
-                        **FAST).set_index("fqn")
+                        **FAST_REPLAY).set_index("fqn")
     assert (df["status"] == "ok").all()
     for fqn in ("0", "1"):
         assert df.loc[fqn, "cudagraph_status"] == "ok" and df.loc[fqn, "cudagraph_ms"] > 0
@@ -579,7 +580,7 @@ def test_modes_on_nanogpt_cuda(tmp_path):
 
     capture_model("nanogpt:tiny", tmp_path / "r", device="cuda", dtype="bf16", trace=False,
                   max_depth=2)
-    df = cbtrace.replay(tmp_path / "r", modes=("compile", "cudagraph"), **FAST)
+    df = cbtrace.replay(tmp_path / "r", modes=("compile", "cudagraph"), **FAST_REPLAY)
     assert (df["status"] == "ok").all()
     leaf = df["compile_status"] == f"skipped: {modes.NOTHING_TO_FUSE}"  # one-kernel leaves
     assert leaf.any() and (df.loc[~leaf, "compile_status"] == "ok").mean() >= 0.9, \
@@ -599,7 +600,7 @@ def test_a_call_captures_into_a_pool_of_its_own_retried_alone_only_until_pools_w
     from cbtrace.replay.config import ReplayConfig
 
     def step_with(fails_in_pool):
-        step, tried = modes.CudaGraphed(ReplayConfig(**FAST)), []
+        step, tried = modes.CudaGraphed(ReplayConfig(**FAST_REPLAY)), []
         monkeypatch.setattr(step, "_stream", lambda device: None)
 
         def capture(c, warmup_runs, stream, pool):
@@ -630,7 +631,7 @@ def test_a_graph_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypa
     from cbtrace.replay.config import ReplayConfig
 
     def step_with(results):
-        step, released = modes.CudaGraphed(ReplayConfig(**FAST)), []
+        step, released = modes.CudaGraphed(ReplayConfig(**FAST_REPLAY)), []
 
         def run(c):
             r = results.pop(0)
@@ -663,7 +664,7 @@ def test_cudagraph_mode_memory_returns_to_its_level_between_calls():
     from cbtrace.replay.config import ReplayConfig
     from cbtrace.replay.modes import CudaGraphed
 
-    cfg = ReplayConfig(modes=("cudagraph",), **FAST)
+    cfg = ReplayConfig(modes=("cudagraph",), **FAST_REPLAY)
     step, dev = CudaGraphed(cfg), torch.device("cuda")
     rec = SimpleNamespace(grad_enabled=False, autocast_dtype=None, fqn="m", call_id=0)
     mods = [nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(dev).eval()
@@ -700,5 +701,5 @@ def test_a_one_kernel_leaf_on_a_gpu_is_not_compiled():
     assert not modes.nothing_to_fuse(call(parent, 1))    # a parent's glue may fuse with its own
     assert not modes.nothing_to_fuse(call(leaf, 1, "cpu"))  # no kernel count on a CPU
     assert not modes.nothing_to_fuse(call(leaf, None))
-    step = modes.Compiled(ReplayConfig(**FAST), ["cpu"], {})
+    step = modes.Compiled(ReplayConfig(**FAST_REPLAY), ["cpu"], {})
     assert step.run(call(leaf, 1)) == {"compile_status": f"skipped: {modes.NOTHING_TO_FUSE}"}

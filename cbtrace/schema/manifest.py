@@ -117,7 +117,7 @@ class Manifest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     files_stat: dict[str, tuple[int, int]] = {}  # (size, mtime_ns) when hashed
     replay: ReplayInfo | None = None
     distributed: Distributed | None = None  # rank and world size of the capturing job
-    synthetic_figures: bool = False       # test data made by tests/sample_runs.py
+    synthetic_figures: bool = False       # test data made by tests/helpers/sample_runs.py
 
     @property
     def title(self) -> str:
