@@ -439,7 +439,6 @@ class CudaGraphed:
     def __init__(self, cfg):
         self.tcfg = cfg.timing()
         self.streams: dict[int, torch.cuda.Stream] = {}  # device index -> capture stream
-        self.pool_works = False  # a capture into a pool of cbtrace's own has succeeded
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         """This device's capture stream, made on its first call."""
@@ -449,33 +448,12 @@ class CudaGraphed:
         return self.streams[i]
 
     @staticmethod
-    def _new_pool():
-        """A memory pool for one call's graphs (None: an allocator without pools). A pool is
-        never reused once its graphs are gone: torch 2.11's host allocator asserts then."""
-        try:
-            return torch.cuda.MemPool()
-        except (AttributeError, RuntimeError):
-            return None
-
-    def _capture(self, c: CallUnderTest, pool) -> list:
-        """The call's graphs in ``pool``; should that fail before any capture into a pool of
-        ours has worked, once more in the graphs' own pool."""
-        stream = self._stream(c.device)
-        try:
-            graphs = capture_graphs(c, self.tcfg.warmup_runs, stream,
-                                    None if pool is None else pool.id)
-        except GraphUnavailable:
-            if pool is None or self.pool_works:
-                raise
-            return capture_graphs(c, self.tcfg.warmup_runs, stream, None)
-        if pool is not None:
-            self.pool_works = True
-        return graphs
-
-    @staticmethod
     def _release() -> None:
-        """Hand torch's unused cached blocks back to the driver (an allocation outside torch's
-        allocator, such as a graph's instantiation, cannot make torch free its cache)."""
+        """Hand torch's unused cached blocks back to the driver: the pool of graphs just reset
+        (torch frees a graph's private pool only then; a pool kept for the next call's graphs
+        failed every capture after the first under torch 2.11, and deleting a MemPool that a
+        failed capture still held aborted the process), and what an allocation outside torch's
+        allocator, such as a graph's instantiation, cannot make torch free."""
         torch.cuda.empty_cache()
 
     def run(self, c: CallUnderTest) -> dict:
@@ -496,15 +474,12 @@ class CudaGraphed:
                 return dict(cudagraph_status=f"error: {why}")
 
     def _run(self, c: CallUnderTest) -> dict:
-        pool = self._new_pool()
+        graphs = capture_graphs(c, self.tcfg.warmup_runs, self._stream(c.device))
         try:
-            graphs = self._capture(c, pool)
-            try:
-                ms = replay_samples(graphs, c.run.touch, self.tcfg, c.device)
-            finally:
-                for g in graphs:
-                    g.reset()
-                graphs.clear()
+            ms = replay_samples(graphs, c.run.touch, self.tcfg, c.device)
         finally:
-            del pool  # its last reference: the pool's blocks go back before the next call
+            for g in graphs:
+                g.reset()
+            graphs.clear()
+            self._release()  # the graphs' pool, before the next call's captures
         return dict(cudagraph_ms=statistics.median(ms), cudagraph_status="ok")

@@ -593,36 +593,6 @@ def test_modes_on_nanogpt_cuda(tmp_path):
     assert df["best_mode"].notna().all() and (df["opportunity_ms"] >= 0).all()
 
 
-def test_a_call_captures_into_a_pool_of_its_own_retried_alone_only_until_pools_work(monkeypatch):
-    from types import SimpleNamespace
-
-    from cbtrace.replay import modes
-    from cbtrace.replay.config import ReplayConfig
-
-    def step_with(fails_in_pool):
-        step, tried = modes.CudaGraphed(ReplayConfig(**FAST_REPLAY)), []
-        monkeypatch.setattr(step, "_stream", lambda device: None)
-
-        def capture(c, warmup_runs, stream, pool):
-            tried.append(pool)
-            if pool is not None and fails_in_pool.pop(0):
-                raise modes.GraphUnavailable("graph capture failed: x")
-            return ["graph"]
-
-        monkeypatch.setattr(modes, "capture_graphs", capture)
-        return step, tried
-
-    call, pools = SimpleNamespace(device=None), [SimpleNamespace(id=(0, i)) for i in (1, 2)]
-    step, tried = step_with([True])  # the first capture into a pool fails: retried alone
-    assert step._capture(call, pools[0]) == ["graph"] and tried == [(0, 1), None]
-    assert not step.pool_works
-    step, tried = step_with([False, True])  # pools worked once: a later failure is the call's
-    assert step._capture(call, pools[0]) == ["graph"]
-    with pytest.raises(modes.GraphUnavailable):
-        step._capture(call, pools[1])
-    assert tried == [(0, 1), (0, 2)] and step.pool_works  # each call its own pool
-
-
 def test_a_graph_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypatch):
     import contextlib
     from types import SimpleNamespace
