@@ -437,4 +437,4 @@ def test_transformers_models_replay_ok(tmp_path, build, layer, cache_type, devic
     if device == "cuda":  # graphs, but for the calls that ask whether they are captured
         asks = df["timer_fallback"].fillna("").str.contains("is_current_stream_capturing")
         assert set(df.loc[~asks, "timer"]) == {"graph"}, df.groupby("timer")["fqn"].apply(list)
-        assert set(df.loc[asks, "timer"]) <= {"events"} and asks.sum() < len(df) / 2
+        assert set(df.loc[asks, "timer"]) <= {"stream"} and asks.sum() < len(df) / 2

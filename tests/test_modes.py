@@ -558,7 +558,10 @@ def test_modes_on_cuda(tmp_path):
         def forward(self, x):
             return x * float(x.sum().item())  # a host sync: no CUDA graph capture
 
-    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), Syncs()).cuda().eval()
+    def pair():  # a parent: its one-kernel leaves are not compiled on their own
+        return nn.Sequential(nn.Linear(64, 64), nn.GELU())
+
+    model = nn.Sequential(pair(), pair(), Syncs()).cuda().eval()
     x = torch.randn(32, 64, device="cuda")
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(x)
@@ -571,6 +574,7 @@ def test_modes_on_cuda(tmp_path):
         assert df.loc[fqn, "eager_step_ms"] >= df.loc[fqn, "isolated_ms"]
         assert "compile host=" in df.loc[fqn, "timer_notes"]
     assert df.loc["2", "cudagraph_status"].startswith("error: graph capture failed")
+    assert (df.loc[["0.0", "0.1"], "compile_status"] == f"skipped: {modes.NOTHING_TO_FUSE}").all()
     assert df["best_mode"].notna().all() and (df["speedup"] >= 1).all()
 
 
