@@ -25,18 +25,12 @@ import math
 import statistics
 import time
 
+from cbtrace.cost.metrics import step_ms
+
 
 def _num(v) -> float | None:
     """A float, or None for missing and NaN (what parquet's nulls read as)."""
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
-
-
-def step_ms(device_ms, host_ms=None) -> float | None:
-    """What a call costs a step: its device time, or its host issue time if that is longer."""
-    device_ms, host_ms = _num(device_ms), _num(host_ms)
-    if device_ms is None:
-        return None
-    return device_ms if host_ms is None else max(device_ms, host_ms)
 
 
 def best_of(eager_ms: float, modes: dict) -> tuple[str, float]:

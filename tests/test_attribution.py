@@ -97,7 +97,8 @@ def test_insitu_for_run(tmp_path):
 
     shutil.copy(TRACE, tmp_path / TRACE.name)
     out = insitu_for_run(tmp_path, manifest(trace=TRACE.name))
-    assert list(out.columns) == ["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms", "insitu_ms"]
+    assert list(out.columns) == ["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms",
+                                 "kernel_count", "insitu_ms"]
     assert len(out) == 15  # 14 modules, head called twice; the first step only
     assert (out.insitu_ms == out.cpu_ms).all()  # CPU trace: no device events
 

@@ -42,7 +42,7 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     out = {}
     for row in df.reindex(columns=["call_id", "timer", "timer_fallback", "isolated_ms", "bwd_ms",
                                    "kernel_count", "device_ms", "noisy", "step_compiled",
-                                   "eager_ms", "insitu_step_ms"]).to_dict("records"):
+                                   "eager_ms", "insitu_step_ms", "host_ms"]).to_dict("records"):
         cid, timer = row["call_id"], row["timer"]
         ins, spn, bwd_ins = (_number(d.get(cid)) for d in (insitu, span, bwd))
         spn = spn if spn else None  # 0: no kernel of its own in the step
@@ -53,6 +53,8 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
             row["insitu_step_ms"])}.get(basis, ins)
         if basis == "eager":  # the captured step ran it eagerly: its eager figure, if taken
             iso = _number(row["eager_ms"]) if _number(row["eager_ms"]) is not None else iso
+        elif basis == "step":  # what the call costs a loop of steps: its host may set the pace
+            iso = metrics.step_ms(iso, _number(row["host_ms"]))
         err = metrics.error_pct(iso, vs)
         kerr = miss.kernel_error_pct(row["device_ms"], ins) if on_gpu else None
         cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis},

@@ -108,6 +108,16 @@ def error_basis(timer: str | None, span_ms, *, step_ms=None, compiled: bool = Fa
     return "span" if paced and span_ms is not None and span_ms > 0 else "busy"
 
 
+def step_ms(device_ms, host_ms=None) -> float | None:
+    """What a call costs a step whose host runs ahead: its device time, or its host issue time
+    if that is longer. NaN reads as missing."""
+    device_ms = None if device_ms is None or device_ms != device_ms else device_ms
+    host_ms = None if host_ms is None or host_ms != host_ms else host_ms
+    if device_ms is None:
+        return None
+    return device_ms if host_ms is None else max(device_ms, host_ms)
+
+
 def error_pct(isolated_ms, insitu_ms) -> float | None:
     """100 * (isolated / in-situ - 1): how much slower the call reads alone than in the step."""
     if isolated_ms is None or insitu_ms is None or insitu_ms <= 0:
