@@ -87,7 +87,7 @@ def test_cbtrace_process_lays_out_isolated_replay(run):
 
 
 def test_isolated_layout_by_hand_several_roots_and_noisy_children():
-    from cbtrace.annotate.layout import isolated_layout
+    from cbtrace.annotate.appended import isolated_layout
 
     # "" (no figure) holds p (1 us, but its child q took 3 us) and r (2 us); s is a 2nd root
     rows = [{"call_id": 0, "parent_call_id": -1, "fqn": "", "depth": 0, "isolated_ms": None},
@@ -102,7 +102,7 @@ def test_isolated_layout_by_hand_several_roots_and_noisy_children():
 
 
 def test_isolated_layout_of_a_deep_chain():
-    from cbtrace.annotate.layout import isolated_layout
+    from cbtrace.annotate.appended import isolated_layout
 
     rows = [{"call_id": i, "parent_call_id": i - 1, "fqn": f"m{i}", "depth": i,
              "isolated_ms": 0.001} for i in range(5000)]
@@ -295,7 +295,7 @@ def _partial_overlaps(events) -> list:
     ts/dur in integer ns as Perfetto's JSON importer converts them (slices it would drop)."""
     from collections import defaultdict
 
-    from cbtrace.annotate.layout import perfetto_ns
+    from cbtrace.annotate.appended import perfetto_ns
 
     tracks = defaultdict(list)
     for e in events:
@@ -316,7 +316,7 @@ def _partial_overlaps(events) -> list:
 
 
 def test_perfetto_ns_rounds_like_the_json_importer():
-    from cbtrace.annotate.layout import perfetto_ns
+    from cbtrace.annotate.appended import perfetto_ns
 
     # trace_processor's json_utils tests: 42 -> 42000, 42.1 -> 42100; llround halves away
     assert perfetto_ns(42) == 42000 and perfetto_ns(42.1) == 42100
@@ -325,7 +325,7 @@ def test_perfetto_ns_rounds_like_the_json_importer():
 
 
 def test_nest_in_ns_trims_a_child_running_over_and_a_sibling_starting_early():
-    from cbtrace.annotate.layout import nest_in_ns
+    from cbtrace.annotate.appended import nest_in_ns
 
     ev = [{"ph": "X", "pid": 1, "tid": 1, "name": "parent", "ts": 10.0, "dur": 5.0},
           {"ph": "X", "pid": 1, "tid": 1, "name": "child", "ts": 12.0, "dur": 3.001},

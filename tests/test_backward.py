@@ -166,7 +166,7 @@ def _attributed(model, x, run, **capture_options):
 
     import numpy as np
 
-    from cbtrace.attribution import backward as bw
+    from cbtrace.attribution import backward_ops as bw
     from cbtrace.attribution import forest as fm
     from cbtrace.attribution import identity, insitu, loader
     from cbtrace.attribution.attribute import attribute_file

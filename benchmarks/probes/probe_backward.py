@@ -29,7 +29,7 @@ FQNS = ["transformer.h.0.ln_1", "transformer.h.0.attn.c_attn", "transformer.h.0.
 def insitu_kernels(trace) -> dict:
     """fqn -> [(kernel, µs)] of the backward kernels the step ran for the call (own, not its
     children's), first call of each fqn."""
-    from cbtrace.attribution import backward as bw
+    from cbtrace.attribution import backward_ops as bw
     from cbtrace.attribution import forest as fm
     from cbtrace.attribution import identity, insitu, loader
 

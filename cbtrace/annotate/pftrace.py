@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import zlib
 
-from cbtrace.annotate.layout import perfetto_ns  # the JSON's ns, so both outputs agree
+from cbtrace.annotate.appended import perfetto_ns  # the JSON's ns, so both outputs agree
 
 SEQ_ID = 0xCB7  # trusted_packet_sequence_id of every packet (one writer)
 

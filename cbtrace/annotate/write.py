@@ -16,7 +16,7 @@ from pathlib import Path
 from cbtrace._version import __version__
 from cbtrace.annotate import pftrace as proto
 from cbtrace.annotate.figures import Figures, SliceAnnotator
-from cbtrace.annotate.layout import appended_events, metadata
+from cbtrace.annotate.appended import appended_events, metadata
 from cbtrace.annotate.stream import rewrite
 from cbtrace.attribution.attribute import attribute
 from cbtrace.cost.peaks import PeakLookup

@@ -3,7 +3,7 @@
 Every host event gets one owner: cbtrace overhead (inside a ``cbtrace.copy::`` range), the
 recomputation of a module call in the backward (inside a ``cbtrace.recompute::`` range:
 activation checkpointing; phase "recompute"), the backward of a module (inside an autograd
-evaluate_function op, see backward.py), the innermost enclosing module call (forward), or
+evaluate_function op, see backward_ops.py), the innermost enclosing module call (forward), or
 nobody. A device event belongs to the owner of the host event
 that launched it; one with no launcher, or whose launcher has no owner, is unattributed (NCCL
 kernels too: their launch sits inside the collective's ops, inside the issuing module). Each
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cbtrace.attribution import backward, identity
+from cbtrace.attribution import backward_ops, identity
 from cbtrace.attribution.forest import Forest, by_level, string_mask
 from cbtrace.cost import metrics
 from cbtrace.cost.compute_dtype import dominant_dtype
@@ -38,12 +38,12 @@ def _key(kind, ident):
 
 def owners(forest: Forest, module_of, copy_of, roots, b_owner, engine=None,
            recompute=None) -> np.ndarray:
-    """Owner key per host event (see the module docstring). ``engine`` (backward.engine_work):
+    """Owner key per host event (see the module docstring). ``engine`` (backward_ops.engine_work):
     gradient adds of the autograd engine inside a backward op, which go to the parent of the
     op's module: where a residual stream's two consumers meet. Where a tensor's consumers sit
     further apart (a LayerNorm output feeding parallel attention and MLP blocks) they meet
     higher up, and the add lands below that (the trace does not say which consumer came first).
-    ``recompute`` (backward.recompute_of): per event, the forward module call whose
+    ``recompute`` (backward_ops.recompute_of): per event, the forward module call whose
     recomputation encloses it, else -1."""
     step = forest.step_of_host
     rs = np.maximum(roots, 0)
@@ -70,12 +70,12 @@ def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = 
     source = identity.choose_source(forest)
     lab, is_copy, labels = identity.labels(forest, source)
     module_of, copy_of = forest.nearest(lab >= 0), forest.outermost(is_copy)
-    roots = backward.backward_roots(forest)
-    rcp, rcp_root, rcp_inner = backward.recompute_of(forest, lab, labels)
-    b_owner = backward.backward_owner(
-        forest, roots, backward.forward_owner_by_seq(forest, module_of, roots, copy_of,
+    roots = backward_ops.backward_roots(forest)
+    rcp, rcp_root, rcp_inner = backward_ops.recompute_of(forest, lab, labels)
+    b_owner = backward_ops.backward_owner(
+        forest, roots, backward_ops.forward_owner_by_seq(forest, module_of, roots, copy_of,
                                                      rcp_inner))
-    engine = backward.engine_work(forest, roots)
+    engine = backward_ops.engine_work(forest, roots)
     key = owners(forest, module_of, copy_of, roots, b_owner, engine, rcp)
     copy_root = is_copy & (copy_of == np.arange(len(forest)))  # outermost cbtrace.copy ranges
     b = _Buckets(forest, key, roots, copy_root, module_of, copy_of, costs, engine,

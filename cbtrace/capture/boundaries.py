@@ -127,7 +127,7 @@ class Recomputes:
 
 def recompute_range(fqn: str, rec) -> str:
     """Name of the range around a recomputation of ``fqn`` that redoes the forward call ``rec``
-    (attribution charges it to that call: backward.recompute_of)."""
+    (attribution charges it to that call: backward_ops.recompute_of)."""
     return f"{RECOMPUTE}{fqn}" if rec is None else f"{RECOMPUTE}{fqn}#{rec.call_index}"
 
 
