@@ -51,6 +51,9 @@ MODELS = {
     "compiled-gpt2": ("nanogpt:tiny", {}, f"{ZOO}:compiled_nanogpt", REAL, None),
 }
 DEFAULT_MODELS = "nanogpt,dlrm,dcn,hstu,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base"
+# models that run only in their own dtype: --dtype is not applied to them (torchvision's nms has
+# no bf16 kernel)
+OWN_DTYPE = {"fasterrcnn"}
 # the modules table's columns of each phase: status, in-situ ms, error %
 PHASES = {"fwd": ("status", "insitu_ms", "error_pct"),
           "bwd": ("bwd_status", "bwd_insitu_ms", "bwd_error_pct")}
@@ -116,8 +119,9 @@ def profile_one(name, spec, options, args, run_dir):
     if args.budget_s is not None:
         replay_options["budget_s"] = args.budget_s
     t0 = time.perf_counter()
+    dtype = None if name in OWN_DTYPE else args.dtype
     df = profile(spec, run_dir, replay_options=replay_options, device=args.device,
-                 dtype=args.dtype, step=args.step, options=options)
+                 dtype=dtype, step=args.step, options=options)
     return df, time.perf_counter() - t0
 
 
@@ -211,8 +215,8 @@ def main(argv=None) -> int:
             classes += cls
         rows += model_rows
         summary = {"model": name, "spec": spec, "options": options, "device": args.device,
-                   "dtype": args.dtype, "step": args.step, "cold": args.cold,
-                   "context": not args.no_context, "profile_wall_s": wall, "rows": model_rows,
+                   "dtype": None if name in OWN_DTYPE else args.dtype, "step": args.step,
+                   "cold": args.cold, "context": not args.no_context, "profile_wall_s": wall, "rows": model_rows,
                    "classes": classes,
                    "timer_notes": df["timer_notes"].value_counts().head(5).to_dict()}
         (out / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
