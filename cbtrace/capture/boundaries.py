@@ -41,7 +41,7 @@ def in_backward() -> bool:
     return _GRAPH_TASK() != -1
 
 
-def checkpoint_state() -> tuple[bool, object]:
+def checkpoint_state(reentrant: bool = True) -> tuple[bool, object]:
     """Whether autograd runs a backward on this thread (a recomputation), and the
     ``torch.utils.checkpoint`` region it runs in (an id, the same in the region's forward and
     its recomputation while the region lives; None outside one). One call per module call.
@@ -49,15 +49,16 @@ def checkpoint_state() -> tuple[bool, object]:
     Non-reentrant: the region's saved-tensors hooks hold its ``_CheckpointFrame`` (the
     forward's as ``frame``, the recomputation's as ``target_frame_ref``). Reentrant: the
     ``ctx`` of the CheckpointFunction frame up the stack; looked for only where such a region
-    can run (without grad, or in a backward), as walking the stack is not free."""
+    can run (without grad, or in a backward) and ``reentrant`` allows it (a step that began
+    without grad has no backward to recompute in), as walking the stack is not free."""
     backward = _GRAPH_TASK() != -1
     hooks = _TOP_HOOKS()
     if hooks is not None:
         frame = _checkpoint_frame(hooks[0])
         if frame is not None:
             return backward, id(frame)
-    if not backward and _GRAD_ENABLED():
-        return False, None
+    if not reentrant or (not backward and _GRAD_ENABLED()):
+        return backward, None
     f = _FRAME()
     while f is not None:
         if f.f_code is _REENTRANT_FWD or f.f_code is _REENTRANT_BWD:

@@ -7,8 +7,8 @@ import torch
 
 from cbtrace import module_tree
 from cbtrace.capture.host_times import host_times, step_ms
-from cbtrace.console import announce
 from cbtrace.capture.recorder import CaptureConfig, capture
+from cbtrace.console import announce
 from cbtrace.cost.dtypes import CLI_DTYPES, torch_dtype
 from cbtrace.device import resolve_device
 from cbtrace.errors import CaptureError, CbtraceError, ProviderError, one_line

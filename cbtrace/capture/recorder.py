@@ -219,6 +219,8 @@ class capture:
             self._names.setdefault(id(mod), []).append(name)
             self._selected[name] = selected(name, self.cfg)  # once: hooks only look it up
         self._static = _static_facts(self.model)
+        # a step begun without grad recomputes nothing: no stack walk per call for checkpoints
+        self._may_recompute = _GRAD_ENABLED()
         # paths the user's step runs under torch.compile: their calls are step_compiled
         self._in_compiled = module_tree.compiled_paths(self.model)
         self._flags = {n: m.training for n, m in module_tree.named_modules(self.model)}
@@ -362,7 +364,8 @@ class capture:
                 if not self._selected.get(fqn):  # reached through an unselected path
                     self._push((None, module, None, pending))
                     return
-            backward, region = boundaries.checkpoint_state()  # this thread's, not the helper's
+            # this thread's state, not the helper's
+            backward, region = boundaries.checkpoint_state(self._may_recompute)
             if backward:  # checkpointing recomputes it: backward work, no call
                 name = boundaries.recompute_range(fqn, self._recomputes.recompute(fqn, region))
                 self._push((None, module, RANGE_ENTER(name, None), pending))
