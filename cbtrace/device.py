@@ -2,6 +2,9 @@
 memory a CUDA device has free for torch."""
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from cbtrace.errors import CbtraceError
@@ -49,3 +52,31 @@ def free_memory(device, exact: bool = False) -> int:
     cached = (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
               - stats.get("inactive_split_bytes.all.current", 0))
     return torch.cuda.mem_get_info(device)[0] + max(cached, 0)
+
+
+def window_ms(step, device, k: int) -> float:
+    """One step's time in ``k`` steps run back to back (the host runs ahead as in training):
+    CUDA events around the k steps on a GPU (the host's gaps included where it sets the pace),
+    perf_counter on a CPU."""
+    if torch.device(device).type == "cuda":
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        for _ in range(k):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / k
+    t0 = time.perf_counter()
+    for _ in range(k):
+        step()
+    return (time.perf_counter() - t0) * 1e3 / k
+
+
+def steps_ms(step, device, *, k: int = 20, repeats: int = 5, warmup: int = 3) -> float:
+    """Median over ``repeats`` windows of ``window_ms``, after ``warmup`` steps (lazy init, a
+    compiled model's compile)."""
+    for _ in range(warmup):
+        step()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(window_ms(step, device, k) for _ in range(repeats))

@@ -194,39 +194,13 @@ class InPlace:
         return None if m is None or self.estimated_ms is None else self.estimated_ms - m
 
 
-def window_ms(step, device, k: int) -> float:
-    """One step's time in K steps run back to back (the host runs ahead as in training): CUDA
-    events around the K steps, perf_counter on a CPU."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        for _ in range(k):
-            step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / k
-    t0 = time.perf_counter()
-    for _ in range(k):
-        step()
-    return (time.perf_counter() - t0) * 1e3 / k
-
-
-def steps_ms(step, device, *, k: int = 20, repeats: int = 5, warmup: int = 3) -> float:
-    """Median over ``repeats`` windows of ``window_ms``, after ``warmup`` steps."""
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    return statistics.median(window_ms(step, device, k) for _ in range(repeats))
-
-
 def paired_steps_ms(step_a, step_b, device, *, k: int = 20, repeats: int = 5,
                     warmup: int = 3) -> tuple[float, float, float]:
     """(a ms, b ms, noise ms): windows of K steps of a and of b taken in turn, so that a host or
     clock drifting over the measurement moves both (measured one after the other, a GPT-2
     step read 8.5 ms for its first modules and 5.1 ms for its last); the medians, and half
     the p10..p90 range of the per-pair differences."""
+    from cbtrace.device import window_ms  # torch: cbtrace report reads this module without it
     for step in (step_a, step_b):
         for _ in range(warmup):
             step()
@@ -284,6 +258,7 @@ def verify_in_place(model, run_step, fqns: list[str], estimates: dict[str, float
     compile or run is a row with its status and the eager step alone."""
     import torch
 
+    from cbtrace.device import steps_ms
     from cbtrace.replay.modes import one_line
 
     rows = []

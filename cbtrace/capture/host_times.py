@@ -9,8 +9,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
-
 from cbtrace import module_tree
 from cbtrace.calltree import CallTree
 from cbtrace.capture import boundaries
@@ -83,34 +81,6 @@ def host_times(model, records, run_step, *, repeats: int = 7,
     per_call = hook_overhead_ms(parents, spans, statistics.median(plain))
     nested = descendants(records)
     return {r.call_id: max(s - per_call * n, 0.0) for r, s, n in zip(records, spans, nested)}
-
-
-def step_ms(run_step, device, k: int = 5, repeats: int = 3) -> float:
-    """One step as the user runs it in a loop (no hooks, no profiler, compiled parts compiled):
-    windows of ``k`` steps back to back, the host running ahead of the device as in training,
-    CUDA events around each window on a GPU (the host's gaps included where it sets the pace),
-    wall time on a CPU; the median over ``repeats`` windows, per step, after one untimed step
-    (a compiled model compiles in it). A single step from an idle device read BERT-base's
-    host-bound step 23 % slower than the loop's."""
-    cuda = torch.device(device).type == "cuda"
-    run_step()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            torch.cuda.synchronize(device)
-            start.record()
-            for _ in range(k):
-                run_step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / k)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(k):
-                run_step()
-            times.append((time.perf_counter() - t0) * 1e3 / k)
-    return statistics.median(times)
 
 
 def descendants(records) -> list[int]:
