@@ -35,7 +35,7 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     else:
         table = insitu_for_run(run, manifest)
         insitu, span = _by_call(df, table), _by_call(df, table, "gpu_span_ms")
-        kernels = _by_call(df, table, "kernel_count") if "kernel_count" in table else {}
+        kernels = _by_call(df, table, "kernel_count")
     bwd = (_by_call(df, insitu_for_run(run, manifest, phase="bwd"))
            if df["bwd_ms"].notna().any() else {})
     recompute = _recompute(run, manifest, df)
@@ -49,13 +49,7 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         basis = metrics.error_basis(timer if isinstance(timer, str) else None, spn,
                                     step_ms=_number(row["insitu_step_ms"]),
                                     compiled=_flag(row["step_compiled"]))
-        iso, vs = _number(row["isolated_ms"]), {"span": spn, "step": _number(
-            row["insitu_step_ms"])}.get(basis, ins)
-        if basis == "eager":  # the captured step ran it eagerly: its eager figure, if taken
-            iso = _number(row["eager_ms"]) if _number(row["eager_ms"]) is not None else iso
-        elif basis == "step":  # what the call costs a loop of steps: its host may set the pace
-            iso = metrics.step_ms(iso, _number(row["host_ms"]))
-        err = metrics.error_pct(iso, vs)
+        err = metrics.error_pct(*_compared(basis, row, ins, spn))
         kerr = miss.kernel_error_pct(row["device_ms"], ins) if on_gpu else None
         cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis},
                                 kernels.get(cid), kerr)
@@ -67,6 +61,17 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
                          "bwd_error_pct": metrics.error_pct(_number(row["bwd_ms"]), bwd_ins),
                          "recompute_insitu_ms": _number(recompute.get(cid))}
     return out
+
+
+def _compared(basis: str, row: dict, busy, span) -> tuple:
+    """(isolated figure, in-situ figure) that error_pct compares on ``basis``."""
+    iso = _number(row["isolated_ms"])
+    if basis == "step":  # what the call costs a loop of steps: its host may set the pace
+        return metrics.step_ms(iso, _number(row["host_ms"])), _number(row["insitu_step_ms"])
+    if basis == "eager":  # the captured step ran it eagerly: its eager figure, if taken
+        eager = _number(row["eager_ms"])
+        return (iso if eager is None else eager), busy
+    return iso, (span if basis == "span" else busy)
 
 
 def _recompute(run, manifest, df) -> dict:
