@@ -58,7 +58,8 @@ OWN_DTYPE = {"fasterrcnn"}
 PHASES = {"fwd": ("status", "insitu_ms", "error_pct"),
           "bwd": ("bwd_status", "bwd_insitu_ms", "bwd_error_pct")}
 # per call, for <model>_rows.csv.gz (what a miss is looked into with)
-ROW_COLUMNS = ("fqn", "module_type", "status", "status_reason", "timer", "timer_notes",
+ROW_COLUMNS = ("fqn", "module_type", "status", "status_reason", "timer", "timer_fallback",
+               "timer_notes",
                "insitu_ms", "isolated_ms", "error_pct", "device_ms", "host_ms", "bound",
                "kernel_count",
                "bwd_status", "bwd_status_reason", "bwd_insitu_ms", "bwd_ms", "bwd_error_pct",

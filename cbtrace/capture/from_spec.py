@@ -65,8 +65,9 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
                   step: str = "forward", warmup: int = 1, seed: int = 0,
                   options: dict | None = None, **capture_options) -> capture:
     """Build the provider's model and batch, warm up, capture one step into ``out``; on a CPU
-    also time each call in unprofiled repeats of the step (the CPU in-situ times); of a forward
-    step with one root, time the step as the user runs it (``insitu_step_ms``).
+    also time each call in unprofiled repeats of the step (the CPU in-situ times); of a step with
+    one root, time its forward as the user runs it, in a loop (``insitu_step_ms``; in a train
+    step with grad, its activations freed each time as a training loop's are).
 
     Returns the capture (``cap.out``: the run; ``cap.model``: the model, its parameters,
     buffers, gradients and RNG state as they were when the run's state digest was taken, so
@@ -115,10 +116,10 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
         else:
             torch.cuda.synchronize()
         roots = [r for r in cap.records if r.parent_call_id == -1]
-        if step == "forward" and len(roots) == 1:  # one root: the step is its call
+        if len(roots) == 1:  # one root: the step's forward is its call
             try:  # as the user runs it, in a loop: one step from an idle device read
                 with guard.call():  # BERT-base's host-bound step 23 % slow
-                    ms = steps_ms(lambda: run_step(provider, model, batch, step), device,
+                    ms = steps_ms(lambda: provider.run(model, batch), device,
                                   k=5, repeats=3, warmup=1)
                 by_call.setdefault(roots[0].call_id, {})["insitu_step_ms"] = ms
             except Exception as e:  # noqa: BLE001 - the capture stands without this figure

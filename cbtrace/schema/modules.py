@@ -74,8 +74,8 @@ class ModuleRecord:
         HOST_INSITU, "ms", "CPU runs: host time of the call in an unprofiled repeat of the step",
         default=None)
     insitu_step_ms: float | None = column(
-        HOST_INSITU, "ms", "the root of a forward step captured from a spec: the step run as "
-        "the user runs it (no hooks, no profiler, compiled parts compiled), CUDA events around "
+        HOST_INSITU, "ms", "the root of a step captured from a spec: its forward run as "
+        "the user runs it, in a loop (no hooks, no profiler, compiled parts compiled), CUDA events around "
         "it on a GPU, wall time on a CPU", default=None)
 
     status: str | None = column(REPLAY, doc="ok | skipped | error", default=None)
