@@ -8,7 +8,7 @@ wall, its duty cycle (timed work, sum of ``timed_ms``, over the wall) and the re
 CPU seconds and whole run time (torch import included).
 
 Usage: python benchmarks/bench_replay_fresh.py --model nanogpt:tiny --device cpu [--repeats 3]
-       [-o KEY=VALUE ...] [--out DIR]
+       [--dtype bf16] [-o KEY=VALUE ...] [--out DIR]
 """
 import argparse
 import json
@@ -56,12 +56,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="nanogpt:tiny")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", help="the capture's dtype (default: the CLI's)")
     ap.add_argument("--repeats", type=int, default=REPEATS)
     ap.add_argument("-o", "--option", action="append", default=[], help="provider option")
     ap.add_argument("--out", help="where the runs go (default: a temporary directory)")
     a = ap.parse_args()
     opts = [x for o in a.option for x in ("-o", o)]
-    common = ["--model", a.model, "--device", a.device, *opts]
+    common = ["--model", a.model, "--device", a.device, *opts,
+              *(["--dtype", a.dtype] if a.dtype else [])]
     root = Path(a.out or tempfile.mkdtemp(prefix="bench_replay_fresh_"))
     fresh, inside = [], []
     for i in range(a.repeats):

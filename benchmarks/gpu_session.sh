@@ -20,7 +20,7 @@
 # opportunity: bench_opportunity.py per model (the root and top 5 modules compiled in place, estimated vs
 # measured saving; the replay's modes wall and out-of-memory rows; OPP_MODELS, OPP_MODES);
 # fresh: bench_replay_fresh.py (a plain `cbtrace replay` beside the replay inside `profile`; FRESH_MODELS,
-# FRESH_REPEATS).
+# FRESH_REPEATS, FRESH_DTYPE).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -75,7 +75,7 @@ opportunity)
   done ;;
 fresh)
   for M in ${FRESH_MODELS:-nanogpt dlrm:large}; do
-    timeout ${FRESH_TIMEOUT:-300} python3 $R/benchmarks/bench_replay_fresh.py --model $M --device cuda --repeats ${FRESH_REPEATS:-2} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_replay_fresh_${M/:/_}.log | tail -30
+    timeout ${FRESH_TIMEOUT:-300} python3 $R/benchmarks/bench_replay_fresh.py --model $M --device cuda ${FRESH_DTYPE:+--dtype $FRESH_DTYPE} --repeats ${FRESH_REPEATS:-2} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_replay_fresh_${M/:/_}.log | tail -30
   done ;;
 esac
 done
