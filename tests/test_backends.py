@@ -620,3 +620,35 @@ def test_the_toucher_rewrites_big_inputs_with_their_own_values():
     assert [t._version for t in (big, small, flags, grad, param, expanded)] == versions
     assert torch.equal(big, before[0]) and torch.equal(grad.detach(), before[1])
     assert input_toucher([((small,), {})]) is None
+
+
+def test_a_graph_capture_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypatch):
+    from types import SimpleNamespace
+
+    from cbtrace.plugins.backends import graph
+
+    def staged_with(results):
+        released = []
+
+        def capture(run, n_copies, k, touch, stream, slots=False):
+            r = results.pop(0)
+            if isinstance(r, Exception):
+                raise r
+            return r
+
+        monkeypatch.setattr(graph, "capture", capture)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(0))
+        call = SimpleNamespace(stage=None, unstage=None, run=lambda i: None)
+        return lambda: graph.staged(call, 1, 4, stream=object()), released
+
+    oom = TimerUnavailable("graph capture failed: OutOfMemoryError: CUDA out of memory.")
+    run, released = staged_with([oom, "graph"])
+    assert run() == "graph" and released == [0]
+    run, released = staged_with([oom, oom])  # once only: then the next timer, saying why
+    with pytest.raises(TimerUnavailable, match="out of memory"):
+        run()
+    assert released == [0]
+    run, released = staged_with([TimerUnavailable("graph capture failed: x")])
+    with pytest.raises(TimerUnavailable, match="failed: x"):
+        run()
+    assert released == []  # another failure: nothing handed back, no retry

@@ -574,7 +574,10 @@ def test_modes_on_cuda(tmp_path):
         assert df.loc[fqn, "eager_step_ms"] >= df.loc[fqn, "isolated_ms"]
         assert "compile host=" in df.loc[fqn, "timer_notes"]
     assert df.loc["2", "cudagraph_status"].startswith("error: graph capture failed")
-    assert (df.loc[["0.0", "0.1"], "compile_status"] == f"skipped: {modes.NOTHING_TO_FUSE}").all()
+    leaves = df.loc[["0.0", "0.1", "1.0", "1.1"]]  # a GELU is one kernel; a Linear may be two
+    one_kernel = leaves["kernel_count"] == 1
+    assert one_kernel.any()
+    assert ((leaves["compile_status"] == f"skipped: {modes.NOTHING_TO_FUSE}") == one_kernel).all()
     assert df["best_mode"].notna().all() and (df["speedup"] >= 1).all()
 
 

@@ -59,8 +59,22 @@ def staged(call: CallRunner, n_copies: int, k: int, touch=None,
     capture stream, so that only the call itself is in the graph: work an op does on its
     forward's stream (autograd's backward) then lands in the capture. Slots staged before are
     released first (their memory); all k slots are alive at once, so running out of memory
-    while staging them asks for another timer, as a failed capture does."""
+    while staging them asks for another timer, as a failed capture does, after one more try
+    with torch's cached blocks handed back to the driver: a capture may not free them itself
+    (no cudaFree while capturing), and earlier calls' graph pools leave many cached."""
     stream = stream or torch.cuda.Stream()
+    try:
+        return _staged(call, n_copies, k, touch, stream)
+    except TimerUnavailable as e:
+        if "out of memory" not in str(e).lower():
+            raise
+    if call.unstage is not None:
+        call.unstage()
+    torch.cuda.empty_cache()
+    return _staged(call, n_copies, k, touch, stream)
+
+
+def _staged(call: CallRunner, n_copies: int, k: int, touch, stream) -> torch.cuda.CUDAGraph:
     stage = call.stage
     if stage is not None:
         call.unstage()
