@@ -4,10 +4,10 @@ replay mechanism: where free device memory goes when calls start being skipped f
 Captures SPEC (train step: forward and backward) once, then replays it with the capture's model
 once per variant, recording after every call the driver's free memory and torch's allocated and
 reserved bytes; prints per variant the calls skipped and the memory at the 10th, middle and last
-call. Usage: python benchmarks/probes/probe_memory.py OUT_DIR [VARIANT ...]
+call (and the parameters' .grad bytes). Usage: python benchmarks/probes/probe_memory.py OUT_DIR
+[VARIANT ...] [--spec SPEC] [--top N]
 """
 import contextlib
-import sys
 from pathlib import Path
 
 import torch
@@ -56,22 +56,26 @@ def variants():
     }
 
 
-def main(out_dir, names):
+def main(out_dir, names, spec="nanogpt", options=None, top=0):
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.replay import engine
 
-    cap = capture_model("nanogpt", Path(out_dir) / "mem", device="cuda", dtype="bf16",
-                        options={"batch_size": 8}, step="train")
+    cap = capture_model(spec, Path(out_dir) / "mem", device="cuda", dtype="bf16",
+                        options=options if options is not None else {"batch_size": 8},
+                        step="train")
     table = variants()
     one = engine.replay_one
+    params = list(cap.model.parameters())
     for name in names or list(table):
         log = []
 
-        def logged(*a, **k):
-            row = one(*a, **k)
+        def logged(model, rec, *a, **k):
+            row = one(model, rec, *a, **k)
             free = torch.cuda.mem_get_info()[0]
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in params
+                        if p.grad is not None)
             log.append((row.get("status"), free, torch.cuda.memory_allocated(),
-                        torch.cuda.memory_reserved()))
+                        torch.cuda.memory_reserved(), rec.fqn, grads))
             return row
 
         torch.cuda.empty_cache()
@@ -80,11 +84,23 @@ def main(out_dir, names):
         skipped = sum(s != "ok" for s, *_ in log)
         marks = [9, len(log) // 2, len(log) - 1]
         cells = "  ".join(f"#{i}: free {log[i][1] / GIB:6.1f} alloc {log[i][2] / GIB:5.1f} "
-                          f"reserved {log[i][3] / GIB:6.1f}" for i in marks)
+                          f"reserved {log[i][3] / GIB:6.1f} grads {log[i][5] / GIB:5.2f}"
+                          for i in marks)
         print(f"{name:<18} skipped {skipped:3d}  {cells}  (GiB)", flush=True)
+        if top:  # the calls after which allocated memory grew most
+            grew = sorted(((log[i][2] - (log[i - 1][2] if i else 0), log[i][4] or "(root)")
+                           for i in range(len(log))), reverse=True)[:top]
+            print("  allocated grew most after: " + ", ".join(
+                f"{fqn} +{d / 2**20:.0f} MiB" for d, fqn in grew), flush=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2:])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("variants", nargs="*")
+    ap.add_argument("--spec", default="nanogpt")
+    ap.add_argument("--top", type=int, default=0, help="print the N calls memory grew most after")
+    a = ap.parse_args()
+    main(a.out_dir, a.variants, a.spec, None if a.spec == "nanogpt" else {"size": "real"}, a.top)
