@@ -1,16 +1,18 @@
 """``graph`` timer: K calls in one CUDA graph, replayed between events (no host launch latency)."""
 from __future__ import annotations
 
+import gc
 import warnings
 
 import torch
 
 from cbtrace.device import free_memory
 from cbtrace.errors import one_line
-from cbtrace.replay.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing,
-                                          root_cause, side_stream_warmup, watch_capture_checks)
-from cbtrace.replay.timing import (CallRunner, Timing, TimerUnavailable, TimingConfig,
-                                   as_runner, join_notes)
+from cbtrace.replay.timer.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing,
+                                                root_cause, side_stream_warmup,
+                                                watch_capture_checks)
+from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
+                                           as_runner, join_notes)
 
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher, spin
@@ -70,6 +72,7 @@ def staged(call: CallRunner, n_copies: int, k: int, touch=None,
             raise
     if call.unstage is not None:
         call.unstage()
+    gc.collect()  # graphs in reference cycles hold their pools until collected
     torch.cuda.empty_cache()
     return _staged(call, n_copies, k, touch, stream)
 
@@ -122,7 +125,7 @@ def replay_ms(g: torch.cuda.CUDAGraph) -> float:
 
 class GraphTimer(CudaTimer):
     name = "graph"
-    fallback_rank = 30  # cbtrace.replay.timers: auto order and fallbacks
+    fallback_rank = 30  # cbtrace.replay.timer.choice: auto order and fallbacks
 
     def measure(self, call: CallRunner, n_copies: int, device, cfg: TimingConfig) -> Timing:
         device = self._device(device)
@@ -131,7 +134,7 @@ class GraphTimer(CudaTimer):
         if not call.graph_ok:
             raise TimerUnavailable("the call may not be captured into a CUDA graph")
         # untimed work in each slot, timed alone and subtracted: the call's context
-        # (replay.context), or its inputs' rewrite; a staged call's runs outside the graph
+        # (measure.context), or its inputs' rewrite; a staged call's runs outside the graph
         touch = call.before if call.stage is None else None
         graphs = []
         with torch.cuda.device(device):
