@@ -521,6 +521,9 @@ class HookedClock:
         self.us += self.read_us
         return now
 
+    def thread_time(self) -> float:  # the thread was on the CPU all along
+        return self.us / 1e6
+
 
 class Leaf(torch.nn.Module):
     def __init__(self, clock, ms):
@@ -548,6 +551,29 @@ def test_host_times_net_each_call_of_the_hooks_nested_in_it(monkeypatch):
     for cid, ms in work.items():
         assert got[cid] == pytest.approx(ms, abs=0.03), (cid, got)
     assert got[0] == max(got.values()) and got[1] >= max(got[2], got[3])
+
+
+def test_host_times_of_steps_that_waited_off_the_cpu_are_taken_again_on_one_thread(monkeypatch):
+    from cbtrace.capture import host_times
+
+    clock = HookedClock(read_ms=0.01)
+    clock.thread_time = lambda: 0.0  # every step's thread off the CPU: a busy machine
+    monkeypatch.setattr(host_times, "time", clock)
+    model = torch.nn.Sequential(Leaf(clock, 1.0))
+    Rec = collections.namedtuple("Rec", "call_id parent_call_id fqn")
+    threads, seen = torch.get_num_threads(), []
+
+    def step():
+        seen.append(torch.get_num_threads())
+        return model(torch.zeros(1))
+
+    torch.set_num_threads(2)
+    try:
+        got = host_times.host_times(model, [Rec(0, -1, ""), Rec(1, 0, "0")], step)
+        assert torch.get_num_threads() == 2  # put back
+    finally:
+        torch.set_num_threads(threads)
+    assert seen[0] == 2 and seen[-1] == 1 and got[1] == pytest.approx(1.0, abs=0.03)
 
 
 def test_cpu_capture_records_host_insitu_and_profile_uses_it(tmp_path):
