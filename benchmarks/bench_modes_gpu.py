@@ -82,7 +82,7 @@ def whole_model(s: dict, device: str, compile_mode: str) -> dict:
 
 def per_class(df) -> str:
     """Eager step vs compiled vs graphed ms per module class (calls summed where measured)."""
-    from cbtrace.replay.opportunity import mode_costs
+    from cbtrace.replay.modes.opportunity import mode_costs
 
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
     agg: dict = {}

@@ -2,10 +2,10 @@
 
 Builds the model, captures one forward step (no grad, eval mode), replays it with
 ``--modes`` (compile at least), and takes the root and the ``--top`` modules by estimated
-compile saving (``replay.opportunity.compile_estimates``: each module's calls placed in the
+compile saving (``replay.modes.opportunity.compile_estimates``: each module's calls placed in the
 step, whose host runs ahead of its device). Each is then compiled in place inside the full
 model (the root: the whole model compiled) and the whole step measured with and without it
-(``replay.opportunity.verify_in_place``: K steps back to back between CUDA events, median of
+(``replay.modes.opportunity.verify_in_place``: K steps back to back between CUDA events, median of
 repeats, ``torch._dynamo.reset()`` between modules). Prints one row per module: estimated and
 measured saving per step, their difference, and whether it is within the issue's bound
 (+-15 % or 0.1 ms). Usage:
@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.plugins.reporters.icicle_tree import record_rows
     from cbtrace.plugins.reporters.opportunities import ABS_TOL_MS, REL_TOL, within
-    from cbtrace.replay import opportunity as opp
+    from cbtrace.replay.modes import opportunity as opp
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="nanogpt",

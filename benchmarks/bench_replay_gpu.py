@@ -24,7 +24,7 @@ REF_WARMUP_MS, REF_REP_MS = 25, 100
 
 def one_call_graph(fn):
     """A CUDA graph of one fn() call (the graph timer's warm-up and capture), or None."""
-    from cbtrace.replay.timing import TimerUnavailable
+    from cbtrace.replay.timer.contract import TimerUnavailable
     from cbtrace.plugins.backends.graph import capture, side_stream_warmup
 
     try:
@@ -41,7 +41,7 @@ def do_bench_refs(run, df, model):
 
     from cbtrace.store.load import load_call_inputs
     from cbtrace.schema.modules import frame_to_records
-    from cbtrace.replay.call import call_context
+    from cbtrace.replay.measure.prepare import call_context
 
     def bench(f, **kw):
         try:
@@ -120,7 +120,7 @@ def bench(name, out_dir):
     import cbtrace
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.attribution.join import error_table, join_insitu
-    from cbtrace.replay.rebuild import rebuild_model
+    from cbtrace.replay.run_io.rebuild import rebuild_model
     from cbtrace import rundir
 
     m = MODELS[name]

@@ -22,11 +22,11 @@ N_COPIES = 4          # input copies the calls rotate among (the engine's defaul
 BUDGET_S = 0.2        # per measurement
 DTYPE = torch.bfloat16
 
-from cbtrace.replay.timing import TimingConfig  # noqa: E402
+from cbtrace.replay.timer.contract import TimingConfig  # noqa: E402
 from cbtrace.plugins.backends.cpu import CpuTimer  # noqa: E402
 from cbtrace.plugins.backends.events import EventsTimer  # noqa: E402
 from cbtrace.plugins.backends.graph import GraphTimer  # noqa: E402
-from cbtrace.replay.profiler_pass import profile_call  # noqa: E402
+from cbtrace.replay.measure.profiler_pass import profile_call  # noqa: E402
 
 BASE = TimingConfig(budget_s=BUDGET_S)
 TIMERS = [  # (label, backend, config)

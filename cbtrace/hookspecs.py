@@ -23,7 +23,8 @@ def register_serializers(register):
 
 @hookspec
 def register_backends(register):
-    """Add measurement backends (timers): ``register(name, backend)``; see ``cbtrace.replay.timing``."""
+    """Add measurement backends (timers): ``register(name, backend)``; see
+    ``cbtrace.replay.timer.contract``."""
 
 
 @hookspec

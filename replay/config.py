@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cbtrace.replay.timing import TimingConfig
+from cbtrace.replay.timer.contract import TimingConfig
 
 
 MODES = ("compile", "cudagraph")  # besides eager, which every replay times
@@ -46,17 +46,17 @@ class ReplayConfig:
     """Run, untimed, the calls that ran just before each call in the step before every timed
     run of it (its step-order predecessors, about an L2's worth), an input that equals one of
     their outputs taken from it: the cache then holds what it held in the step
-    (``replay.context``). False: each call timed on its own; None: on a GPU only (a CPU
+    (``replay.measure.context``). False: each call timed on its own; None: on a GPU only (a CPU
     replay's error is its noise, and context would multiply its time). Never with ``cold``."""
     context_calls: int = 4
     """Most predecessors run before a call in context replay."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,
-    the rest copy the first's time (``replay.reuse.TimingReuse``). Off by default."""
+    the rest copy the first's time (``replay.measure.reuse.TimingReuse``). Off by default."""
     reuse_counts: bool = True
     """Take the FLOP count and the profiled pass (kernel count, device time) of earlier calls
-    that are the same work, once two of them agree (``replay.reuse``); False: count and profile
+    that are the same work, once two of them agree (``measure.reuse``); False: count and profile
     every call."""
     warm_inputs: bool = False
     """Time each call on inputs just rewritten in place (x * 1), as if its producer had just

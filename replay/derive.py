@@ -6,7 +6,7 @@ from cbtrace.cost import metrics
 from cbtrace.cost.compute_dtype import dominant_dtype
 from cbtrace.cost.peaks import PeakLookup
 from cbtrace.calltree import CallTree
-from cbtrace.replay.opportunity import add_opportunities
+from cbtrace.replay.modes.opportunity import add_opportunities
 
 
 def finalize(records, *, device_name: str) -> None:
@@ -27,7 +27,7 @@ def finalize(records, *, device_name: str) -> None:
     for rec in records:
         add_utilisation(rec, device_name, peaks)
         add_backward_utilisation(rec, device_name, peaks)
-    add_opportunities(records)  # eager step cost, best mode, speedup, saving (replay/opportunity.py)
+    add_opportunities(records)  # eager step cost, best mode, speedup, saving (modes/opportunity.py)
 
 
 def aggregate_from_children(rec, children) -> None:

@@ -13,12 +13,12 @@ from cbtrace.console import Progress, announce
 from cbtrace.calltree import bfs_order
 from cbtrace.errors import ReplayError
 from cbtrace.replay.config import ReplayConfig
-from cbtrace.replay.plan import default_plan, measure_call
-from cbtrace.replay.limits import CallTimeout, time_limit
-from cbtrace.replay.prefetch import ReadAhead
-from cbtrace.replay import shard
-from cbtrace.replay.progress import ProgressLog, clear_progress, read_done
-from cbtrace.replay.timing import join_notes
+from cbtrace.replay.measure.plan import default_plan, measure_call
+from cbtrace.replay.measure.time_limit import CallTimeout, time_limit
+from cbtrace.replay.run_io.prefetch import ReadAhead
+from cbtrace.replay.run_io import shard
+from cbtrace.replay.run_io.progress import ProgressLog, clear_progress, read_done
+from cbtrace.replay.timer.contract import join_notes
 from cbtrace.rundir.files import check_writable, sha256_file
 from cbtrace.rundir.read import load_run
 from cbtrace.rundir.layout import MODULES
@@ -43,7 +43,7 @@ def replay(run, model=None, device=None, **options):
         **options: fields of ``ReplayConfig`` (timer, resume, memory_budget_bytes, ...).
     """
     from cbtrace.replay.derive import finalize
-    from cbtrace.replay.rebuild import rebuild_model
+    from cbtrace.replay.run_io.rebuild import rebuild_model
 
     t_start = time.perf_counter()
     outside: dict[str, float] = {}  # seconds outside the per-call loop, by phase
@@ -54,7 +54,7 @@ def replay(run, model=None, device=None, **options):
     if not manifest.complete:
         raise ReplayError(f"{run}: the capture did not complete ({manifest.error})")
     check_writable(run)  # a read-only run fails now, before the model is rebuilt
-    w = shard.world()  # under torchrun: this rank replays its share (replay/shard.py)
+    w = shard.world()  # under torchrun: this rank replays its share (replay/run_io/shard.py)
     if w is not None and device is None and model is None:
         device = _rank_device(manifest, w)
     device = replay_device(device, manifest, model)
@@ -308,8 +308,8 @@ def uses_context(cfg, device) -> bool:
 
 
 def context_source(cfg, records, model, run, device, flags):
-    """Where each call's context comes from (``replay.context``); None when off."""
-    from cbtrace.replay.context import ContextSource
+    """Where each call's context comes from (``replay.measure.context``); None when off."""
+    from cbtrace.replay.measure.context import ContextSource
     from cbtrace.store.load import load_call_inputs
 
     if not uses_context(cfg, device):
@@ -323,7 +323,7 @@ def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
                timings: dict | None = None, read=(None, None), context=None) -> dict:
     """Replay one call; never raises for the module's own failures (status = error).
     ``flags``: a TrainingFlags of the run.
-    ``read``: its inputs' and output gradients' chunks read ahead (``replay.prefetch``).
+    ``read``: its inputs' and output gradients' chunks read ahead (``replay.run_io.prefetch``).
     ``context``: a ContextSource (its predecessors run before each timed run), or None."""
     from cbtrace.store.load import load_call_inputs
 

@@ -19,14 +19,15 @@ from torch import nn
 from cbtrace import hookspecs
 from cbtrace.errors import ReplayError
 from cbtrace.plugins.backends import hooks, stats
-from cbtrace.replay import timers, timing
-from cbtrace.replay.timing import Timing, TimerUnavailable, TimingConfig, join_notes
+from cbtrace.replay.timer import choice as timers
+from cbtrace.replay.timer import contract as timing
+from cbtrace.replay.timer.contract import Timing, TimerUnavailable, TimingConfig, join_notes
 from cbtrace.plugins.backends.cpu import CpuTimer
 from cbtrace.plugins.backends.events import EventsTimer
 from cbtrace.plugins.backends.graph import GraphTimer
 from cbtrace.plugins.backends.l2 import L2Flusher
-from cbtrace.replay.profiler_pass import (
-    Row, aten_op_count, device_totals, peak_live_bytes, profile_call)
+from cbtrace.replay.measure.profiler_pass import (Row, aten_op_count, device_totals,
+                                                  peak_live_bytes, profile_call)
 from cbtrace.plugins.backends.sampling import collect, timing_from_samples, warm_until_settled
 
 CUDA = torch.cuda.is_available()
@@ -345,7 +346,7 @@ def test_cuda_timers_say_why_not_on_cpu():
 
 def test_capture_error_names_the_op_that_broke_it():
     from cbtrace.errors import one_line
-    from cbtrace.replay.graph_capture import root_cause
+    from cbtrace.replay.timer.graph_capture import root_cause
     try:
         try:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nhint")
@@ -553,7 +554,7 @@ def test_gpu_benchmark_script_builds_its_cases_on_cpu():
 
 
 def test_a_call_that_asks_whether_it_is_captured_is_noted(monkeypatch):
-    from cbtrace.replay.graph_capture import watch_capture_checks
+    from cbtrace.replay.timer.graph_capture import watch_capture_checks
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     asked = []
@@ -581,7 +582,7 @@ def test_gpu_a_call_that_branches_on_capture_is_timed_without_a_graph(registered
 def test_warm_inputs_touch_each_copy_before_its_call_untimed():
     """The input toucher runs before every timed call on the copy the call gets, and the CPU
     timer says so; a call without one is timed as before."""
-    from cbtrace.replay.timing import CallRunner
+    from cbtrace.replay.timer.contract import CallRunner
 
     log = []
 
@@ -600,7 +601,7 @@ def test_warm_inputs_touch_each_copy_before_its_call_untimed():
 
 
 def test_the_toucher_rewrites_big_inputs_with_their_own_values():
-    from cbtrace.replay.call import input_toucher
+    from cbtrace.replay.measure.prepare import input_toucher
 
     big = torch.randn(256, 256)
     small, flags = torch.randn(4), torch.ones(256, 256, dtype=torch.bool)

@@ -111,9 +111,9 @@ def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_pat
     into the leaf's last .grad made GPT-2's Linear backwards read +24 % slower than in situ on
     the H200; at 512 rows (256 KB) the input is large enough for prepare's warm-inputs probe,
     whose in-place write on the view had turned its grad_fn into AsStridedBackward."""
-    from cbtrace.replay.backward import (_FreshBackward, _backward_runner, _gradients,
-                                         _grad_outputs)
-    from cbtrace.replay.call import prepare
+    from cbtrace.replay.modes.backward import (_FreshBackward, _backward_runner, _gradients,
+                                               _grad_outputs)
+    from cbtrace.replay.measure.prepare import prepare
     from cbtrace.replay.config import ReplayConfig
     from cbtrace.rundir.read import load_run
     from cbtrace.schema.modules import frame_to_records

@@ -171,7 +171,7 @@ def test_negative_max_depth_is_refused_before_anything_is_made(tmp_path):
 
 
 def test_torn_progress_line_loses_only_itself(tmp_path):
-    from cbtrace.replay.progress import PROGRESS, ProgressLog, read_done
+    from cbtrace.replay.run_io.progress import PROGRESS, ProgressLog, read_done
 
     log = ProgressLog(tmp_path, resume=False)
     log.append({"call_id": 0, "isolated_ms": 1.0})

@@ -12,7 +12,7 @@ from torch import nn
 import cbtrace
 from cbtrace import module_tree
 from cbtrace.cli.commands.replay import command as replay_command
-from cbtrace.replay.modes import AS_IN_STEP
+from cbtrace.replay.modes.compile_cudagraph import AS_IN_STEP
 from helpers.settings import FAST_REPLAY
 
 
@@ -151,7 +151,7 @@ def test_modes_compile_leaves_a_step_compiled_row_to_isolated_ms(tmp_path):
 
 
 def test_a_failed_compile_keeps_the_eager_figure_and_says_why(tmp_path, monkeypatch):
-    from cbtrace.replay import modes
+    from cbtrace.replay.modes import compile_cudagraph as modes
 
     def broken(mode):
         def entry(module, *args, **kwargs):

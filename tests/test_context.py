@@ -1,5 +1,5 @@
-"""Context replay (replay/context.py): a call's step-order predecessors run untimed before each
-of its timed runs, in step order, and an input equal to one of their outputs is taken from it."""
+"""Context replay (replay/measure/context.py): a call's step-order predecessors run untimed
+before each of its timed runs, in step order, and an input equal to one of their outputs is taken from it."""
 import time
 
 import pytest
@@ -8,7 +8,7 @@ from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
-from cbtrace.replay.context import chained_positions, predecessors
+from cbtrace.replay.measure.context import chained_positions, predecessors
 from cbtrace.schema.modules import ModuleRecord
 from cbtrace.state import state_fingerprint
 

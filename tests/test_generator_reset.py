@@ -5,7 +5,7 @@ import contextlib
 import pytest
 import torch
 
-from cbtrace.replay import graph_capture
+from cbtrace.replay.timer import graph_capture
 
 
 class FakeGenerator:

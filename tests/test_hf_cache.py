@@ -13,9 +13,9 @@ pytest.importorskip("transformers.cache_utils")
 import cbtrace  # noqa: E402
 from cbtrace.errors import SerializationError  # noqa: E402
 from cbtrace.plugins.backends.cpu import CpuTimer  # noqa: E402
-from cbtrace.replay.call import InputState, prepare  # noqa: E402
+from cbtrace.replay.measure.prepare import InputState, prepare  # noqa: E402
 from cbtrace.replay.config import ReplayConfig  # noqa: E402
-from cbtrace.replay.timing import TimingConfig  # noqa: E402
+from cbtrace.replay.timer.contract import TimingConfig  # noqa: E402
 from cbtrace.state import state_fingerprint  # noqa: E402
 from cbtrace.store.load import load_call_inputs  # noqa: E402
 from cbtrace.store.snapshot import Snapshotter  # noqa: E402
@@ -361,7 +361,7 @@ def test_graph_timer_replays_the_captured_cache(tmp_path, static):
     would time another path than the step's) and the events timer times it, state put back."""
     from cbtrace.plugins.backends.events import EventsTimer
     from cbtrace.plugins.backends.graph import GraphTimer
-    from cbtrace.replay.timing import TimerUnavailable
+    from cbtrace.replay.timer.contract import TimerUnavailable
 
     if static:
         call, cache = _static_llama_layer(tmp_path / "r", "cuda", early=True)

@@ -11,8 +11,8 @@ from cbtrace.plugins.backends.events import EventsTimer
 from cbtrace.plugins.backends.graph import GraphTimer
 from cbtrace.plugins.backends.stats import graph_calls
 from cbtrace.plugins.backends.stream import StreamTimer, window_sampler
-from cbtrace.replay import timers
-from cbtrace.replay.timing import CallRunner, TimerUnavailable, TimingConfig
+from cbtrace.replay.timer import choice as timers
+from cbtrace.replay.timer.contract import CallRunner, TimerUnavailable, TimingConfig
 
 CUDA = torch.cuda.is_available()
 
@@ -172,7 +172,7 @@ def test_error_basis_and_error_pct_are_pure():
 def test_host_syncs_is_none_on_a_cpu():
     import types
 
-    from cbtrace.replay.steps import HostIssue
+    from cbtrace.replay.measure.steps import HostIssue
 
     assert HostIssue().run(types.SimpleNamespace(device=torch.device("cpu"))) == dict(
         host_ms=None, host_syncs=None)
@@ -181,7 +181,7 @@ def test_host_syncs_is_none_on_a_cpu():
 def test_syncs_are_counted_from_torchs_warnings_and_the_mode_is_restored(monkeypatch):
     import warnings
 
-    from cbtrace.replay import steps
+    from cbtrace.replay.measure import steps
 
     mode = ["default"]
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode[0])

@@ -58,8 +58,8 @@ def test_a_planted_upward_import_breaks_them(installed, tmp_path):
 
 
 @pytest.mark.parametrize("module, planted", [
-    ("plugins/backends/stats.py", "cbtrace.replay.call"),   # a timer calling back up
-    ("replay/graph_capture.py", "cbtrace.replay.engine"),  # the contract reaching up
+    ("plugins/backends/stats.py", "cbtrace.replay.measure.prepare"),   # a timer calling back up
+    ("replay/timer/graph_capture.py", "cbtrace.replay.engine"),  # the contract reaching up
 ])
 def test_the_timer_contract_is_the_layer_timers_build_on(installed, tmp_path, module, planted):
     site = tmp_path / "site"

@@ -16,8 +16,8 @@ from cbtrace.plugins.reporters import icicle_model, palette
 from cbtrace.plugins.reporters.icicle_tree import record_rows
 from cbtrace.plugins.reporters.opportunities import (module_opportunities, opportunity_table,
                                                      overlap)
-from cbtrace.replay import modes
-from cbtrace.replay import opportunity as opp
+from cbtrace.replay.modes import compile_cudagraph as modes
+from cbtrace.replay.modes import opportunity as opp
 from cbtrace.rundir.read import load_run
 from cbtrace.schema.modules import records_to_frame
 from cbtrace.state import state_fingerprint
@@ -307,7 +307,7 @@ def test_identical_blocks_compile_once_and_run_with_their_own_weights(tmp_path):
 
 
 def test_steady_issue_time_runs_warm_calls_back_to_back():
-    from cbtrace.replay.modes import ISSUE_MAX_CALLS, steady_issue_ms
+    from cbtrace.replay.modes.compile_cudagraph import ISSUE_MAX_CALLS, steady_issue_ms
 
     copies = []
 
@@ -339,10 +339,10 @@ def test_the_compiled_call_is_timed_not_the_eager_calls_timed_function():
     from types import SimpleNamespace
 
     from cbtrace import registry
-    from cbtrace.replay import timers
-    from cbtrace.replay.call import prepare
+    from cbtrace.replay.timer import choice as timers
+    from cbtrace.replay.measure.prepare import prepare
     from cbtrace.replay.config import ReplayConfig
-    from cbtrace.replay.modes import Compiled
+    from cbtrace.replay.modes.compile_cudagraph import Compiled
 
     cfg, dev, backends = ReplayConfig(modes=("compile",), **FAST_REPLAY), torch.device("cpu"), \
         registry.backends()
@@ -359,7 +359,7 @@ def test_the_compiled_call_is_timed_not_the_eager_calls_timed_function():
 
 
 def test_a_shared_entry_runs_each_module_with_its_own_parameters():
-    from cbtrace.replay.modes import EntryCache
+    from cbtrace.replay.modes.compile_cudagraph import EntryCache
 
     cache, x = EntryCache("default"), torch.randn(4, 8)
     blocks = [Block().eval() for _ in range(3)]
@@ -371,7 +371,7 @@ def test_a_shared_entry_runs_each_module_with_its_own_parameters():
 
 
 def test_a_kind_that_recompiles_per_module_gets_entries_of_its_own():
-    from cbtrace.replay.modes import SHARE_MISSES, EntryCache
+    from cbtrace.replay.modes.compile_cudagraph import SHARE_MISSES, EntryCache
 
     cache, rec = EntryCache("default"), record("b", 0, input_meta="[]", inputs_ref="")
     blocks = [Block() for _ in range(SHARE_MISSES + 2)]
@@ -465,7 +465,7 @@ def test_modes_past_their_budget_are_skipped_with_a_note(tmp_path):
 
 
 def test_the_budget_lets_calls_through_until_it_is_spent():
-    from cbtrace.replay.modes import Budgeted, ModesBudget
+    from cbtrace.replay.modes.compile_cudagraph import Budgeted, ModesBudget
 
     class Step:
         name, runs = "compile", 0
@@ -604,7 +604,7 @@ def test_a_graph_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypa
     import contextlib
     from types import SimpleNamespace
 
-    from cbtrace.replay import modes
+    from cbtrace.replay.modes import compile_cudagraph as modes
     from cbtrace.replay.config import ReplayConfig
 
     def step_with(results):
@@ -637,9 +637,9 @@ def test_a_graph_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypa
 def test_cudagraph_mode_memory_returns_to_its_level_between_calls():
     from types import SimpleNamespace
 
-    from cbtrace.replay.call import prepare
+    from cbtrace.replay.measure.prepare import prepare
     from cbtrace.replay.config import ReplayConfig
-    from cbtrace.replay.modes import CudaGraphed
+    from cbtrace.replay.modes.compile_cudagraph import CudaGraphed
 
     cfg = ReplayConfig(modes=("cudagraph",), **FAST_REPLAY)
     step, dev = CudaGraphed(cfg), torch.device("cuda")

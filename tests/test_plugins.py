@@ -49,7 +49,7 @@ class ConstantTimer:
         return None
 
     def measure(self, call, n_copies, device, cfg):
-        from cbtrace.replay.timing import Timing
+        from cbtrace.replay.timer.contract import Timing
 
         call(0)
         return Timing(median_ms=1.234, p10_ms=1.234, p90_ms=1.234, runs=1, timer=self.name,
@@ -57,7 +57,7 @@ class ConstantTimer:
 
 
 class ContractTimer:
-    """Written against the timer contract in cbtrace.replay.timing only: each copy's untimed
+    """Written against the timer contract in cbtrace.replay.timer.contract only: each copy's untimed
     before, then its run between two perf_counter reads."""
     name = "bycontract"
 
@@ -66,7 +66,7 @@ class ContractTimer:
 
     def measure(self, call, n_copies, device, cfg):
         import time
-        from cbtrace.replay.timing import CallRunner, Timing
+        from cbtrace.replay.timer.contract import CallRunner, Timing
 
         assert isinstance(call, CallRunner) and call.n_copies == n_copies
         samples = []

@@ -1,5 +1,5 @@
-"""Read-ahead of captured inputs (replay/prefetch.py): what a call loads from chunks read on the
-worker thread is what it loads from the shards itself, aliasing included; a read-ahead that
+"""Read-ahead of captured inputs (replay/run_io/prefetch.py): what a call loads from chunks read
+on the worker thread is what it loads from the shards itself, aliasing included; a read-ahead that
 fails leaves the call to load (and report) on its own. Its ring's bytes are reused only once
 the copies out of them are done (CPU stand-ins for the pinned ring and the CUDA events here),
 and on a GPU the worker makes no CUDA call that would break a graph capture elsewhere."""
@@ -16,7 +16,7 @@ import torch
 import cbtrace
 from cbtrace.calltree import bfs_order
 from cbtrace.errors import SerializationError
-from cbtrace.replay.prefetch import ReadAhead, _Ring
+from cbtrace.replay.run_io.prefetch import ReadAhead, _Ring
 from cbtrace.rundir.read import load_run
 from cbtrace.schema.modules import frame_to_records
 from cbtrace.store.load import load_call_inputs
@@ -95,7 +95,7 @@ def _captured(tmp_path, n=12):
 
 
 def test_read_ahead_keeps_several_calls_queued(tmp_path, monkeypatch):
-    from cbtrace.replay import prefetch
+    from cbtrace.replay.run_io import prefetch
 
     recs, order = _captured(tmp_path)
     monkeypatch.setattr(prefetch, "MAX_CALLS", 4)
@@ -112,7 +112,7 @@ def test_read_ahead_keeps_several_calls_queued(tmp_path, monkeypatch):
 
 
 def test_read_ahead_stops_queueing_at_the_byte_limit(tmp_path, monkeypatch):
-    from cbtrace.replay import prefetch
+    from cbtrace.replay.run_io import prefetch
 
     recs, order = _captured(tmp_path)
     per_call = int(recs[order[1]].input_bytes)
@@ -251,7 +251,7 @@ def test_ring_read_ahead_loads_what_the_shards_hold(tmp_path, grads):
 
 def test_ring_bytes_are_not_reused_before_the_copies_out_of_them_are_done(tmp_path,
                                                                          monkeypatch):
-    from cbtrace.replay import prefetch
+    from cbtrace.replay.run_io import prefetch
 
     recs, order = _captured(tmp_path)  # one 64 B chunk a call: 4 KiB of the ring each
     monkeypatch.setattr(prefetch, "MAX_BYTES", 2 * 4096)  # the ring holds two calls
@@ -284,7 +284,7 @@ def test_ring_bytes_are_not_reused_before_the_copies_out_of_them_are_done(tmp_pa
 
 
 def test_a_call_larger_than_the_ring_is_read_ahead_outside_it(tmp_path, monkeypatch):
-    from cbtrace.replay import prefetch
+    from cbtrace.replay.run_io import prefetch
 
     recs, order = _captured_pair(tmp_path)
     monkeypatch.setattr(prefetch, "MAX_BYTES", 4096)  # the root's two chunks need 8 KiB
@@ -304,7 +304,7 @@ def test_a_call_larger_than_the_ring_is_read_ahead_outside_it(tmp_path, monkeypa
 
 
 def test_close_stops_a_read_waiting_for_ring_bytes(tmp_path, monkeypatch):
-    from cbtrace.replay import prefetch
+    from cbtrace.replay.run_io import prefetch
 
     recs, order = _captured(tmp_path)
     monkeypatch.setattr(prefetch, "MAX_BYTES", 4096)  # one call at a time
@@ -319,7 +319,7 @@ def test_close_stops_a_read_waiting_for_ring_bytes(tmp_path, monkeypatch):
 
 
 def test_a_call_taken_past_the_queue_loads_alone_and_reading_goes_on(tmp_path, monkeypatch):
-    from cbtrace.replay import prefetch
+    from cbtrace.replay.run_io import prefetch
 
     recs, order = _captured(tmp_path)
     monkeypatch.setattr(prefetch, "MAX_CALLS", 2)  # order[0] and order[1] queued
@@ -336,7 +336,7 @@ def test_a_call_taken_past_the_queue_loads_alone_and_reading_goes_on(tmp_path, m
 
 def test_host_tensors_loaded_from_the_ring_keep_their_values(tmp_path, monkeypatch):
     """A tensor loaded on the host from ring bytes is a copy: the bytes are reused once freed."""
-    from cbtrace.replay import prefetch
+    from cbtrace.replay.run_io import prefetch
 
     recs, order = _captured(tmp_path)
     monkeypatch.setattr(prefetch, "MAX_BYTES", 4096)  # one call's bytes: every call reuses them
@@ -364,7 +364,7 @@ def test_read_ahead_leaves_a_global_graph_capture_valid(tmp_path, monkeypatch):
     reads every call into pinned memory: the capture stays valid, as the worker makes no CUDA
     call. Pinned allocations on the worker (cudaHostAlloc, cudaEventQuery) invalidated such
     captures."""
-    from cbtrace.replay import prefetch
+    from cbtrace.replay.run_io import prefetch
     from cbtrace.store import load
 
     recs, order = _captured(tmp_path)

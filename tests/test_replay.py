@@ -167,7 +167,7 @@ def test_resume_after_killing_a_replay(tmp_path):
 
 
 def test_embedding_copies_touch_other_rows():
-    from cbtrace.replay.copies import embedding_copies
+    from cbtrace.replay.measure.copies import embedding_copies
 
     bag = torch.nn.EmbeddingBag(1000, 16, mode="sum")
     ids = torch.tensor([3, 7, 999, 0, 512])
@@ -398,7 +398,7 @@ def test_a_call_of_the_same_key_as_a_value_free_one_takes_its_count(tmp_path, mo
     read the root's input, a leaf (blocks 1-3 read a non-leaf): keys of their own."""
     from cbtrace.cost import opcount
     from cbtrace.replay import engine
-    from cbtrace.replay.reuse import CountCache
+    from cbtrace.replay.measure.reuse import CountCache
 
     # a loaded CPU times some calls again, counting them again too: not what is counted here
     monkeypatch.setattr(engine, "recheck", lambda done, by_id: [])
@@ -422,7 +422,7 @@ def test_a_call_of_the_same_key_as_a_value_free_one_takes_its_count(tmp_path, mo
 
 
 def test_a_count_is_reused_only_after_a_second_one_agrees():
-    from cbtrace.replay.reuse import CountCache
+    from cbtrace.replay.measure.reuse import CountCache
 
     a, b = {"flops": 1}, {"flops": 2}
     cache = CountCache()
@@ -451,7 +451,7 @@ class Eps(nn.Module):
 def test_the_count_key_sees_settings_arguments_and_objects(tmp_path):
     import dataclasses
 
-    from cbtrace.replay.reuse import call_key
+    from cbtrace.replay.measure.reuse import call_key
     from cbtrace.rundir.read import load_run
     from cbtrace.schema.modules import frame_to_records
 
@@ -484,7 +484,7 @@ def test_the_count_key_sees_settings_arguments_and_objects(tmp_path):
 
 def test_the_count_key_sees_tuple_and_private_settings_and_refuses_callables_and_hooks(
         tmp_path):
-    from cbtrace.replay.reuse import call_key
+    from cbtrace.replay.measure.reuse import call_key
     from cbtrace.rundir.read import load_run
     from cbtrace.schema.modules import frame_to_records
 

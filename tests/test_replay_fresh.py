@@ -26,7 +26,7 @@ def test_counting_and_profiling_a_call_do_not_import_dynamo():
     p = _python("""
         import sys, torch
         from cbtrace.cost.opcount import OpCounter
-        from cbtrace.replay.profiler_pass import profile_call
+        from cbtrace.replay.measure.profiler_pass import profile_call
         model, x = torch.nn.Linear(8, 4), torch.randn(2, 8)
         with OpCounter() as oc:
             model(x)
@@ -68,7 +68,7 @@ def test_cpu_memory_profiling_warning_stays_off_stderr():
     the allocator's C++ warning about them is not shown, and the call is still profiled."""
     p = _python("""
         import sys, torch
-        from cbtrace.replay.profiler_pass import profile_call
+        from cbtrace.replay.measure.profiler_pass import profile_call
         old = [torch.randn(1000) for _ in range(6)]
         stats = profile_call(lambda: old.pop(), "cpu", runs=2)
         print("profiled", stats.runs)

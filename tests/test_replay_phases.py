@@ -56,7 +56,7 @@ def test_capture_leaves_the_model_as_the_runs_digest_names_it(tmp_path):
 
 
 def test_profile_replays_the_captured_model(tmp_path, monkeypatch):
-    from cbtrace.replay import rebuild
+    from cbtrace.replay.run_io import rebuild
     from cbtrace.workflows.profile_model import profile
 
     def refuse(*args, **kwargs):

@@ -1,5 +1,5 @@
-"""--reuse-timing (replay/reuse.py TimingReuse): calls that are the same work and cannot depend
-on values are timed once, checked once, copied after; everything else is timed as usual."""
+"""--reuse-timing (replay/measure/reuse.py TimingReuse): calls that are the same work and cannot
+depend on values are timed once, checked once, copied after; everything else is timed as usual."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ from helpers.settings import FAST_REPLAY
 
 import cbtrace
 from cbtrace.capture.from_spec import capture_model
-from cbtrace.replay.reuse import TimingReuse, value_free
+from cbtrace.replay.measure.reuse import TimingReuse, value_free
 
 FAST = {**FAST_REPLAY, "budget_s": 0.002}  # nanogpt:tiny's many calls, replayed in each test
 
@@ -55,13 +55,13 @@ def test_a_passed_check_copies_the_rest_of_the_group(tmp_path, monkeypatch):
     """With a timer that reads every call alike the check always passes: of the five
     LayerNorms of nanogpt:tiny (same shapes), the first is timed, the second checks it and the
     other three copy it; the groups of two (each block's Linears) have nothing left to copy."""
-    from cbtrace.replay import steps
-    from cbtrace.replay.timing import Timing
+    from cbtrace.replay.measure import steps
+    from cbtrace.replay.timer.contract import Timing
 
     def alike(call, n_copies, device, chain, backends, cfg):
         return Timing(median_ms=1.0, p10_ms=1.0, p90_ms=1.0, runs=5, timer="cpu"), None
 
-    monkeypatch.setattr(steps.timers, "measure", alike)
+    monkeypatch.setattr(steps.choice, "measure", alike)
     cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
     df = cbtrace.replay(cap.out, model_spec="nanogpt:tiny", reuse_timing=True, **FAST)
     norms = df[df["module_type"] == "LayerNorm"].sort_values("call_id")

@@ -148,7 +148,7 @@ def test_full_disk_in_capture_is_one_line_and_marks_the_run(tmp_path, monkeypatc
 
 
 def test_full_disk_in_replay_keeps_rows_and_resumes(tmp_path, monkeypatch, fast_replay):
-    from cbtrace.replay import progress
+    from cbtrace.replay.run_io import progress
 
     run = capture_model("dlrm:tiny", tmp_path / "r", device="cpu").out
     n = len(read_modules(run))

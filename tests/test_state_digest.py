@@ -77,7 +77,7 @@ def test_replay_checks_the_rebuilt_model_against_the_stored_digest(tmp_path):
 
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.errors import ReplayError
-    from cbtrace.replay.rebuild import rebuild_model
+    from cbtrace.replay.run_io.rebuild import rebuild_model
     from cbtrace.rundir.read import read_manifest
 
     capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")

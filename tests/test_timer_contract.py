@@ -1,5 +1,5 @@
-"""The timer contract (replay/timing.py): a typed CallRunner, and timing settings derived from
-ReplayConfig in one place."""
+"""The timer contract (replay/timer/contract.py): a typed CallRunner, and timing settings derived
+from ReplayConfig in one place."""
 import ast
 import dataclasses
 from pathlib import Path
@@ -9,7 +9,7 @@ import torch
 
 from cbtrace.plugins.backends.cpu import CpuTimer
 from cbtrace.replay.config import ReplayConfig
-from cbtrace.replay.timing import CallRunner, TimingConfig, as_runner
+from cbtrace.replay.timer.contract import CallRunner, TimingConfig, as_runner
 
 BACKENDS = Path(__file__).resolve().parent.parent / "plugins" / "backends"
 FAST = TimingConfig(budget_s=0.0, min_runs=4, warmup_runs=2, warmup_min_s=0.0)
@@ -67,7 +67,7 @@ def test_replay_config_shares_the_timing_defaults_and_derives_the_timing_setting
 @pytest.mark.gpu
 def test_gpu_the_graph_timer_declines_a_call_that_may_not_be_captured():
     from cbtrace.plugins.backends.graph import GraphTimer
-    from cbtrace.replay.timing import TimerUnavailable
+    from cbtrace.replay.timer.contract import TimerUnavailable
 
     x = torch.randn(64, device="cuda")
     with pytest.raises(TimerUnavailable, match="may not be captured"):

@@ -26,7 +26,7 @@ import cbtrace
 from cbtrace.annotate.write import annotate
 from cbtrace.errors import CbtraceError, ReplayError, RunDirError, SerializationError
 from cbtrace.replay.config import ReplayConfig
-from cbtrace.replay.rebuild import rebuild_model
+from cbtrace.replay.run_io.rebuild import rebuild_model
 from cbtrace.rundir import writer
 from cbtrace.rundir import signature
 from cbtrace.rundir.read import find_trace, read_manifest, read_records

@@ -1,6 +1,6 @@
 """The read-ahead's pinned ring: what its first allocation costs, by way of allocating, side by side.
 
-A replay's first read-ahead allocates one pinned host buffer (``replay.prefetch``; GPT-2-small's
+A replay's first read-ahead allocates one pinned host buffer (``run_io.prefetch``; GPT-2-small's
 240 MB took 0.23-0.30 s of a 2.7-3.8 s replay on the H200 hosts). This times, for each size, in
 one process (fresh memory each time: torch's host cache emptied between):
 

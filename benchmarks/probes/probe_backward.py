@@ -73,8 +73,8 @@ def replay_kernels(bwd, outs_of) -> list:
 
 def methods(c, backward, backends, tcfg):
     """ms of one backward, timed staged / with events."""
-    from cbtrace.replay import timers
-    from cbtrace.replay.backward import _backward_runner
+    from cbtrace.replay.timer import choice as timers
+    from cbtrace.replay.modes.backward import _backward_runner
 
     out = {}
     bwd = _backward_runner(c, backward)
@@ -93,8 +93,8 @@ def main(out_dir, spec=SPEC, fqns=None):
 
     from cbtrace import module_tree, registry
     from cbtrace.capture.from_spec import capture_model
-    from cbtrace.replay.backward import _FreshBackward, _gradients, _grad_outputs
-    from cbtrace.replay.call import prepare
+    from cbtrace.replay.modes.backward import _FreshBackward, _gradients, _grad_outputs
+    from cbtrace.replay.measure.prepare import prepare
     from cbtrace.replay.config import ReplayConfig
     from cbtrace.rundir.read import find_trace, load_run
     from cbtrace.schema.modules import frame_to_records

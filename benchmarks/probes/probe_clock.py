@@ -19,7 +19,7 @@ def main():
 
     import triton.testing as tt
 
-    from cbtrace.replay.timing import TimingConfig
+    from cbtrace.replay.timer.contract import TimingConfig
     from cbtrace.plugins.backends.graph import GraphTimer
 
     torch.manual_seed(0)

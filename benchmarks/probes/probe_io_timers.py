@@ -120,7 +120,7 @@ def timer_part():
     sys.path.insert(0, ".")
     from cbtrace.plugins.providers.nanogpt import Block, GPTConfig
     from cbtrace.plugins.backends.graph import GraphTimer
-    from cbtrace.replay.timing import TimingConfig
+    from cbtrace.replay.timer.contract import TimingConfig
 
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16

@@ -28,7 +28,8 @@ def patched(owner, name, value):
 def variants():
     from cbtrace import state
     from cbtrace.plugins.backends import graph
-    from cbtrace.replay import engine, steps
+    from cbtrace.replay import engine
+    from cbtrace.replay.measure import steps
 
     fresh = graph.side_stream_warmup
 

@@ -26,14 +26,14 @@ OPTIONS = {"nanogpt": {"batch_size": 8}, "dlrm": {"batch_size": 8192}}
 
 # (module, attribute path) wrapped in a lap; a class attribute wraps the method
 LAPS = [
-    ("cbtrace.replay.plan", "prepare"),
-    ("cbtrace.replay.prefetch", "ReadAhead.take"),
+    ("cbtrace.replay.measure.plan", "prepare"),
+    ("cbtrace.replay.run_io.prefetch", "ReadAhead.take"),
     ("cbtrace.store.load", "load_call_inputs"),
-    ("cbtrace.replay.steps", "OpCount.run"),
-    ("cbtrace.replay.steps", "ProfilerPass.run"),
-    ("cbtrace.replay.steps", "Timed.run"),
-    ("cbtrace.replay.steps", "HostIssue.run"),
-    ("cbtrace.replay.steps", "OutputCheck.run"),
+    ("cbtrace.replay.measure.steps", "OpCount.run"),
+    ("cbtrace.replay.measure.steps", "ProfilerPass.run"),
+    ("cbtrace.replay.measure.steps", "Timed.run"),
+    ("cbtrace.replay.measure.steps", "HostIssue.run"),
+    ("cbtrace.replay.measure.steps", "OutputCheck.run"),
     ("cbtrace.plugins.backends.graph", "side_stream_warmup"),
     ("cbtrace.plugins.backends.graph", "staged"),
     ("cbtrace.plugins.backends.graph", "capture"),

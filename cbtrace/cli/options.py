@@ -61,7 +61,7 @@ class TimerChoice(click.Choice):
     @property
     def choices(self):
         from cbtrace import registry
-        from cbtrace.replay import timers
+        from cbtrace.replay.timer import choice as timers
 
         return timers.names(registry.backends())
 

@@ -7,7 +7,7 @@ keyword args.
 
 A registered name runs only installed code (its options are passed as values); the other two
 forms run the code they name, so a spec read from a run directory is resolved only if
-``is_registered`` says so or the user asked for it (``cbtrace.replay.rebuild``).
+``is_registered`` says so or the user asked for it (``cbtrace.replay.run_io.rebuild``).
 
 Options are checked against what the provider takes: a registered provider's ``OPTIONS``, a
 callable's keyword parameters (one with ``**kwargs`` takes any); any other is a one-line error.

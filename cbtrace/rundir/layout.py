@@ -4,7 +4,7 @@
     modules.parquet               one row per captured call (cbtrace.schema.modules)
     inputs/tensors-NNNNN.parquet  captured input tensors (cbtrace.store)
     <worker>.<ms>.pt.trace.json.gz  Kineto trace of the captured step
-    replay.progress.jsonl         rows of a replay in progress (cbtrace.replay.progress)
+    replay.progress.jsonl         rows of a replay in progress (cbtrace.replay.run_io.progress)
     .cbtrace.lock                 the writer at work, or one that died (cbtrace.rundir.lock)
 """
 from __future__ import annotations

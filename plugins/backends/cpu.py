@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from cbtrace.replay.timing import (CallRunner, Timing, TimerUnavailable, TimingConfig,
-                                   as_runner, join_notes)
+from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
+                                           as_runner, join_notes)
 
 from .l2 import L2Flusher
 from .sampling import collect, timing_from_samples
@@ -24,7 +24,7 @@ RETRY_PAUSE_S = 0.02  # lets a busy neighbour's time slice pass before the retry
 
 class CpuTimer:
     name = "cpu"
-    fallback_rank = 10  # cbtrace.replay.timers: auto order and fallbacks
+    fallback_rank = 10  # cbtrace.replay.timer.choice: auto order and fallbacks
 
     def unavailable_reason(self, device) -> str | None:
         device = torch.device(device)

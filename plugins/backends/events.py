@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from cbtrace.replay.timing import (CallRunner, Timing, TimerUnavailable, TimingConfig,
-                                   as_runner, join_notes)
+from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
+                                           as_runner, join_notes)
 
 from .l2 import L2Flusher, spin
 from .sampling import collect, timing_from_samples, warm_until_settled
@@ -58,7 +58,7 @@ def host_enqueue_ms(call, n_copies: int, runs: int) -> float:
 
 class EventsTimer(CudaTimer):
     name = "events"
-    fallback_rank = 20  # cbtrace.replay.timers: auto order and fallbacks
+    fallback_rank = 20  # cbtrace.replay.timer.choice: auto order and fallbacks
 
     def measure(self, call: CallRunner, n_copies: int, device, cfg: TimingConfig) -> Timing:
         device = self._device(device)

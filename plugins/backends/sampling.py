@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from cbtrace.replay.timing import Timing, TimingConfig
+from cbtrace.replay.timer.contract import Timing, TimingConfig
 
 from .stats import converged, percentile, plan_runs, settled, summarize
 

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from cbtrace.replay.timing import (CallRunner, Timing, TimerUnavailable, TimingConfig,
-                                   as_runner, join_notes)
+from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
+                                           as_runner, join_notes)
 
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher
@@ -58,7 +58,7 @@ def window_sampler(run, k: int, n_copies: int, *, flush, sync, pairs, stream=Non
 
 class StreamTimer(CudaTimer):
     name = "stream"
-    fallback_rank = 25  # cbtrace.replay.timers: after graph (30), before events (20)
+    fallback_rank = 25  # cbtrace.replay.timer.choice: after graph (30), before events (20)
 
     def measure(self, call: CallRunner, n_copies: int, device, cfg: TimingConfig) -> Timing:
         call = as_runner(call, n_copies)

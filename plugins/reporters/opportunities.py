@@ -1,7 +1,7 @@
 """The PT2 opportunity ranking: which modules a step would save most on, compiled or graphed.
 
 Per module (fqn), its calls summed: what eager costs the step (``eager_step_ms``), what the
-compiled and the graphed call would cost (``replay.opportunity.mode_costs``), the saving in
+compiled and the graphed call would cost (``replay.modes.opportunity.mode_costs``), the saving in
 each call's best mode placed in the step, whose host runs ahead of its device
 (``opportunity_ms``), the speedup, the best mode, compile time and graphs. A parent's saving contains its children's (compiling the parent compiles them), so
 the last line sets the sums over the root's children and over the leaves beside the root's own.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from cbtrace.plugins.reporters import fmt
 from cbtrace.plugins.reporters.icicle_tree import record_rows
-from cbtrace.replay.opportunity import mode_costs
+from cbtrace.replay.modes.opportunity import mode_costs
 
 HEADER = ("#", "module", "type", "calls", "eager", "compile", "cudagraph", "saving", "speedup",
           "best", "compile s", "graphs")
@@ -155,7 +155,7 @@ def within(estimated: float, measured: float) -> bool:
 
 
 def verified_table(checked, types: dict | None = None) -> str:
-    """Estimated vs measured saving per module compiled in place (``replay.opportunity.InPlace``
+    """Estimated vs measured saving per module compiled in place (``opportunity.InPlace``
     rows), and how many are within the bound."""
     types = types or {}
 

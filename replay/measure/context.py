@@ -21,8 +21,8 @@ from cbtrace import module_tree
 from cbtrace.calltree import CallTree
 from cbtrace.cost.dtypes import meta_bytes
 from cbtrace.nested import flat_tensors
-from cbtrace.replay.call import InputState, call_context
-from cbtrace.replay.copies import clone_like, n_copies, tensor_bytes
+from cbtrace.replay.measure.prepare import InputState, call_context
+from cbtrace.replay.measure.copies import clone_like, n_copies, tensor_bytes
 from cbtrace.schema.modules import COPY_FAILED
 
 

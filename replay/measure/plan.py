@@ -14,10 +14,10 @@ from typing import Protocol
 
 import torch
 
-from cbtrace.replay import timers
-from cbtrace.replay.call import CallUnderTest, prepare
-from cbtrace.replay.reuse import ProfileCache
-from cbtrace.replay.steps import HostIssue, OpCount, OutputCheck, ProfilerPass, Timed
+from cbtrace.replay.timer import choice
+from cbtrace.replay.measure.prepare import CallUnderTest, prepare
+from cbtrace.replay.measure.reuse import ProfileCache
+from cbtrace.replay.measure.steps import HostIssue, OpCount, OutputCheck, ProfilerPass, Timed
 
 
 class Step(Protocol):
@@ -30,7 +30,7 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
     """FLOPs/bytes, profile (once per kind of work), time (the timer chain of ``cfg.timer``),
     host issue time, a look at the outputs (NaN/Inf); then the other modes and the backward
     when asked for."""
-    chain = timers.chain(cfg.timer, device, backends)
+    chain = choice.chain(cfg.timer, device, backends)
     # FLOPs first: a call of the same work as one profiled before reuses its profiled pass;
     # the pass's device time then sizes the graph timer's K without a trial capture
     reuse = cfg.count_flops and cfg.reuse_counts
@@ -38,17 +38,17 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
     steps += [ProfilerPass(cfg.profile_runs, ProfileCache() if reuse else None),
               Timed(chain, backends, cfg), HostIssue(cfg.host_runs), OutputCheck()]
     compiled = None
-    if not cfg.eager_only:  # a call the step ran compiled: timed compiled (replay/modes.py)
-        from cbtrace.replay.modes import AsInStep, Compiled
+    if not cfg.eager_only:  # a call the step ran compiled: timed compiled (modes/)
+        from cbtrace.replay.modes.compile_cudagraph import AsInStep, Compiled
 
         compiled = Compiled(cfg, chain, backends)
         steps.append(AsInStep(compiled))
-    if cfg.modes:  # the same call compiled / from a CUDA graph (replay/modes.py)
-        from cbtrace.replay.modes import mode_steps
+    if cfg.modes:  # the same call compiled / from a CUDA graph (modes/)
+        from cbtrace.replay.modes.compile_cudagraph import mode_steps
 
         steps += mode_steps(cfg, device, chain, backends, compiled)
-    if cfg.backward:  # its backward on the output gradients (replay/backward.py)
-        from cbtrace.replay.backward import BackwardStep
+    if cfg.backward:  # its backward on the output gradients (replay/modes/backward.py)
+        from cbtrace.replay.modes.backward import BackwardStep
 
         steps.append(BackwardStep(cfg, chain, backends))
     return steps
@@ -58,7 +58,7 @@ def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads
                  timings: dict | None = None, context=None) -> dict:
     """All figures of one call as a dict of ModuleRecord fields; ``timings`` (step name ->
     seconds) accumulates where the time went. ``context``: the calls timers run before it
-    (``replay.context``)."""
+    (``replay.measure.context``)."""
     t0 = time.perf_counter()
     call = prepare(module, rec, args, kwargs, device, cfg, grads)
     call.context = context  # the Timed step sets it up once the call's device time is known

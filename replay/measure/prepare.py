@@ -12,8 +12,8 @@ import torch
 
 from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.nested import flat_tensors
-from cbtrace.replay.copies import clone_like, embedding_copies, n_copies, tensor_bytes
-from cbtrace.replay.timing import CallRunner
+from cbtrace.replay.measure.copies import clone_like, embedding_copies, n_copies, tensor_bytes
+from cbtrace.replay.timer.contract import CallRunner
 
 
 def call_context(rec, device_type: str | None = None):
@@ -71,12 +71,12 @@ class CallUnderTest:
     cfg: object                    # ReplayConfig
     grads: tuple | None = None     # the gradients its outputs got in the step (grads_ref)
     row: dict = dataclasses.field(default_factory=dict)  # what the plan's steps measured so far
-    value_free: bool = False       # OpCount: its time cannot depend on values (replay.reuse)
+    value_free: bool = False       # OpCount: its time cannot depend on values (``reuse``)
     outputs: object = None         # HostIssue's last run's, for OutputCheck (no run of its own)
     timed: CallRunner | None = None  # what the timers run: ``run`` in its in-step cache state
     context_note: str | None = None  # how ``timed`` differs from ``run`` (the row's timer_notes)
     writes_inputs: bool = False    # a forward moves its inputs' version counters (in place)
-    context: object = None  # its predecessors (replay.context), or their loader; None: off
+    context: object = None  # its predecessors (replay.measure.context), or their loader; None: off
 
 
 def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest:
@@ -95,14 +95,14 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
 
 
 def in_context(c: CallUnderTest, context) -> None:
-    """Set ``c.timed``: ``c.run`` preceded by its context (``replay.context``) when one of the
+    """Set ``c.timed``: ``c.run`` preceded by its context (``context``) when one of the
     call's inputs is an output of that context (its producer ran just before it in the step).
     ``before(j)`` runs the context calls for slot j (untimed work a timer puts before the timed
     call); ``run(j)`` then runs the call on copy j, each input that equals a context output
     taken from slot j's fresh output. A context that fails to run is dropped (the note says
     why); ``release()`` drops what the slots still hold. ``context``: the calls, or a function
     loading them, called only for a call that qualifies (loading reads their inputs)."""
-    from cbtrace.replay.context import chained_positions, describe, substitute
+    from cbtrace.replay.measure.context import chained_positions, describe, substitute
 
     if not context or not _small(c):
         return
@@ -164,7 +164,7 @@ def with_table_copies(c: CallUnderTest) -> None:
     j reads table copy j, enough copies to overflow the cache twice (``copies.table_copies``)."""
     from torch.func import functional_call
 
-    from cbtrace.replay.copies import table_copies
+    from cbtrace.replay.measure.copies import table_copies
 
     tables = table_copies(c.module, c.device, c.cfg.max_copies)
     if tables is None:

@@ -1,7 +1,7 @@
 """The built-in steps of a replay plan: each measures one thing and returns its columns.
 
 A step has a ``name`` and ``run(call: CallUnderTest) -> dict`` of ModuleRecord fields; the
-plan (``cbtrace.replay.plan``) runs them in order on one prepared call. A new measurement
+plan (``cbtrace.replay.measure.plan``) runs them in order on one prepared call. A new measurement
 (another mode, another direction) is another step.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ import warnings
 
 import torch
 
-from cbtrace.replay import timers
-from cbtrace.replay.call import CallUnderTest, in_step_cache_state
-from cbtrace.replay.timing import join_notes
-from cbtrace.replay.reuse import COPIED
+from cbtrace.replay.timer import choice
+from cbtrace.replay.measure.prepare import CallUnderTest, in_step_cache_state
+from cbtrace.replay.timer.contract import join_notes
+from cbtrace.replay.measure.reuse import COPIED
 
 
 class Timed:
@@ -29,7 +29,7 @@ class Timed:
         self.tcfg, self.cold = cfg.timing(), cfg.cold
         self.reuse = None
         if cfg.reuse_timing:
-            from cbtrace.replay.reuse import TimingReuse
+            from cbtrace.replay.measure.reuse import TimingReuse
 
             self.reuse = TimingReuse()
 
@@ -47,7 +47,7 @@ class Timed:
         expected = expected * (2 if with_context else 1) if expected else None
         run = dataclasses.replace(c.timed or c.run.timed(), expected_ms=expected)
         try:
-            t, fallback = timers.measure(run, c.n_copies, c.device, self.chain, self.backends,
+            t, fallback = choice.measure(run, c.n_copies, c.device, self.chain, self.backends,
                                          self.tcfg)
         finally:
             if run.release is not None:
@@ -62,14 +62,14 @@ class Timed:
     def _key(self, c: CallUnderTest):
         if self.reuse is None or not c.value_free:
             return None
-        from cbtrace.replay.reuse import ProfileCache, signature
+        from cbtrace.replay.measure.reuse import ProfileCache, signature
 
         return ProfileCache.key(signature(c.module, c.rec), c.row)
 
 
 class ProfilerPass:
     """Kernel count, device and wall time, launch overhead and peak memory, from torch.profiler;
-    reused for a call that is the same work as one profiled before (``replay.reuse``)."""
+    reused for a call that is the same work as one profiled before (``replay.measure.reuse``)."""
 
     name = "profile"
 
@@ -77,8 +77,8 @@ class ProfilerPass:
         self.runs, self.cache = runs, cache
 
     def run(self, c: CallUnderTest) -> dict:
-        from cbtrace.replay.profiler_pass import profile_call
-        from cbtrace.replay.reuse import signature
+        from cbtrace.replay.measure.profiler_pass import profile_call
+        from cbtrace.replay.measure.reuse import signature
 
         key = self.cache.key(signature(c.module, c.rec), c.row) if self.cache else None
         hit = self.cache.get(key) if self.cache else None
@@ -158,18 +158,18 @@ def counting_syncs(found: list):
 class OpCount:
     """FLOPs, bytes and compute dtype of one call with cbtrace's formulas (one untimed run);
     a call with the same ``call_key`` as value-free ones counted before takes their count once
-    two agreed (``replay.reuse``: GPT-2's 12 blocks and their parts are counted twice)."""
+    two agreed (``replay.measure.reuse``: GPT-2's 12 blocks and their parts are counted twice)."""
 
     name = "count"
 
     def __init__(self, reuse: bool = True):
-        from cbtrace.replay.reuse import CountCache
+        from cbtrace.replay.measure.reuse import CountCache
 
         self.cache = CountCache() if reuse else None
 
     def run(self, c: CallUnderTest) -> dict:
         from cbtrace.cost.opcount import OpCounter
-        from cbtrace.replay.reuse import call_key, value_free
+        from cbtrace.replay.measure.reuse import call_key, value_free
 
         key = call_key(c.module, c.rec) if self.cache is not None else None
         hit = self.cache.get(key) if key is not None else None

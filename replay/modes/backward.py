@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from cbtrace.nested import flat_tensors
-from cbtrace.replay import timers
-from cbtrace.replay.call import CallUnderTest
-from cbtrace.replay.timing import CallRunner, join_notes
+from cbtrace.replay.timer import choice
+from cbtrace.replay.measure.prepare import CallUnderTest
+from cbtrace.replay.timer.contract import CallRunner, join_notes
 
 
 class BackwardStep:
@@ -42,7 +42,7 @@ class BackwardStep:
         backward = _FreshBackward(c, grads)
         bwd = _backward_runner(c, backward)
         try:
-            t, fallback = timers.measure(bwd, c.n_copies, c.device, self.chain, self.backends,
+            t, fallback = choice.measure(bwd, c.n_copies, c.device, self.chain, self.backends,
                                          self.tcfg)
         except Exception as e:  # noqa: BLE001 - the backward failed: record it, go on
             return dict(bwd_status="error", grad_source=source,
@@ -253,7 +253,7 @@ def _cpu_peak(fn) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from cbtrace.console import quiet_kineto
-    from cbtrace.replay.profiler_pass import peak_live_bytes, rows_from_kineto
+    from cbtrace.replay.measure.profiler_pass import peak_live_bytes, rows_from_kineto
 
     with quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()

@@ -1,6 +1,6 @@
 """The call in other modes: torch.compile'd ("compile") and from a one-call CUDA graph ("cudagraph").
 
-    steps += mode_steps(cfg, device, chain, backends)   # replay/plan.py, when cfg.modes is set
+    steps += mode_steps(cfg, device, chain, backends)   # measure/plan.py, when cfg.modes is set
 
 ``compile``: the module under ``torch.compile(mode=cfg.compile_mode)``, compiled by one untimed
 run on input copy 0 (``compile_s``), then timed exactly as the eager call (the ``Timed`` step:
@@ -43,12 +43,13 @@ import warnings
 
 import torch
 
-from cbtrace.replay.call import CallUnderTest, in_context
-from cbtrace.replay.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing, root_cause,
-                                          side_stream_warmup, watch_capture_checks)
-from cbtrace.replay.steps import Timed
-from cbtrace.replay.limits import CallTimeout
-from cbtrace.replay.timing import join_notes
+from cbtrace.replay.measure.prepare import CallUnderTest, in_context
+from cbtrace.replay.timer.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing,
+                                                root_cause, side_stream_warmup,
+                                                watch_capture_checks)
+from cbtrace.replay.measure.steps import Timed
+from cbtrace.replay.measure.time_limit import CallTimeout
+from cbtrace.replay.timer.contract import join_notes
 
 
 def mode_steps(cfg, device, chain: list[str], backends: dict, compiled=None) -> list:
@@ -131,7 +132,7 @@ class EntryCache:
         self.misses: dict = {}   # key -> calls that compiled again under a shared entry
 
     def key(self, module, rec):
-        from cbtrace.replay.reuse import call_key
+        from cbtrace.replay.measure.reuse import call_key
 
         k = call_key(module, rec)
         if k is None or self.misses.get(k, 0) >= SHARE_MISSES:
@@ -256,7 +257,7 @@ class Compiled:
     def measure(self, c: CallUnderTest) -> tuple[dict, dict | None]:
         """The row's compile fields, and the Timed step's figures of the compiled call (None
         where it was not timed compiled)."""
-        from cbtrace.replay.plan import stance
+        from cbtrace.replay.measure.plan import stance
 
         with stance("default"):  # a step_compiled row's plan runs eagerly
             return self._measure(c)

@@ -259,7 +259,7 @@ def verify_in_place(model, run_step, fqns: list[str], estimates: dict[str, float
     import torch
 
     from cbtrace.device import steps_ms
-    from cbtrace.replay.modes import one_line
+    from cbtrace.replay.modes.compile_cudagraph import one_line
 
     rows = []
     for fqn in fqns:

@@ -10,7 +10,8 @@ fallback's, are recorded in the row's ``timer_fallback``.
 from __future__ import annotations
 
 from cbtrace.errors import ReplayError
-from cbtrace.replay.timing import CallRunner, Timing, TimerUnavailable, TimingConfig, as_runner
+from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
+                                           as_runner)
 
 AUTO = "auto"
 

@@ -12,7 +12,7 @@ a timer may do with it: untimed work before each timed run (``before``), staging
 slots (``stage``/``unstage``), the expected time (``expected_ms``) and whether it may be
 captured at all (``graph_ok``). ``measure`` raises ``TimerUnavailable`` when it cannot time this
 particular call (e.g. CUDA graph capture fails); the replay engine then falls back
-(``cbtrace.replay.timers``) and records the reason. Exceptions raised by the module itself pass
+(``timer.choice``) and records the reason. Exceptions raised by the module itself pass
 through unchanged.
 
 This module and ``graph_capture`` are the layer timers build on: they import nothing else of

@@ -32,7 +32,7 @@ def command(spec, device, dtype, step, opts, include, exclude, max_depth, synthe
     from cbtrace.annotate.write import annotate
     from cbtrace.attribution.join import error_table
     from cbtrace.replay.engine import replay_notes
-    from cbtrace.replay.opportunity import verify_spec
+    from cbtrace.replay.modes.opportunity import verify_spec
     from cbtrace.workflows.profile_model import profile
 
     if tb_logdir:
