@@ -9,7 +9,6 @@ from cbtrace.plugins.backends import stream
 from cbtrace.plugins.backends.cpu import CpuTimer
 from cbtrace.plugins.backends.events import EventsTimer
 from cbtrace.plugins.backends.graph import GraphTimer
-from cbtrace.plugins.backends.stats import graph_calls
 from cbtrace.plugins.backends.stream import StreamTimer, window_sampler
 from cbtrace.replay.timer import choice as timers
 from cbtrace.replay.timer.contract import CallRunner, TimerUnavailable, TimingConfig
@@ -48,12 +47,13 @@ def test_a_window_issues_k_calls_back_to_back_and_divides_by_k():
     assert [i for _, i in [x for x in log if isinstance(x, tuple)][-4:]] == [2, 0, 1, 2]
 
 
-def test_k_fills_a_window_of_a_few_ms():
-    k = lambda ms: graph_calls(per_call_ms=ms, k_max=stream.K_MAX,  # noqa: E731
-                               max_replay_ms=stream.WINDOW_MS)
+def test_k_fills_a_window_of_a_few_ms_and_takes_long_calls_several_at_a_time():
+    k = stream.window_calls
     assert k(0.001) == stream.K_MAX
     assert k(0.1) == int(stream.WINDOW_MS / 0.1)
-    assert k(7.0) == 1  # a call longer than the window: one call a window
+    assert k(7.0) == stream.K_MIN  # a call longer than the window: K_MIN, the tail shared out
+    assert k(200.0) == int(stream.K_MIN_WINDOW_MS / 200.0)  # fewer where K_MIN would run long
+    assert k(2000.0) == 1
     assert k(0.0) == stream.K_MAX
 
 

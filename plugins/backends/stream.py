@@ -21,6 +21,16 @@ from .stats import EVENT_JITTER_MS, graph_calls
 
 WINDOW_MS = 3.0  # a few ms: one launch latency per window is lost in it, the clock stays put
 K_MAX = 200      # past this a window of tiny calls is long enough already
+# long calls too run K_MIN a window (as capture times the step's loop), unless that passes this
+K_MIN, K_MIN_WINDOW_MS = 5, 500.0
+
+
+def window_calls(one_ms: float) -> int:
+    """Calls a window: enough to fill ``WINDOW_MS`` (at most ``K_MAX``), and at least ``K_MIN``
+    while those take under ``K_MIN_WINDOW_MS``: a window from an idle device also holds the tail
+    of work queued after the host is done, which a loop hides behind the next call's issue."""
+    k = graph_calls(per_call_ms=one_ms, k_max=K_MAX, max_replay_ms=WINDOW_MS)
+    return max(k, graph_calls(per_call_ms=one_ms, k_max=K_MIN, max_replay_ms=K_MIN_WINDOW_MS))
 
 
 def one_call_ms(run, n_copies: int, runs: int) -> float:
@@ -71,7 +81,7 @@ class StreamTimer(CudaTimer):
         n_copies, run = call.n_copies, call.run
         with torch.cuda.device(device):
             one_ms = one_call_ms(run, n_copies, max(cfg.warmup_runs, 2))
-            k = graph_calls(per_call_ms=one_ms, k_max=K_MAX, max_replay_ms=WINDOW_MS)
+            k = window_calls(one_ms)
             flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
             sample = window_sampler(run, k, n_copies, flush=flusher.flush,
                                     sync=torch.cuda.synchronize, pairs=event_pairs,
