@@ -1,34 +1,50 @@
-"""Breadth-first isolated replay of a run: every captured call re-run standalone and measured."""
+"""Breadth-first isolated replay of a run: every captured call re-run standalone and measured.
+
+    replay(run)  =  setup(run, ...)  ->  ReplayLoop.run()  ->  finish(loop)
+
+``setup`` checks the run, picks the device, rebuilds the model if none was given and builds the
+loop's state; ``ReplayLoop`` replays the calls breadth-first, one ``replay_one`` each, appending
+each row as it finishes; ``finish`` derives the figures and writes the table and the manifest.
+"""
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from cbtrace import module_tree, registry
-from cbtrace.console import Progress, announce
 from cbtrace.calltree import bfs_order
+from cbtrace.console import Progress, announce
+from cbtrace.cost.calibrate import calibrate
+from cbtrace.cost.dtypes import meta_bytes
+from cbtrace.cost.peaks import calibration_path, device_name, load_calibration
+from cbtrace.device import free_memory, resolve_device
 from cbtrace.errors import ReplayError
+from cbtrace.global_state import GlobalSettings
 from cbtrace.replay.config import ReplayConfig
+from cbtrace.replay.derive import finalize
+from cbtrace.replay.measure.context import ContextSource
 from cbtrace.replay.measure.plan import default_plan, measure_call
 from cbtrace.replay.measure.time_limit import CallTimeout, time_limit
+from cbtrace.replay.run_io import rebuild, shard
 from cbtrace.replay.run_io.prefetch import ReadAhead
-from cbtrace.replay.run_io import shard
 from cbtrace.replay.run_io.progress import ProgressLog, clear_progress, read_done
 from cbtrace.replay.timer.contract import join_notes
 from cbtrace.rundir.files import check_writable, sha256_file
-from cbtrace.rundir.read import load_run
 from cbtrace.rundir.layout import MODULES
 from cbtrace.rundir.lock import locked
+from cbtrace.rundir.read import load_run
 from cbtrace.rundir.writer import write_columns, write_manifest
 from cbtrace.schema.manifest import ReplayInfo
 from cbtrace.schema.modules import (CAPTURE, COLUMNS, COPY_FAILED, HOST_INSITU, REPLAY,
                                     ModuleRecord, frame_to_records, stage_columns)
-from cbtrace.global_state import GlobalSettings
 from cbtrace.state import StateGuard
+from cbtrace.store.load import load_call_inputs
 
 
 @locked("replay")  # one writer of the run at a time; a full disk ends in one line
@@ -42,29 +58,26 @@ def replay(run, model=None, device=None, **options):
         device: "cpu", "cuda" or "cuda:N"; defaults to the capture device if available.
         **options: fields of ``ReplayConfig`` (timer, resume, memory_budget_bytes, ...).
     """
-    from cbtrace.replay.derive import finalize
-    from cbtrace.replay.run_io.rebuild import rebuild_model
+    loop = setup(Path(run), model, device, ReplayConfig(**options))
+    loop.run()
+    return finish(loop)
 
+
+def setup(run: Path, model, device, cfg: ReplayConfig) -> ReplayLoop:
+    """Everything before the first call: the run loaded and checked, the device and the model,
+    the rows a resume keeps, and the loop's state (plan, guard, progress log, read-ahead)."""
     t_start = time.perf_counter()
     outside: dict[str, float] = {}  # seconds outside the per-call loop, by phase
-    cfg = ReplayConfig(**options)
-    run = Path(run)
     with phase(outside, "load_run"):
         manifest, df = load_run(run)
     if not manifest.complete:
         raise ReplayError(f"{run}: the capture did not complete ({manifest.error})")
     check_writable(run)  # a read-only run fails now, before the model is rebuilt
-    w = shard.world()  # under torchrun: this rank replays its share (replay/run_io/shard.py)
-    if w is not None and device is None and model is None:
-        device = _rank_device(manifest, w)
-    device = replay_device(device, manifest, model)
-    if w is not None:
-        shard.init(w, device.type == "cuda")
-        if device.type == "cpu":
-            torch.set_num_threads(shard.cpu_threads(w))
+    w = shard.world()  # under torchrun: this rank replays its share (run_io/shard.py)
+    device = _device_and_ranks(w, device, manifest, model)
     if model is None:  # "rebuild" and "verify_state" in outside
-        model = rebuild_model(manifest, device, verify=cfg.verify_state, trust=cfg.trust,
-                              spec=cfg.model_spec, run=run, timings=outside)
+        model = rebuild.rebuild_model(manifest, device, verify=cfg.verify_state, trust=cfg.trust,
+                                      spec=cfg.model_spec, run=run, timings=outside)
     with phase(outside, "verify_inputs"):
         verify_inputs(run, manifest)
     with phase(outside, "calibrate"):
@@ -78,87 +91,205 @@ def replay(run, model=None, device=None, **options):
             if cfg.resume else {})
     if not cfg.resume and (w is None or w.rank == 0):
         clear_progress(run)
-    kept = set(done)
     if w is not None:
         shard.barrier()  # rank 0 cleared old rows before any rank writes new ones
     with phase(outside, "state_copy"):  # StateGuard: a copy of every parameter
         guard = StateGuard(model)
-    plan = default_plan(cfg, device, registry.backends())
     flags = TrainingFlags(manifest.training_flags)
-    budget = cfg.memory_budget_bytes
-    log = ProgressLog(run, resume=cfg.resume, rank=None if w is None else w.rank)
     order = bfs_order({r.call_id: r.parent_call_id for r in records})
     if w is not None:
         mine = shard.assign(shard.costs(df), w.size)
         order = [cid for cid in order if mine[cid] == w.rank]
-    bar = Progress("replay", len(order), len(done), show=cfg.progress)
-    timings: dict[str, float] = {}  # seconds per phase of a call's replay, summed
-    ahead = ReadAhead(run, [c for c in order if c not in done], by_id, cfg.backward,
-                      enabled=device.type == "cuda", pin=device.type == "cuda", device=device)
-    context = context_source(cfg, records, model, run, device, flags)
-    t0 = time.perf_counter()
-    outside["setup"] = t0 - t_setup - outside["state_copy"]
-    try:
-        for cid in order:
-            if cid in done:
-                continue
-            rec = by_id[cid]
-            with phase(timings, "load"):
-                read = ahead.take(cid)  # waits only when the read-ahead is slower than the timing
-            row = replay_one(model, rec, run, device, cfg, plan, guard, budget,
-                             flags, timings, read=read, context=context)
-            ahead.issued(cid)  # its input copies are queued: their pinned bytes reused once done
-            row["call_id"] = cid
-            row["settings"] = settings
-            row["rank"] = 0 if w is None else w.rank
-            log.append(row)
-            done[cid] = row
-            bar.advance(rec.fqn or "(root)")
-        if device.type == "cpu":  # a busy machine slows calls at random: time those again
-            again = recheck({c: done[c] for c in order if c in done}, by_id)
-            for cid in [c for c in again if c not in kept]:  # a row --resume kept stays
-                row = replay_one(model, by_id[cid], run, device, cfg, plan, guard, budget,
-                                 flags, timings, context=context)
-                if row.get("isolated_ms") is not None and (
-                        row["isolated_ms"] < done[cid]["isolated_ms"]):
-                    row.update(call_id=cid, settings=settings, rank=done[cid].get("rank", 0),
-                               timer_notes=join_notes(row.get("timer_notes"), "timed twice"))
-                    log.append(row)
-                    done[cid] = row
-    finally:
-        ahead.close()
-        log.close()
-        bar.close()
-    # the loop's time in no phase of a call: progress rows, the bar, picking the next call
-    timings["loop_other"] = time.perf_counter() - t0 - sum(timings.values())
+    loop = ReplayLoop(
+        run_dir=run, cfg=cfg, model=model, device=device, manifest=manifest, table=df, world=w,
+        records=records, by_id=by_id, settings=settings, done=done, kept=set(done),
+        order=order, plan=default_plan(cfg, device, registry.backends()), guard=guard,
+        flags=flags, log=ProgressLog(run, resume=cfg.resume, rank=None if w is None else w.rank),
+        bar=Progress("replay", len(order), len(done), show=cfg.progress),
+        ahead=ReadAhead(run, [c for c in order if c not in done], by_id, cfg.backward,
+                        enabled=device.type == "cuda", pin=device.type == "cuda",
+                        device=device),
+        context=context_source(cfg, records, model, run, device, flags),
+        outside=outside, t_start=t_start)
+    outside["setup"] = time.perf_counter() - t_setup - outside["state_copy"]
+    return loop
+
+
+def _device_and_ranks(w, device, manifest, model) -> torch.device:
+    """The replay's device; under torchrun the process group joined and, on a CPU, this rank's
+    share of the threads set."""
+    if w is not None and device is None and model is None:
+        device = _rank_device(manifest, w)
+    device = replay_device(device, manifest, model)
+    if w is not None:
+        shard.init(w, device.type == "cuda")
+        if device.type == "cpu":
+            torch.set_num_threads(shard.cpu_threads(w))
+    return device
+
+
+@dataclass(kw_only=True, eq=False)
+class ReplayLoop:
+    """The per-call loop: what every call's replay needs, and the rows done so far."""
+
+    run_dir: Path
+    cfg: ReplayConfig
+    model: torch.nn.Module
+    device: torch.device
+    manifest: object            # the run's Manifest
+    table: object               # the run's modules DataFrame
+    world: object               # shard.World under torchrun, else None
+    records: list               # ModuleRecord per call, capture's fields only
+    by_id: dict                 # call_id -> its record
+    settings: dict              # timing_settings(cfg), kept with each row
+    done: dict                  # call_id -> row: resumed rows, then each call's as it ends
+    kept: set                   # call_ids of the rows a --resume kept
+    order: list                 # call_ids this process replays, breadth-first
+    plan: list                  # the steps measuring one call (measure/plan.py)
+    guard: StateGuard           # parameters and buffers put back after each call
+    flags: TrainingFlags        # each call's train/eval flags as at capture
+    log: ProgressLog            # rows appended as they finish (--resume)
+    bar: Progress
+    ahead: ReadAhead            # the next calls' inputs read while one is timed
+    context: ContextSource | None  # each call's predecessors, run before its timed runs
+    outside: dict               # seconds outside the per-call loop, by phase
+    t_start: float              # perf_counter at the start of setup
+    timings: dict | None = None  # seconds per phase of a call's replay, summed
+
+    def run(self) -> None:
+        """Every call of ``order`` not done yet, then (CPU) the noisy ones again."""
+        self.timings = {}
+        t0 = time.perf_counter()
+        try:
+            for cid in self.order:
+                if cid not in self.done:
+                    self._first(cid)
+            if self.device.type == "cpu":  # a busy machine slows calls at random: retime
+                self._again()
+        finally:
+            self.ahead.close()
+            self.log.close()
+            self.bar.close()
+        # the loop's time in no phase of a call: progress rows, the bar, picking the next call
+        self.timings["loop_other"] = time.perf_counter() - t0 - sum(self.timings.values())
+
+    def _first(self, cid: int) -> None:
+        rec = self.by_id[cid]
+        with phase(self.timings, "load"):
+            read = self.ahead.take(cid)  # waits only when the read-ahead is slower than timing
+        row = self.replay_one(rec, read=read)
+        self.ahead.issued(cid)  # its input copies are queued: their pinned bytes reused once done
+        row["call_id"] = cid
+        row["settings"] = self.settings
+        row["rank"] = 0 if self.world is None else self.world.rank
+        self.log.append(row)
+        self.done[cid] = row
+        self.bar.advance(rec.fqn or "(root)")
+
+    def _again(self) -> None:
+        """The calls ``recheck`` picks timed once more; the faster row is kept."""
+        done = self.done
+        again = recheck({c: done[c] for c in self.order if c in done}, self.by_id)
+        for cid in [c for c in again if c not in self.kept]:  # a row --resume kept stays
+            row = self.replay_one(self.by_id[cid])
+            if row.get("isolated_ms") is not None and (
+                    row["isolated_ms"] < done[cid]["isolated_ms"]):
+                row.update(call_id=cid, settings=self.settings, rank=done[cid].get("rank", 0),
+                           timer_notes=join_notes(row.get("timer_notes"), "timed twice"))
+                self.log.append(row)
+                done[cid] = row
+
+    def replay_one(self, rec, read=(None, None)) -> dict:
+        """Replay one call; never raises for the module's own failures (status = error).
+        ``read``: its inputs' and output gradients' chunks read ahead (``run_io.prefetch``)."""
+        if (rec.capture_error or "").startswith(COPY_FAILED):
+            return dict(status="error", status_reason=f"inputs not captured ({rec.capture_error})")
+        try:
+            module = module_tree.get_submodule(self.model, rec.fqn)  # eager, inside any compile
+        except AttributeError:
+            return dict(status="error", status_reason=f"module '{rec.fqn}' not found in the model")
+        skipped = self._over_budget(rec)
+        if skipped is not None:
+            return skipped
+        device, cfg, timings = self.device, self.cfg, self.timings
+        try:
+            with timed(self.guard.call(), timings, "state_guard"), time_limit(cfg.timeout_s):
+                with phase(timings, "load"):
+                    args, kwargs = load_call_inputs(self.run_dir, rec.inputs_ref, device=device,
+                                                    chunks_read=read[0])
+                    grads = (load_call_inputs(self.run_dir, rec.grads_ref, device=device,
+                                              chunks_read=read[1])[0]
+                             if cfg.backward and rec.grads_ref else None)
+                # loaded only if the call qualifies, once its device time is known (Timed step)
+                ctx = (functools.partial(self.context.calls, rec.call_id)
+                       if self.context is not None else None)
+                self.flags.apply(module, rec)
+                return measure_call(module, rec, args, kwargs, device, cfg, self.plan, grads,
+                                    timings, context=ctx)
+        except CallTimeout as e:
+            _free(device)
+            return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")
+        except torch.OutOfMemoryError as e:
+            _free(device)
+            return dict(status="skipped", status_reason=f"OOM: {str(e).splitlines()[0][:200]}")
+        except Exception as e:  # the module (or its inputs) failed: record and go on
+            _free(device)
+            return dict(status="error", status_reason=f"{type(e).__name__}: {str(e)[:300]}")
+
+    def _over_budget(self, rec) -> dict | None:
+        """A skipped row when the call's footprint exceeds the memory budget (or what is free)."""
+        budget, device = self.cfg.memory_budget_bytes, self.device
+        need = footprint_bytes(rec)
+        limit = budget if budget is not None else _free_memory(device)
+        if budget is None and limit is not None and need > limit:  # near the edge: the exact one
+            limit = _free_memory(device, exact=True)
+        if limit is not None and need > limit:
+            return dict(status="skipped", status_reason=f"footprint {need / 2**20:.0f} MiB > "
+                        f"budget {limit / 2**20:.0f} MiB")
+        return None
+
+
+def finish(loop: ReplayLoop):
+    """After the loop: rows gathered from the ranks (rank 0 goes on alone), the figures derived,
+    the table and the manifest written; returns the results DataFrame."""
+    w, run, outside = loop.world, loop.run_dir, loop.outside
+    done = loop.done
     if w is not None:  # rank 0 derives the figures over the whole tree and writes the table
         done = shard.gather(done, w)
         if w.rank != 0:
             shard.barrier()
             return load_run(run)[1]
+    records = loop.records
     for rec in records:
         for k, v in done.get(rec.call_id, {}).items():
             if k in COLUMNS and COLUMNS[k].stage == REPLAY:
                 setattr(rec, k, v)
-    name = _device_name(device)
+    name = device_name(loop.device)
     with phase(outside, "finalize"):
         finalize(records, device_name=name)
     columns = stage_columns(REPLAY)
     with phase(outside, "write"):
         out = write_columns(run, REPLAY, {r.call_id: {c: getattr(r, c) for c in columns}
-                                          for r in records}, table=df)
-    wall = time.perf_counter() - t_start
-    outside["other"] = wall - sum(timings.values()) - sum(outside.values())
-    manifest.replay = ReplayInfo(device=str(device), device_name=name, timer_requested=cfg.timer,
-                                 cold=cfg.cold,
-                                 timers_used=sorted({r.timer for r in records if r.timer}),
-                                 wall_s=wall, torch_version=str(torch.__version__),
-                                 timings_s=_rounded(timings), outside_s=_rounded(outside))
-    manifest.replay.ranks = 1 if w is None else w.size
-    write_manifest(run, manifest, rewritten=[MODULES])
+                                          for r in records}, table=loop.table)
+    wall = time.perf_counter() - loop.t_start
+    outside["other"] = wall - sum(loop.timings.values()) - sum(outside.values())
+    write_replay_info(loop, name, wall)
     if w is not None:
         shard.barrier()  # the table is written: the other ranks may read it
     return out
+
+
+def write_replay_info(loop: ReplayLoop, name: str, wall: float) -> None:
+    """The manifest's ``replay`` section: device, timers, wall and where it went."""
+    cfg, manifest = loop.cfg, loop.manifest
+    manifest.replay = ReplayInfo(device=str(loop.device), device_name=name,
+                                 timer_requested=cfg.timer, cold=cfg.cold,
+                                 timers_used=sorted({r.timer for r in loop.records if r.timer}),
+                                 wall_s=wall, torch_version=str(torch.__version__),
+                                 timings_s=_rounded(loop.timings),
+                                 outside_s=_rounded(loop.outside))
+    manifest.replay.ranks = 1 if loop.world is None else loop.world.size
+    write_manifest(loop.run_dir, manifest, rewritten=[MODULES])
 
 
 @contextlib.contextmanager
@@ -206,9 +337,6 @@ def _rank_device(manifest, w) -> str | None:
 def ensure_calibrated(device) -> None:
     """A CPU has no datasheet peaks: without a stored calibration MFU, MBU and bound would be
     empty, so the first replay on a CPU measures its peaks (a few seconds, stored for later)."""
-    from cbtrace.cost.calibrate import calibrate
-    from cbtrace.cost.peaks import calibration_path, device_name, load_calibration
-
     if device.type != "cpu" or device_name(device) in load_calibration():
         return
     announce(f"measuring this CPU's peak FLOP/s and bandwidth once (MFU/MBU denominators; "
@@ -282,8 +410,8 @@ def verify_inputs(run: Path, manifest) -> None:
 class TrainingFlags:
     """``apply(module, rec)``: the call's own train/eval flag, and each submodule's as it was at
     capture (``flags``: fqn -> training, the manifest's). A call's submodules are looked up
-    once, and a flag is set only where it differs (walking and setting every submodule of a
-    GPT-2's 150 calls took ~0.4 s of its replay on the H200 host)."""
+    once, and a flag is set only where it differs (a walk of every submodule per call is slow
+    on a large model)."""
 
     def __init__(self, flags: dict | None):
         self.flags, self._subs = flags or {}, {}
@@ -309,9 +437,6 @@ def uses_context(cfg, device) -> bool:
 
 def context_source(cfg, records, model, run, device, flags):
     """Where each call's context comes from (``replay.measure.context``); None when off."""
-    from cbtrace.replay.measure.context import ContextSource
-    from cbtrace.store.load import load_call_inputs
-
     if not uses_context(cfg, device):
         return None
     return ContextSource(records, model, device,
@@ -319,63 +444,14 @@ def context_source(cfg, records, model, run, device, flags):
                          flags, max_calls=cfg.context_calls)
 
 
-def replay_one(model, rec, run, device, cfg, plan, guard, budget, flags=None,
-               timings: dict | None = None, read=(None, None), context=None) -> dict:
-    """Replay one call; never raises for the module's own failures (status = error).
-    ``flags``: a TrainingFlags of the run.
-    ``read``: its inputs' and output gradients' chunks read ahead (``replay.run_io.prefetch``).
-    ``context``: a ContextSource (its predecessors run before each timed run), or None."""
-    from cbtrace.store.load import load_call_inputs
-
-    if (rec.capture_error or "").startswith(COPY_FAILED):
-        return dict(status="error", status_reason=f"inputs not captured ({rec.capture_error})")
-    try:
-        module = module_tree.get_submodule(model, rec.fqn)  # eager, inside any compile wrapper
-    except AttributeError:
-        return dict(status="error", status_reason=f"module '{rec.fqn}' not found in the model")
-    need = footprint_bytes(rec)
-    limit = budget if budget is not None else _free_memory(device)
-    if budget is None and limit is not None and need > limit:  # the exact figure, near the edge
-        limit = _free_memory(device, exact=True)
-    if limit is not None and need > limit:
-        return dict(status="skipped", status_reason=f"footprint {need / 2**20:.0f} MiB > "
-                    f"budget {limit / 2**20:.0f} MiB")
-    try:
-        with timed(guard.call(), timings, "state_guard"), time_limit(cfg.timeout_s):
-            with phase(timings, "load"):
-                args, kwargs = load_call_inputs(run, rec.inputs_ref, device=device,
-                                                chunks_read=read[0])
-                grads = (load_call_inputs(run, rec.grads_ref, device=device,
-                                          chunks_read=read[1])[0]
-                         if cfg.backward and rec.grads_ref else None)
-            # loaded only if the call qualifies, once its device time is known (Timed step)
-            ctx = functools.partial(context.calls, rec.call_id) if context is not None else None
-            (flags or TrainingFlags(None)).apply(module, rec)
-            return measure_call(module, rec, args, kwargs, device, cfg, plan, grads, timings,
-                                context=ctx)
-    except CallTimeout as e:
-        _free(device)
-        return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")
-    except torch.OutOfMemoryError as e:
-        _free(device)
-        return dict(status="skipped", status_reason=f"OOM: {str(e).splitlines()[0][:200]}")
-    except Exception as e:  # the module (or its inputs) failed: record and go on
-        _free(device)
-        return dict(status="error", status_reason=f"{type(e).__name__}: {str(e)[:300]}")
-
-
 def footprint_bytes(rec) -> int:
     """Rough peak need: params + buffers + inputs and outputs for the rotating copies + 1."""
-    from cbtrace.cost.dtypes import meta_bytes
-
     out = meta_bytes(rec.output_meta)
     return int(rec.param_bytes + rec.buffer_bytes + 3 * (rec.input_bytes + out))
 
 
 def replay_device(device, manifest, model) -> torch.device:
     """``device``, else the live model's, else the capture's where this machine has it."""
-    from cbtrace.device import resolve_device
-
     if device is None and model is not None:
         p = next(iter(model.parameters()), None)
         return p.device if p is not None else torch.device("cpu")
@@ -385,23 +461,13 @@ def replay_device(device, manifest, model) -> torch.device:
     return resolve_device(device)
 
 
-def _device_name(device) -> str:
-    from cbtrace.cost.peaks import device_name
-
-    return device_name(device)
-
-
 def _free_memory(device, exact: bool = False) -> int | None:
-    from cbtrace.device import free_memory
-
     if device.type == "cuda":
         return free_memory(device, exact)
     return None
 
 
 def _free(device) -> None:
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
