@@ -6,7 +6,7 @@ import torch
 from helpers.settings import FAST_REPLAY
 
 import cbtrace
-from cbtrace.rundir.read import find_trace
+from cbtrace.rundir.read import find_trace, read_modules
 from cbtrace.capture.from_spec import capture_model
 from cbtrace.model.spec import resolve
 from cbtrace.state import state_fingerprint
@@ -93,6 +93,7 @@ def test_dlrm_capture_replay_cuda(tmp_path):
     bags = df[df["module_type"] == "EmbeddingBag"]
     assert (bags["bytes"] > 0).all() and (bags["flops"] > 0).all()
     assert find_trace(cap.out) is not None
+    assert (read_modules(cap.out)["insitu_host_ms"] >= 0).all()  # host issue times, unhooked
 
 
 @pytest.mark.gpu

@@ -2,8 +2,9 @@
 error ``error_pct`` = 100 * (isolated / in-situ - 1); for a train step replayed with
 ``--backward``, the same for its backward (``bwd_insitu_ms``, ``bwd_error_pct``).
 
-GPU runs: the call's own device time in the capture trace. CPU runs: its host time in an
-unprofiled repeat of the step (``insitu_host_ms``), when capture recorded one.
+GPU runs: the call's own device time in the capture trace (and, for a call timed back to back,
+its host issue time in an unprofiled repeat of the step, ``insitu_host_ms``). CPU runs: its host
+time in an unprofiled repeat of the step (``insitu_host_ms``), when capture recorded one.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     from ``attribution.miss``. error_pct compares the isolated figure with the in-situ figure
     ``error_basis`` names (``metrics.error_basis``): the plain repeat of the step for a root
     timed back to back or run compiled, the eager figure against the captured (eager) step for
-    a call the step ran compiled, the span for a call timed back to back, else the busy time."""
+    a call the step ran compiled, for a call timed back to back the larger of its host issue time
+    and its busy time (else its span), else the busy time."""
     on_gpu = manifest.device.startswith("cuda")
     if not on_gpu and df["insitu_host_ms"].notna().all():
         insitu = dict(zip(df["call_id"], df["insitu_host_ms"]))  # CPU: unprofiled repeats
@@ -42,13 +44,15 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     out = {}
     for row in df.reindex(columns=["call_id", "timer", "timer_fallback", "isolated_ms", "bwd_ms",
                                    "kernel_count", "device_ms", "noisy", "step_compiled",
-                                   "eager_ms", "insitu_step_ms", "host_ms"]).to_dict("records"):
+                                   "eager_ms", "insitu_step_ms", "host_ms",
+                                   "insitu_host_ms"]).to_dict("records"):
         cid, timer = row["call_id"], row["timer"]
         ins, spn, bwd_ins = (_number(d.get(cid)) for d in (insitu, span, bwd))
         spn = spn if spn else None  # 0: no kernel of its own in the step
         basis = metrics.error_basis(timer if isinstance(timer, str) else None, spn,
                                     step_ms=_number(row["insitu_step_ms"]),
-                                    compiled=_flag(row["step_compiled"]))
+                                    compiled=_flag(row["step_compiled"]),
+                                    host_ms=_number(row["insitu_host_ms"]) if on_gpu else None)
         err = metrics.error_pct(*_compared(basis, row, ins, spn))
         kerr = miss.kernel_error_pct(row["device_ms"], ins) if on_gpu else None
         cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis},
@@ -68,6 +72,8 @@ def _compared(basis: str, row: dict, busy, span) -> tuple:
     iso = _number(row["isolated_ms"])
     if basis == "step":  # what the call costs a loop of steps: its host may set the pace
         return metrics.step_ms(iso, _number(row["host_ms"])), _number(row["insitu_step_ms"])
+    if basis == "host":  # a loop's pace of the call: its host issue time or its device time
+        return iso, metrics.step_ms(busy, _number(row["insitu_host_ms"]))
     if basis == "eager":  # the captured step ran it eagerly: its eager figure, if taken
         eager = _number(row["eager_ms"])
         return (iso if eager is None else eager), busy

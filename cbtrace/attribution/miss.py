@@ -39,6 +39,9 @@ def miss_cause(row: dict, insitu_kernels, kernel_err: float | None) -> str | Non
         side = "slower" if kernel_err > 0 else "faster"
         return (f"its kernels ran {abs(kernel_err):.0f} % {side} alone than in the step "
                 f"(cache or clock state)")
+    if row.get("error_basis") == "host":
+        return ("host-paced: timed back to back against its host issue time in an unprofiled "
+                "step (or its device time, if longer)")
     if row.get("error_basis") == "span":
         return "host-paced: timed back to back against its span in the captured (hooked) step"
     if row.get("error_basis") == "step":

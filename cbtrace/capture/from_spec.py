@@ -64,10 +64,11 @@ def warm_up(provider, model, batch, step: str, n: int, guard) -> None:
 def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str | None = None,
                   step: str = "forward", warmup: int = 1, seed: int = 0,
                   options: dict | None = None, **capture_options) -> capture:
-    """Build the provider's model and batch, warm up, capture one step into ``out``; on a CPU
-    also time each call in unprofiled repeats of the step (the CPU in-situ times); of a step with
-    one root, time its forward as the user runs it, in a loop (``insitu_step_ms``; in a train
-    step with grad, its activations freed each time as a training loop's are).
+    """Build the provider's model and batch, warm up, capture one step into ``out``; time each
+    forward call's host time in unprofiled repeats of the forward (the CPU in-situ times; on a
+    GPU, host issue times); of a step with one root, time its forward as the user runs it, in a
+    loop (``insitu_step_ms``; of a train step with grad, its activations freed each time as a
+    training loop's are).
 
     Returns the capture (``cap.out``: the run; ``cap.model``: the model, its parameters,
     buffers, gradients and RNG state as they were when the run's state digest was taken, so
@@ -108,13 +109,12 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
         if not cap.records:
             raise CaptureError(f"{cap.out}: no module call matched --include/--exclude/"
                                "--max-depth (the run directory holds only the trace)")
-        by_call: dict[int, dict] = {}
-        if device.type == "cpu":
-            times = host_times(model, cap.records,
-                               lambda: run_step(provider, model, batch, step))
-            by_call = {c: {"insitu_host_ms": ms} for c, ms in (times or {}).items()}
-        else:
+        if device.type == "cuda":
             torch.cuda.synchronize()
+        # the forward's calls, hooked lightly (a backward's are not timed)
+        times = host_times(model, cap.records, lambda: provider.run(model, batch),
+                           one_thread_retry=device.type == "cpu")
+        by_call: dict[int, dict] = {c: {"insitu_host_ms": ms} for c, ms in (times or {}).items()}
         roots = [r for r in cap.records if r.parent_call_id == -1]
         if len(roots) == 1:  # one root: the step's forward is its call
             try:  # as the user runs it, in a loop: one step from an idle device read

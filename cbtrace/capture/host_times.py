@@ -1,8 +1,10 @@
-"""CPU in-situ time: each captured call's host wall time in an unprofiled repeat of the step.
+"""Each captured call's host wall time in unprofiled repeats of the step (``insitu_host_ms``).
 
-On a CPU the capture trace's op times carry the profiler's own cost (record_shapes and
-with_stack add microseconds to every op and Python call), which dwarfs small modules; timing the
-same calls with plain perf_counter hooks in a second, unprofiled step does not.
+On a CPU it is the in-situ time: the capture trace's op times carry the profiler's own cost
+(record_shapes and with_stack add microseconds to every op and Python call), which dwarfs small
+modules; timing the same calls with plain perf_counter hooks in a second, unprofiled step does
+not. On a GPU it is the host's issue time, which sets the pace of a call whose host is slower
+than its kernels, free of capture's hooks and input copies.
 """
 from __future__ import annotations
 
@@ -55,21 +57,21 @@ def time_calls(model, fqns: list[str], run_step) -> list[float] | None:
 MIN_REPEATS, MIN_REPEATS_MAX_S = 3, 10.0
 
 
-def host_times(model, records, run_step, *, repeats: int = 7,
-               budget_s: float = 2.0) -> dict[int, float] | None:
+def host_times(model, records, run_step, *, repeats: int = 7, budget_s: float = 2.0,
+               one_thread_retry: bool = True) -> dict[int, float] | None:
     """call_id -> insitu_host_ms: the median over up to ``repeats`` unprofiled steps (within
     ``budget_s``) of each captured call's host time, less the cost of the hooks nested in it;
     None when a step's calls do not line up with the captured ones. The model's state is left
     untouched. Where most steps' thread waited off the CPU (a busy machine, whose intra-op
     workers a step then waits for), the steps are taken again on one intra-op thread, as the
-    CPU timer does, and the try that waited less is kept."""
+    CPU timer does, and the try that waited less is kept (``one_thread_retry``: a CPU step)."""
     records = sorted(records, key=lambda r: r.call_id)
     guard = StateGuard(model)
     runs, plain, waited = _repeats(model, records, run_step, guard, repeats, budget_s)
     if runs is None:
         return None
     threads = torch.get_num_threads()
-    if threads > 1 and waited > len(runs) / 2:
+    if one_thread_retry and threads > 1 and waited > len(runs) / 2:
         torch.set_num_threads(1)
         try:
             again = _repeats(model, records, run_step, guard, repeats, budget_s)

@@ -94,17 +94,22 @@ def bound(flops, bytes_moved, seconds, peak_flops_per_s, peak_bytes_per_s,
 SPAN_TIMERS = frozenset({"stream"})
 
 
-def error_basis(timer: str | None, span_ms, *, step_ms=None, compiled: bool = False) -> str:
+def error_basis(timer: str | None, span_ms, *, step_ms=None, compiled: bool = False,
+                host_ms=None) -> str:
     """The in-situ figure to compare a call with: "step", the plain repeat of the step (a root
     that holds the host's gaps, a timer of ``SPAN_TIMERS``, or that the step ran compiled, when
     that repeat was timed); "eager", the captured step's busy time against the call's eager
-    figure (a call the step ran compiled: capture runs it eagerly); "span", the captured step's
-    span of a call that holds the host's gaps (> 0); else "busy"."""
+    figure (a call the step ran compiled: capture runs it eagerly); for a call that holds the
+    host's gaps (a timer of ``SPAN_TIMERS``), "host", the larger of its host issue time in an
+    unprofiled repeat of the step (``host_ms`` > 0) and its busy time, else "span", the captured
+    step's span (> 0); else "busy"."""
     paced = timer in SPAN_TIMERS
     if (paced or compiled) and step_ms is not None and step_ms > 0:
         return "step"
     if compiled:
         return "eager"
+    if paced and host_ms is not None and host_ms > 0:
+        return "host"
     return "span" if paced and span_ms is not None and span_ms > 0 else "busy"
 
 

@@ -71,8 +71,9 @@ class ModuleRecord:
                                               "model, or a block of it, compiled)", default=False)
 
     insitu_host_ms: float | None = column(
-        HOST_INSITU, "ms", "CPU runs: host time of the call in an unprofiled repeat of the step",
-        default=None)
+        HOST_INSITU, "ms", "host time of the call in unprofiled repeats of the step's forward "
+        "(CPU: its in-situ time; GPU: its host issue time, compared with a call timed back to "
+        "back)", default=None)
     insitu_step_ms: float | None = column(
         HOST_INSITU, "ms", "the root of a step captured from a spec: its forward run as "
         "the user runs it, in a loop (no hooks, no profiler, compiled parts compiled), CUDA events around "
