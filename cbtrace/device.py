@@ -6,12 +6,29 @@ import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.errors import CbtraceError
 
 
 class DeviceError(CbtraceError):
     """A device name that is not a device, or not on this machine."""
+
+
+_profiler_warm = False
+
+
+def warm_profiler(device) -> None:
+    """Pay the process's first CUDA profiler start (CUPTI's set-up, seconds) now, before the
+    caller loads a model's kernels: it costs less then than after them. Once per process;
+    nothing on a CPU."""
+    global _profiler_warm
+    if _profiler_warm or torch.device(device).type != "cuda":
+        return
+    _profiler_warm = True
+    with torch.cuda.device(device), profile(activities=[ProfilerActivity.CPU,
+                                                        ProfilerActivity.CUDA]):
+        torch.cuda.synchronize()
 
 
 def resolve_device(device=None, *, default: str = "auto"):

@@ -23,7 +23,7 @@ from cbtrace.console import Progress, announce
 from cbtrace.cost.calibrate import calibrate
 from cbtrace.cost.dtypes import meta_bytes
 from cbtrace.cost.peaks import calibration_path, device_name, load_calibration
-from cbtrace.device import free_memory, resolve_device
+from cbtrace.device import free_memory, resolve_device, warm_profiler
 from cbtrace.errors import ReplayError
 from cbtrace.global_state import GlobalSettings
 from cbtrace.replay.config import ReplayConfig
@@ -75,6 +75,9 @@ def setup(run: Path, model, device, cfg: ReplayConfig) -> ReplayLoop:
     check_writable(run)  # a read-only run fails now, before the model is rebuilt
     w = shard.world()  # under torchrun: this rank replays its share (run_io/shard.py)
     device = _device_and_ranks(w, device, manifest, model)
+    if model is None and device.type == "cuda":  # a fresh process: the first CUDA profiler
+        with phase(outside, "profiler_start"):  # start costs least before the model's kernels
+            warm_profiler(device)
     if model is None:  # "rebuild" and "verify_state" in outside
         model = rebuild.rebuild_model(manifest, device, verify=cfg.verify_state, trust=cfg.trust,
                                       spec=cfg.model_spec, run=run, timings=outside)

@@ -185,3 +185,21 @@ def test_inputs_made_on_side_streams_are_captured_as_they_were(tmp_path, monkeyp
     for name in ("a", "b"):
         args, _ = cbtrace.load_inputs(tmp_path / "r", name)
         assert torch.equal(args[0], seen[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_profiler_warmed_early_still_sees_the_kernels_of_a_later_session():
+    from torch.profiler import ProfilerActivity, profile
+
+    from cbtrace import device
+
+    device.warm_profiler("cuda")
+    t0 = time.perf_counter()
+    device.warm_profiler("cuda")  # once per process
+    assert time.perf_counter() - t0 < 0.05
+    x = torch.ones(1 << 20, device="cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        (x * 2).sum()
+        torch.cuda.synchronize()
+    assert any(e.device_type == torch.autograd.DeviceType.CUDA for e in p.events())
