@@ -195,9 +195,7 @@ def test_the_profiler_warmed_early_still_sees_the_kernels_of_a_later_session():
     from cbtrace import device
 
     device.warm_profiler("cuda")
-    t0 = time.perf_counter()
-    device.warm_profiler("cuda")  # once per process
-    assert time.perf_counter() - t0 < 0.05
+    assert device._profiler_warm  # once per process: a second call returns at once
     x = torch.ones(1 << 20, device="cuda")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         (x * 2).sum()
