@@ -3,6 +3,10 @@ import sys
 
 import click
 
+from cbtrace import registry
+from cbtrace.replay.config import MODES, ReplayConfig
+from cbtrace.replay.timer import choice
+
 
 def parse_kv(items) -> dict:
     """("batch_size=8", "preset=tiny") -> {"batch_size": 8, "preset": "tiny"}."""
@@ -60,10 +64,7 @@ class TimerChoice(click.Choice):
 
     @property
     def choices(self):
-        from cbtrace import registry
-        from cbtrace.replay.timer import choice as timers
-
-        return timers.names(registry.backends())
+        return choice.names(registry.backends())
 
     @choices.setter
     def choices(self, value):  # click.Choice.__init__ assigns it
@@ -82,8 +83,6 @@ def replay_options(f):
     """The replay flags that ``replay`` and ``profile`` share: --timer/--cold/--context/
     --timeout-s/--reuse-timing/--eager-only/--strict (each one ReplayConfig field, --strict
     aside)."""
-    from cbtrace.replay.config import ReplayConfig
-
     for deco in reversed([
         timer_option,
         click.option("--cold", is_flag=True,
@@ -137,8 +136,6 @@ def strict_exit(df, strict: bool) -> None:
 
 def parse_modes(text: str) -> tuple:
     """"eager,compile" -> ("eager", "compile"), checked against the replay modes."""
-    from cbtrace.replay.config import MODES
-
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
     bad = [m for m in modes if m != "eager" and m not in MODES]
     if bad:

@@ -12,12 +12,12 @@ import contextlib
 import time
 from typing import Protocol
 
-import torch
-
 from cbtrace.replay.timer import choice
 from cbtrace.replay.measure.prepare import CallUnderTest, prepare
 from cbtrace.replay.measure.reuse import ProfileCache
 from cbtrace.replay.measure.steps import HostIssue, OpCount, OutputCheck, ProfilerPass, Timed
+from cbtrace.replay.modes.backward import BackwardStep
+from cbtrace.replay.modes.compile_cudagraph import AsInStep, Compiled, mode_steps, stance
 
 
 class Step(Protocol):
@@ -39,17 +39,11 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
               Timed(chain, backends, cfg), HostIssue(cfg.host_runs), OutputCheck()]
     compiled = None
     if not cfg.eager_only:  # a call the step ran compiled: timed compiled (modes/)
-        from cbtrace.replay.modes.compile_cudagraph import AsInStep, Compiled
-
         compiled = Compiled(cfg, chain, backends)
         steps.append(AsInStep(compiled))
     if cfg.modes:  # the same call compiled / from a CUDA graph (modes/)
-        from cbtrace.replay.modes.compile_cudagraph import mode_steps
-
         steps += mode_steps(cfg, device, chain, backends, compiled)
-    if cfg.backward:  # its backward on the output gradients (replay/modes/backward.py)
-        from cbtrace.replay.modes.backward import BackwardStep
-
+    if cfg.backward:  # its backward on the output gradients (modes/backward.py)
         steps.append(BackwardStep(cfg, chain, backends))
     return steps
 
@@ -76,9 +70,3 @@ def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads
             timings[step.name] = timings.get(step.name, 0.0) + time.perf_counter() - t1
     row["replay_wall_s"] = time.perf_counter() - t0
     return row
-
-
-def stance(name: str):
-    """torch.compiler's stance ``name`` for the block (torch < 2.6 has none: a no-op there)."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance(name) if set_stance is not None else contextlib.nullcontext()

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.func import functional_call
 
 from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.nested import flat_tensors
-from cbtrace.replay.measure.copies import clone_like, embedding_copies, n_copies, tensor_bytes
+from cbtrace.replay.measure.copies import (clone_like, embedding_copies, n_copies,
+                                           table_copies, tensor_bytes)
 from cbtrace.replay.timer.contract import CallRunner
 
 
@@ -102,6 +104,7 @@ def in_context(c: CallUnderTest, context) -> None:
     taken from slot j's fresh output. A context that fails to run is dropped (the note says
     why); ``release()`` drops what the slots still hold. ``context``: the calls, or a function
     loading them, called only for a call that qualifies (loading reads their inputs)."""
+    # a cycle: context builds on this module's InputState and call_context
     from cbtrace.replay.measure.context import chained_positions, describe, substitute
 
     if not context or not _small(c):
@@ -162,10 +165,6 @@ def with_table_copies(c: CallUnderTest) -> None:
     """Set ``c.timed`` for an embedding lookup whose table would stay in the cache across its
     back-to-back timed runs (in the step each table is read once, after all the others): run
     j reads table copy j, enough copies to overflow the cache twice (``copies.table_copies``)."""
-    from torch.func import functional_call
-
-    from cbtrace.replay.measure.copies import table_copies
-
     tables = table_copies(c.module, c.device, c.cfg.max_copies)
     if tables is None:
         return

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
+from torch.autograd import profiler as autograd_profiler
+from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.console import quiet_kineto
 
@@ -114,8 +116,6 @@ def _profile_rows(call, device, runs: int) -> list[Row]:
     if device.type == "cuda":
         # torch.profiler, as run on the H200: autograd's profiler as set up here read no kernel
         # there once (kernel_count 0 for every call), and a fix of it was not run on a GPU
-        from torch.profiler import ProfilerActivity, profile
-
         acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         with quiet_kineto(), profile(activities=acts) as prof:
             for _ in range(runs):
@@ -124,9 +124,7 @@ def _profile_rows(call, device, runs: int) -> list[Row]:
         return rows_from_kineto(prof.profiler.kineto_results.events())
     # autograd's profiler, which torch.profiler.profile drives: the latter's start asks
     # hasattr(torch, "_inductor") and so imports inductor and dynamo (a second, fresh process)
-    from torch.autograd.profiler import profile
-
-    with quiet_kineto(), profile(use_kineto=True, profile_memory=True) as prof:
+    with quiet_kineto(), autograd_profiler.profile(use_kineto=True, profile_memory=True) as prof:
         for _ in range(runs):
             call()
     return rows_from_kineto(prof.kineto_results.events())

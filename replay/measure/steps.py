@@ -13,10 +13,14 @@ import warnings
 
 import torch
 
-from cbtrace.replay.timer import choice
+from cbtrace.cost.opcount import OpCounter
+from cbtrace.nested import flat_tensors
 from cbtrace.replay.measure.prepare import CallUnderTest, in_step_cache_state
+from cbtrace.replay.measure.profiler_pass import profile_call
+from cbtrace.replay.measure.reuse import (COPIED, CountCache, ProfileCache, TimingReuse,
+                                          call_key, signature, value_free)
+from cbtrace.replay.timer import choice
 from cbtrace.replay.timer.contract import join_notes
-from cbtrace.replay.measure.reuse import COPIED
 
 
 class Timed:
@@ -29,8 +33,6 @@ class Timed:
         self.tcfg, self.cold = cfg.timing(), cfg.cold
         self.reuse = None
         if cfg.reuse_timing:
-            from cbtrace.replay.measure.reuse import TimingReuse
-
             self.reuse = TimingReuse()
 
     def run(self, c: CallUnderTest) -> dict:
@@ -62,7 +64,6 @@ class Timed:
     def _key(self, c: CallUnderTest):
         if self.reuse is None or not c.value_free:
             return None
-        from cbtrace.replay.measure.reuse import ProfileCache, signature
 
         return ProfileCache.key(signature(c.module, c.rec), c.row)
 
@@ -77,9 +78,6 @@ class ProfilerPass:
         self.runs, self.cache = runs, cache
 
     def run(self, c: CallUnderTest) -> dict:
-        from cbtrace.replay.measure.profiler_pass import profile_call
-        from cbtrace.replay.measure.reuse import signature
-
         key = self.cache.key(signature(c.module, c.rec), c.row) if self.cache else None
         hit = self.cache.get(key) if self.cache else None
         if hit is not None:
@@ -163,14 +161,9 @@ class OpCount:
     name = "count"
 
     def __init__(self, reuse: bool = True):
-        from cbtrace.replay.measure.reuse import CountCache
-
         self.cache = CountCache() if reuse else None
 
     def run(self, c: CallUnderTest) -> dict:
-        from cbtrace.cost.opcount import OpCounter
-        from cbtrace.replay.measure.reuse import call_key, value_free
-
         key = call_key(c.module, c.rec) if self.cache is not None else None
         hit = self.cache.get(key) if key is not None else None
         if hit is not None:
@@ -195,8 +188,6 @@ class OutputCheck:
     name = "outputs"
 
     def run(self, c: CallUnderTest) -> dict:
-        from cbtrace.nested import flat_tensors
-
         out = c.outputs if c.outputs is not None else c.run(0)
         c.outputs = None
         floats = [t for t in flat_tensors(out) if t.is_floating_point() or t.is_complex()]

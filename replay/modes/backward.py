@@ -14,11 +14,16 @@ parameter gradients it writes make the call's memory split.
 from __future__ import annotations
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from cbtrace.nested import flat_tensors
-from cbtrace.replay.timer import choice
+from cbtrace.console import quiet_kineto
+from cbtrace.cost.opcount import OpCounter
+from cbtrace.nested import flat_tensors, map_tensors
 from cbtrace.replay.measure.prepare import CallUnderTest
+from cbtrace.replay.measure.profiler_pass import peak_live_bytes, rows_from_kineto
+from cbtrace.replay.timer import choice
 from cbtrace.replay.timer.contract import CallRunner, join_notes
+from cbtrace.store.autograd_shape import as_non_leaf, is_non_leaf
 
 
 class BackwardStep:
@@ -169,9 +174,6 @@ def _fresh_autograd(inputs, view: bool = True):
     backward captured on a side stream breaks the capture ("operation would make the legacy
     stream depend on a capturing blocking stream", torch 2.11; pytorch#180090). Nodes made by
     the staged forward are made on the capture stream."""
-    from cbtrace.nested import map_tensors
-    from cbtrace.store.autograd_shape import as_non_leaf, is_non_leaf
-
     if not any(t.requires_grad for t in flat_tensors(inputs)):
         return inputs
     bases: dict = {}  # tensors over one storage keep sharing one base
@@ -188,8 +190,6 @@ def _fresh_autograd(inputs, view: bool = True):
 
 def _cost(c: CallUnderTest, backward: _FreshBackward) -> dict:
     """FLOPs and bytes of one backward as it runs (grad-input and grad-weight, counted)."""
-    from cbtrace.cost.opcount import OpCounter
-
     outs, leaves = backward.forward(0)
     params = {id(p): n for n, p in c.module.named_parameters()}
     with OpCounter(params=params) as oc:
@@ -250,11 +250,6 @@ def _input_leaves(inputs) -> list[torch.Tensor]:
 
 def _cpu_peak(fn) -> int:
     """Peak of live host bytes while ``fn`` runs, from the profiler's memory events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from cbtrace.console import quiet_kineto
-    from cbtrace.replay.measure.profiler_pass import peak_live_bytes, rows_from_kineto
-
     with quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return peak_live_bytes(rows_from_kineto(prof.profiler.kineto_results.events()), on_cpu=True)

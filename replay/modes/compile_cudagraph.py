@@ -44,6 +44,7 @@ import warnings
 import torch
 
 from cbtrace.replay.measure.prepare import CallUnderTest, in_context
+from cbtrace.replay.measure.reuse import call_key
 from cbtrace.replay.timer.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing,
                                                 root_cause, side_stream_warmup,
                                                 watch_capture_checks)
@@ -132,8 +133,6 @@ class EntryCache:
         self.misses: dict = {}   # key -> calls that compiled again under a shared entry
 
     def key(self, module, rec):
-        from cbtrace.replay.measure.reuse import call_key
-
         k = call_key(module, rec)
         if k is None or self.misses.get(k, 0) >= SHARE_MISSES:
             return ("module", id(module))
@@ -167,7 +166,7 @@ class DynamoCounts:
 
 
 def _counters() -> dict:
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # dynamo loads only when a call is compiled
 
     return {g: dict(counters[g]) for g in ("frames", "stats", "graph_break", "unimplemented")}
 
@@ -257,8 +256,6 @@ class Compiled:
     def measure(self, c: CallUnderTest) -> tuple[dict, dict | None]:
         """The row's compile fields, and the Timed step's figures of the compiled call (None
         where it was not timed compiled)."""
-        from cbtrace.replay.measure.plan import stance
-
         with stance("default"):  # a step_compiled row's plan runs eagerly
             return self._measure(c)
 
@@ -484,3 +481,9 @@ class CudaGraphed:
             graphs.clear()
             self._release()  # the graphs' pool, before the next call's captures
         return dict(cudagraph_ms=statistics.median(ms), cudagraph_status="ok")
+
+
+def stance(name: str):
+    """torch.compiler's stance ``name`` for the block (torch < 2.6 has none: a no-op there)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance(name) if set_stance is not None else contextlib.nullcontext()

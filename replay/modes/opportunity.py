@@ -200,7 +200,7 @@ def paired_steps_ms(step_a, step_b, device, *, k: int = 20, repeats: int = 5,
     clock drifting over the measurement moves both (measured one after the other, a GPT-2
     step read 8.5 ms for its first modules and 5.1 ms for its last); the medians, and half
     the p10..p90 range of the per-pair differences."""
-    from cbtrace.device import window_ms  # torch: cbtrace report reads this module without it
+    from cbtrace.device import window_ms  # torch on use: --help and report read this module
     for step in (step_a, step_b):
         for _ in range(warmup):
             step()
@@ -215,6 +215,7 @@ def paired_steps_ms(step_a, step_b, device, *, k: int = 20, repeats: int = 5,
 
 
 def _sync(device) -> None:
+    # torch on use: --help and report import this module (reporters/opportunities)
     import torch
 
     if torch.device(device).type == "cuda":
@@ -226,6 +227,7 @@ def compiled_in_place(model, fqn: str, mode: str = "default"):
     """(eager, compiled): each returns the model to run with module ``fqn`` eager, or replaced
     on its parent by ``torch.compile(module)`` (the root: the whole model compiled), so the
     two can be measured in turn; the module put back and dynamo reset on exit."""
+    # torch on use: --help and report import this module (reporters/opportunities)
     import torch
 
     if not fqn:
@@ -256,6 +258,7 @@ def verify_in_place(model, run_step, fqns: list[str], estimates: dict[str, float
     """Per module of ``fqns``: the whole step (``run_step(model)``) eager and with that module
     compiled in place, in alternating windows (``paired_steps_ms``); a module that fails to
     compile or run is a row with its status and the eager step alone."""
+    # torch on use: --help and report import this module (reporters/opportunities)
     import torch
 
     from cbtrace.device import steps_ms
@@ -287,6 +290,7 @@ def verify_spec(spec: str, df, top: int, *, device=None, dtype: str | None = Non
     """``verify_in_place`` for a profiled run: the root and the ``top`` modules by
     ``compile_estimates`` of its modules frame ``df``, in the model of ``spec`` built again
     (same seed, options, dtype and step as the capture)."""
+    # torch on use: --help and report import this module (reporters/opportunities)
     from cbtrace.capture.from_spec import run_step
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.device import resolve_device

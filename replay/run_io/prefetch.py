@@ -29,6 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from cbtrace.cost.dtypes import meta_bytes
+from cbtrace.store import load
+
 
 MAX_CALLS = 8          # calls read ahead at most
 MAX_BYTES = 512 << 20  # and at most this many of their bytes; the pinned ring is no larger
@@ -103,15 +108,12 @@ _NOTHING_COPIED = _NothingCopied()
 
 
 def _pinned(nbytes: int):
-    import torch
 
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _cuda_event(device):
     """A CUDA event recorded on ``device``'s current stream, where the input copies went."""
-    import torch
-
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(device))
     return ev
@@ -163,11 +165,9 @@ class ReadAhead:
     def _need(self, rec) -> tuple | None:
         """Ring bytes of a call's (inputs, grads); None for a reference that does not parse
         (its read then fails, and the call reports it)."""
-        from cbtrace.store.load import host_bytes
-
         try:
-            ins = host_bytes(self.run, rec.inputs_ref) if rec.inputs_ref else 0
-            grads = host_bytes(self.run, rec.grads_ref) if self.grads and rec.grads_ref else 0
+            ins = load.host_bytes(self.run, rec.inputs_ref) if rec.inputs_ref else 0
+            grads = load.host_bytes(self.run, rec.grads_ref) if self.grads and rec.grads_ref else 0
         except Exception:  # noqa: BLE001 - the call's own load reports it
             return None
         return ins, grads
@@ -187,15 +187,11 @@ class ReadAhead:
 
     def _bytes(self, rec) -> int:
         """What a call's read-ahead holds: its inputs, and its output gradients when read."""
-        from cbtrace.cost.dtypes import meta_bytes
-
         grads = meta_bytes(rec.output_meta) if self.grads and rec.grads_ref else 0
         return int(rec.input_bytes or 0) + grads
 
     def _read(self, rec, lease: _Lease):
         """On the worker, so: no CUDA call, and no pinned allocation through torch."""
-        from cbtrace.store.load import read_call_chunks
-
         into = (None, None)
         need = lease.need
         if self._ring is not None and need is not None and 0 < sum(need) <= self._ring.size:
@@ -205,9 +201,9 @@ class ReadAhead:
             start, end, _ = lease.block
             into = self._view[start:start + need[0]], self._view[start + need[0]:end]
         pin = self.pin and lease.block is not None  # else pageable memory: no CUDA call
-        inputs = (read_call_chunks(self.run, rec.inputs_ref, pin=pin, into=into[0])
+        inputs = (load.read_call_chunks(self.run, rec.inputs_ref, pin=pin, into=into[0])
                   if rec.inputs_ref else None)
-        grads = (read_call_chunks(self.run, rec.grads_ref, pin=pin, into=into[1])
+        grads = (load.read_call_chunks(self.run, rec.grads_ref, pin=pin, into=into[1])
                  if self.grads and rec.grads_ref else None)
         return inputs, grads
 

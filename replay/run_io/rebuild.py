@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import time
 
+from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.errors import CbtraceError, ReplayError
+from cbtrace.model.spec import is_registered, resolve
+from cbtrace.rundir.signature import signed_manifest
+from cbtrace.state import same_state
 
 HOW = ("the run is not signed by you (captured here, or cbtrace trust RUN after reading it); "
        "pass the model (model=) or its spec (model_spec=SPEC), or trust=True to rebuild it "
@@ -33,10 +37,6 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
         run: the run directory, named in errors; its signature is checked.
         timings: gets the seconds of "rebuild" and "verify_state" (the digest check).
     """
-    from cbtrace.cost.dtypes import torch_dtype
-    from cbtrace.model.spec import is_registered, resolve
-    from cbtrace.state import same_state
-
     where = f"{run}: " if run is not None else ""
     named = spec is not None
     spec = spec if named else manifest.model.spec
@@ -73,8 +73,6 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
 def signed_source(run, manifest) -> bool:
     """Whether ``run`` is signed by this user for the model source ``manifest`` names (the
     manifest as read, checked against the bytes the signature covers)."""
-    from cbtrace.rundir.signature import signed_manifest
-
     if run is None:
         return False
     signed = signed_manifest(run)

@@ -15,6 +15,8 @@ import heapq
 import os
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 
 @dataclass(frozen=True)
 class World:
@@ -33,8 +35,6 @@ def world() -> World | None:
 
 def init(w: World, cuda: bool) -> None:
     """The process group (nccl between GPUs, gloo between CPU processes), once."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if cuda else "gloo")
 
@@ -60,8 +60,6 @@ def costs(df) -> dict[int, float]:
 
 def gather(rows: dict, w: World) -> dict | None:
     """Every rank's rows on rank 0 (None elsewhere)."""
-    import torch.distributed as dist
-
     parts = [None] * w.size if w.rank == 0 else None
     dist.gather_object(rows, parts, dst=0)
     if w.rank != 0:
@@ -73,7 +71,6 @@ def gather(rows: dict, w: World) -> dict | None:
 
 
 def barrier() -> None:
-    import torch.distributed as dist
 
     dist.barrier()
 

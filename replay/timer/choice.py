@@ -39,7 +39,7 @@ def measure(call: CallRunner, n_copies: int, device, timers: list[str], backends
             cfg: TimingConfig) -> tuple[Timing, str | None]:
     """Time ``call`` (a CallRunner, or a bare ``fn(i)``) with the first timer of ``timers``
     that can; returns (Timing, why the ones before it could not, or None)."""
-    import torch
+    import torch  # on use: the CLI's --timer choices read this module, and --help stays light
 
     call = as_runner(call, n_copies)
     n_copies = call.n_copies
