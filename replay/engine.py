@@ -12,7 +12,7 @@ import contextlib
 import functools
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,7 +44,7 @@ from cbtrace.schema.manifest import ReplayInfo
 from cbtrace.schema.modules import (CAPTURE, COLUMNS, COPY_FAILED, HOST_INSITU, REPLAY,
                                     ModuleRecord, frame_to_records, stage_columns)
 from cbtrace.state import StateGuard
-from cbtrace.store.load import load_call_inputs
+from cbtrace.store import load
 
 
 @locked("replay")  # one writer of the run at a time; a full disk ends in one line
@@ -157,18 +157,17 @@ class ReplayLoop:
     context: ContextSource | None  # each call's predecessors, run before its timed runs
     outside: dict               # seconds outside the per-call loop, by phase
     t_start: float              # perf_counter at the start of setup
-    timings: dict | None = None  # seconds per phase of a call's replay, summed
+    timings: dict = field(default_factory=dict)  # seconds per phase of a call's replay
 
     def run(self) -> None:
         """Every call of ``order`` not done yet, then (CPU) the noisy ones again."""
-        self.timings = {}
         t0 = time.perf_counter()
         try:
             for cid in self.order:
                 if cid not in self.done:
-                    self._first(cid)
+                    self._replay_and_log(cid)
             if self.device.type == "cpu":  # a busy machine slows calls at random: retime
-                self._again()
+                self._retime_noisy()
         finally:
             self.ahead.close()
             self.log.close()
@@ -176,7 +175,8 @@ class ReplayLoop:
         # the loop's time in no phase of a call: progress rows, the bar, picking the next call
         self.timings["loop_other"] = time.perf_counter() - t0 - sum(self.timings.values())
 
-    def _first(self, cid: int) -> None:
+    def _replay_and_log(self, cid: int) -> None:
+        """One call replayed, its row appended to the progress log and kept in ``done``."""
         rec = self.by_id[cid]
         with phase(self.timings, "load"):
             read = self.ahead.take(cid)  # waits only when the read-ahead is slower than timing
@@ -189,7 +189,7 @@ class ReplayLoop:
         self.done[cid] = row
         self.bar.advance(rec.fqn or "(root)")
 
-    def _again(self) -> None:
+    def _retime_noisy(self) -> None:
         """The calls ``recheck`` picks timed once more; the faster row is kept."""
         done = self.done
         again = recheck({c: done[c] for c in self.order if c in done}, self.by_id)
@@ -218,11 +218,7 @@ class ReplayLoop:
         try:
             with timed(self.guard.call(), timings, "state_guard"), time_limit(cfg.timeout_s):
                 with phase(timings, "load"):
-                    args, kwargs = load_call_inputs(self.run_dir, rec.inputs_ref, device=device,
-                                                    chunks_read=read[0])
-                    grads = (load_call_inputs(self.run_dir, rec.grads_ref, device=device,
-                                              chunks_read=read[1])[0]
-                             if cfg.backward and rec.grads_ref else None)
+                    (args, kwargs), grads = self._inputs(rec, read)
                 # loaded only if the call qualifies, once its device time is known (Timed step)
                 ctx = (functools.partial(self.context.calls, rec.call_id)
                        if self.context is not None else None)
@@ -238,6 +234,16 @@ class ReplayLoop:
         except Exception as e:  # the module (or its inputs) failed: record and go on
             _free(device)
             return dict(status="error", status_reason=f"{type(e).__name__}: {str(e)[:300]}")
+
+    def _inputs(self, rec, read) -> tuple:
+        """The call's (args, kwargs) and, with --backward, its output gradients (else None)."""
+        inputs = load.load_call_inputs(self.run_dir, rec.inputs_ref, device=self.device,
+                                       chunks_read=read[0])
+        grads = None
+        if self.cfg.backward and rec.grads_ref:
+            grads = load.load_call_inputs(self.run_dir, rec.grads_ref, device=self.device,
+                                          chunks_read=read[1])[0]
+        return inputs, grads
 
     def _over_budget(self, rec) -> dict | None:
         """A skipped row when the call's footprint exceeds the memory budget (or what is free)."""
@@ -443,7 +449,7 @@ def context_source(cfg, records, model, run, device, flags):
     if not uses_context(cfg, device):
         return None
     return ContextSource(records, model, device,
-                         lambda r: load_call_inputs(run, r.inputs_ref, device=device),
+                         lambda r: load.load_call_inputs(run, r.inputs_ref, device=device),
                          flags, max_calls=cfg.context_calls)
 
 
