@@ -9,12 +9,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.func import functional_call
 
 from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.nested import flat_tensors
-from cbtrace.replay.measure.copies import (clone_like, embedding_copies, n_copies,
-                                           table_copies, tensor_bytes)
+from cbtrace.replay.measure.copies import clone_like, embedding_copies, n_copies, tensor_bytes
 from cbtrace.replay.timer.contract import CallRunner
 
 
@@ -94,89 +92,6 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
     touch = input_toucher(copies) if cfg.warm_inputs and not cfg.cold else None
     run = OnCopies(module, copies, states if any(states) else None, rec, device, touch)
     return CallUnderTest(module, rec, run, len(copies), device, cfg, grads)
-
-
-def in_context(c: CallUnderTest, context) -> None:
-    """Set ``c.timed``: ``c.run`` preceded by its context (``context``) when one of the
-    call's inputs is an output of that context (its producer ran just before it in the step).
-    ``before(j)`` runs the context calls for slot j (untimed work a timer puts before the timed
-    call); ``run(j)`` then runs the call on copy j, each input that equals a context output
-    taken from slot j's fresh output. A context that fails to run is dropped (the note says
-    why); ``release()`` drops what the slots still hold. ``context``: the calls, or a function
-    loading them, called only for a call that qualifies (loading reads their inputs)."""
-    # a cycle: context builds on this module's InputState and call_context
-    from cbtrace.replay.measure.context import chained_positions, describe, substitute
-
-    if not context or not _small(c):
-        return
-    try:
-        context = context() if callable(context) else context
-        if not context:
-            return
-        first = [flat_tensors(x(0)) for x in context]
-    except Exception as e:  # noqa: BLE001 - a predecessor that cannot run alone: time without
-        c.context_note = f"no context: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        return
-    copies, run_on, n = c.run.copies, c.run.on, c.n_copies  # no reference back to c
-    # the last copy: steps before timing ran copy 0, which an in-place call has rewritten
-    chained = chained_positions(first, copies[-1])
-    del first
-    if not chained:
-        return
-    slots: dict = {}
-
-    def before(j: int) -> None:
-        slots[j] = [flat_tensors(x(j)) for x in context]
-
-    def timed(j: int = 0):
-        outs = slots.pop(j, None)
-        inputs = copies[j % n]
-        if outs is not None:
-            inputs = substitute(inputs, chained, outs)
-        return run_on(inputs, j)
-
-    c.timed = CallRunner(run=timed, n_copies=n, before=before, release=slots.clear)
-    c.context_note = describe(context, chained)
-
-
-# Calls timed in their context: those whose device time (the profiled pass) is under this (ms).
-# Longer calls read the same alone (their own traffic sets their cache state), and subtracting
-# a context's graph from a long one adds its noise (benchmarks/RESULTS.md, context replay).
-CONTEXT_MAX_MS = 0.015
-
-
-def _small(c: CallUnderTest) -> bool:
-    ms = c.row.get("device_ms")
-    return c.device.type != "cuda" or (ms is not None and 0 < ms < CONTEXT_MAX_MS)
-
-
-def in_step_cache_state(c: CallUnderTest) -> None:
-    """Set ``c.timed`` so that the call meets the cache state it had in the step, where that is
-    on (``c.context`` not None): its context before it (``in_context``), else, for an embedding
-    lookup, a table copy per run (``with_table_copies``)."""
-    if c.context is None or c.timed is not None:
-        return
-    in_context(c, c.context)
-    if c.timed is None:
-        with_table_copies(c)
-
-
-def with_table_copies(c: CallUnderTest) -> None:
-    """Set ``c.timed`` for an embedding lookup whose table would stay in the cache across its
-    back-to-back timed runs (in the step each table is read once, after all the others): run
-    j reads table copy j, enough copies to overflow the cache twice (``copies.table_copies``)."""
-    tables = table_copies(c.module, c.device, c.cfg.max_copies)
-    if tables is None:
-        return
-    module = c.module  # no reference back to c
-    runs = [c.run.with_fn(lambda *a, w=w, **k: functional_call(module, {"weight": w}, a, k))
-            for w in tables]
-
-    def timed(j: int = 0):
-        return runs[j % len(runs)](j)
-
-    c.timed = CallRunner(run=timed, n_copies=max(c.n_copies, len(runs)))
-    c.context_note = f"{len(tables)} copies of the table, one a run"
 
 
 WARM_MIN_BYTES = 64 << 10  # smaller inputs stay cached whatever happens; not worth a kernel

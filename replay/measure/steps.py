@@ -15,7 +15,8 @@ import torch
 
 from cbtrace.cost.opcount import OpCounter
 from cbtrace.nested import flat_tensors
-from cbtrace.replay.measure.prepare import CallUnderTest, in_step_cache_state
+from cbtrace.replay.measure.context import in_step_cache_state
+from cbtrace.replay.measure.prepare import CallUnderTest
 from cbtrace.replay.measure.profiler_pass import profile_call
 from cbtrace.replay.measure.reuse import (COPIED, CountCache, ProfileCache, TimingReuse,
                                           call_key, signature, value_free)

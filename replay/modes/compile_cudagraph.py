@@ -43,7 +43,8 @@ import warnings
 
 import torch
 
-from cbtrace.replay.measure.prepare import CallUnderTest, in_context
+from cbtrace.replay.measure.context import in_context
+from cbtrace.replay.measure.prepare import CallUnderTest
 from cbtrace.replay.measure.reuse import call_key
 from cbtrace.replay.timer.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing,
                                                 root_cause, side_stream_warmup,
