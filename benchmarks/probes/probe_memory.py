@@ -65,13 +65,13 @@ def main(out_dir, names, spec="nanogpt", options=None, top=0):
                         options=options if options is not None else {"batch_size": 8},
                         step="train")
     table = variants()
-    one = engine.replay_one
+    one = engine.ReplayLoop.replay_one
     params = list(cap.model.parameters())
     for name in names or list(table):
         log = []
 
-        def logged(model, rec, *a, **k):
-            row = one(model, rec, *a, **k)
+        def logged(loop, rec, *a, **k):
+            row = one(loop, rec, *a, **k)
             free = torch.cuda.mem_get_info()[0]
             grads = sum(p.grad.numel() * p.grad.element_size() for p in params
                         if p.grad is not None)
@@ -80,7 +80,7 @@ def main(out_dir, names, spec="nanogpt", options=None, top=0):
             return row
 
         torch.cuda.empty_cache()
-        with table[name](), patched(engine, "replay_one", logged):
+        with table[name](), patched(engine.ReplayLoop, "replay_one", logged):
             engine.replay(cap.out, model=cap.model, backward=True, progress=False)
         skipped = sum(s != "ok" for s, *_ in log)
         marks = [9, len(log) // 2, len(log) - 1]
