@@ -24,7 +24,7 @@ from cbtrace.cost.calibrate import calibrate
 from cbtrace.cost.dtypes import meta_bytes
 from cbtrace.cost.peaks import calibration_path, device_name, load_calibration
 from cbtrace.device import free_memory, resolve_device, warm_profiler
-from cbtrace.errors import ReplayError
+from cbtrace.errors import ReplayError, one_line
 from cbtrace.global_state import GlobalSettings
 from cbtrace.replay.config import ReplayConfig
 from cbtrace.replay.derive import finalize
@@ -230,10 +230,10 @@ class ReplayLoop:
             return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")
         except torch.OutOfMemoryError as e:
             _free(device)
-            return dict(status="skipped", status_reason=f"OOM: {str(e).splitlines()[0][:200]}")
+            return dict(status="skipped", status_reason=f"OOM: {one_line(e, with_type=False)}")
         except Exception as e:  # the module (or its inputs) failed: record and go on
             _free(device)
-            return dict(status="error", status_reason=f"{type(e).__name__}: {str(e)[:300]}")
+            return dict(status="error", status_reason=one_line(e))
 
     def _inputs(self, rec, read) -> tuple:
         """The call's (args, kwargs) and, with --backward, its output gradients (else None)."""

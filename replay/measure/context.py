@@ -24,6 +24,7 @@ from torch.func import functional_call
 from cbtrace import module_tree
 from cbtrace.calltree import CallTree
 from cbtrace.cost.dtypes import meta_bytes
+from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors
 from cbtrace.replay.measure.copies import clone_like, n_copies, table_copies, tensor_bytes
 from cbtrace.replay.measure.prepare import CallUnderTest, InputState, call_context
@@ -203,7 +204,7 @@ def in_context(c: CallUnderTest, context) -> None:
             return
         first = [flat_tensors(x(0)) for x in context]
     except Exception as e:  # noqa: BLE001 - a predecessor that cannot run alone: time without
-        c.context_note = f"no context: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        c.context_note = f"no context: {one_line(e, 120)}"
         return
     copies, run_on, n = c.run.copies, c.run.on, c.n_copies  # no reference back to c
     # the last copy: steps before timing ran copy 0, which an in-place call has rewritten

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.console import quiet_kineto
 from cbtrace.cost.opcount import OpCounter
+from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors, map_tensors
 from cbtrace.replay.measure.prepare import CallUnderTest
 from cbtrace.replay.measure.profiler_pass import peak_live_bytes, rows_from_kineto
@@ -51,7 +52,7 @@ class BackwardStep:
                                          self.tcfg)
         except Exception as e:  # noqa: BLE001 - the backward failed: record it, go on
             return dict(bwd_status="error", grad_source=source,
-                        bwd_status_reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                        bwd_status_reason=one_line(e))
         row = dict(bwd_status="ok", grad_source=source, bwd_timer=t.timer, bwd_ms=t.median_ms,
                    bwd_ms_p10=t.p10_ms, bwd_ms_p90=t.p90_ms,
                    bwd_timer_notes=join_notes(t.notes, fallback and f"fallback: {fallback}"))

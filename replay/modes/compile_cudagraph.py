@@ -43,6 +43,7 @@ import warnings
 
 import torch
 
+from cbtrace.errors import one_line
 from cbtrace.replay.measure.context import in_context
 from cbtrace.replay.measure.prepare import CallUnderTest
 from cbtrace.replay.measure.reuse import call_key
@@ -97,11 +98,6 @@ class Budgeted:
             return self.step.run(c)
         finally:
             self.budget.spent_s += time.perf_counter() - t0
-
-
-def one_line(e: BaseException, limit: int = 200) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:limit] if lines else ''}".rstrip(": ")
 
 
 # ---------------------------------------------------------------- compile

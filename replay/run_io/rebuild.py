@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from cbtrace.cost.dtypes import torch_dtype
-from cbtrace.errors import CbtraceError, ReplayError
+from cbtrace.errors import CbtraceError, ReplayError, one_line
 from cbtrace.model.spec import is_registered, resolve
 from cbtrace.rundir.signature import signed_manifest
 from cbtrace.state import same_state
@@ -58,7 +58,7 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
                           "cbtrace.replay") from None
     except Exception as e:
         raise ReplayError(f"{where}cannot rebuild {whose} '{spec}' ({type(e).__name__}: "
-                          f"{_first_line(e)}); pass model= to cbtrace.replay") from None
+                          f"{one_line(e, with_type=False)}); pass model= to cbtrace.replay") from None
     t1 = time.perf_counter()
     same = not (verify and manifest.state_sha256) or same_state(model, manifest.state_sha256)
     if timings is not None:
@@ -78,7 +78,3 @@ def signed_source(run, manifest) -> bool:
     signed = signed_manifest(run)
     return signed is not None and signed.model == manifest.model
 
-
-def _first_line(e) -> str:
-    lines = str(e).splitlines()
-    return lines[0][:300] if lines else ""
