@@ -1,6 +1,6 @@
 """Reading and writing Kineto traces (docs/ARCHITECTURE.md): whole traces read and written, the
 capture trace compressed (``gzip_trace``) and traces streamed; the annotated copy is the one trace
-written elsewhere, by ``annotate/stream.py``'s byte-preserving rewrite.
+written elsewhere, by ``annotate/rewrite_json.py``'s byte-preserving rewrite.
 
 ``.json`` and ``.json.gz`` are told apart by suffix. ``read_trace`` loads a whole trace as a
 dict (for small traces and for writing annotated copies); ``stream_trace`` decodes the

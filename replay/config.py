@@ -60,9 +60,8 @@ class ReplayConfig:
     every call."""
     warm_inputs: bool = False
     """Time each call on inputs just rewritten in place (x * 1), as if its producer had just
-    left them in L2; never with ``cold``. Off by default: on the H200 it overshoots (NanoGPT
-    GPT-2-small: 75 % of calls >= 10 us within +-5 % of in situ with it, 98 % without;
-    ResNet-50: 69 % vs 76 %, its ReLUs -16 % vs +26 %; benchmarks/RESULTS.md)."""
+    left them in L2; never with ``cold``. Off by default: it overshoots, calls then read faster
+    than in situ (benchmarks/RESULTS.md, warm inputs)."""
     eager_only: bool = False
     """Time every call eagerly, also those the step ran under torch.compile (``step_compiled``),
     which are otherwise timed compiled in isolated_ms, their eager time in eager_ms."""
@@ -82,8 +81,8 @@ class ReplayConfig:
     resume: bool = False
     """Continue a replay that was interrupted: keep finished rows, do the rest."""
     host_runs: int = 5
-    """Calls whose host issue time is taken (host_ms: their median). 10 took 0.35 s of a 3.5 s
-    GPT-2 replay on the H200 (the root alone issues for ~5-8 ms a call)."""
+    """Calls whose host issue time is taken (host_ms: their median); more cost replay wall time
+    for a model's large parents, each of which issues for milliseconds."""
     profile_runs: int = 3
     """Calls run under torch.profiler for kernel count and device time."""
     count_flops: bool = True

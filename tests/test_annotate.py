@@ -161,17 +161,17 @@ def test_multi_step_trace_restarts_call_index(tmp_path):
 
 
 def test_output_does_not_depend_on_chunk_size(tmp_path, run, monkeypatch):
-    from cbtrace.annotate import stream
+    from cbtrace.annotate import rewrite_json
 
     ref = annotate(run, out=tmp_path / "ref.pt.trace.json", pftrace=False).read_bytes()
     for size in (4096, 777):
-        monkeypatch.setattr(stream, "CHUNK_BYTES", size)
+        monkeypatch.setattr(rewrite_json, "CHUNK_BYTES", size)
         got = annotate(run, out=tmp_path / f"c{size}.pt.trace.json", pftrace=False)
         assert got.read_bytes() == ref
 
 
 def test_scanner_handles_strings_with_braces_and_escapes(tmp_path):
-    from cbtrace.annotate.stream import rewrite
+    from cbtrace.annotate.rewrite_json import rewrite
 
     events = [{"ph": "X", "name": 'k<{lambda()#1}> "q" \\ [', "pid": 1, "tid": 1, "ts": 1,
                "dur": 1},

@@ -95,7 +95,7 @@ def test_the_ratio_limit_is_set_by_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(trace_io.RATIO_ENV, "50")
     with pytest.raises(TraceLimitError, match="inflates over 50x"):
         load(small)
-    from cbtrace.annotate.stream import read_chunks
+    from cbtrace.annotate.rewrite_json import read_chunks
 
     with pytest.raises(TraceLimitError, match="inflates over 50x"):
         for _ in read_chunks(small):

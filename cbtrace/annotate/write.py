@@ -1,7 +1,7 @@
 """``annotated_<trace>``: a Kineto trace with cbtrace's per-module figures, for Perfetto,
 TensorBoard's profiler tab and HTA.
 
-The original is streamed through (see ``annotate_stream``) and never modified; module slices
+The original is streamed through (see ``rewrite_json``) and never modified; module slices
 (``cbtrace::<fqn>`` ranges or ``nn.Module: ...`` events) get the module's figures as args, and a
 ``cbtrace`` process with the isolated replay, counter tracks and metadata is appended.
 """
@@ -17,7 +17,7 @@ from cbtrace._version import __version__
 from cbtrace.annotate import pftrace as proto
 from cbtrace.annotate.figures import Figures, SliceAnnotator
 from cbtrace.annotate.appended import appended_events, metadata
-from cbtrace.annotate.stream import rewrite
+from cbtrace.annotate.rewrite_json import rewrite
 from cbtrace.attribution.attribute import attribute
 from cbtrace.cost.peaks import PeakLookup
 from cbtrace.errors import TraceError

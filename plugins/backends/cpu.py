@@ -77,7 +77,7 @@ class CpuTimer:
         waited = sum(waits)
         if not cuda and waited > NOISY_SHARE * len(samples):
             # A CPU-bound neighbour kept this thread, or a thread-pool worker it waits for, off
-            # the CPU (a 45 us EmbeddingBag read 12 ms that way): once more on one thread, which
+            # the CPU (a small call then reads many times its time): once more on one thread, which
             # waits for no worker, and keep whichever waited less.
             again, why = self._one_thread(sample, cfg, waits)
             if again is not None:

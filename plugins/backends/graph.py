@@ -101,7 +101,7 @@ def slots_that_fit(device, per_slot_bytes: int, share: float = 0.5) -> int:
 
 # Whether a spin kernel is queued after the L2 flush too: the flush already keeps the GPU busy
 # while the host records the start event and launches the graph (as in triton.testing.do_bench),
-# so a spin on top is dead time (RESULTS.md session 9). With no flush (``flush_l2`` off or its
+# so a spin on top is dead time (benchmarks/RESULTS.md). With no flush (``flush_l2`` off or its
 # buffer did not fit) the spin covers the launch. profile_models.py's +spin variant sets this.
 SPIN_UNDER_FLUSH = False
 

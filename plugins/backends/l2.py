@@ -1,9 +1,9 @@
 """Flush and spacing between timed GPU runs: an L2-flushing memset and a queued spin kernel.
 
-On an H200, heavy GEMMs run back-to-back pulled the SM clock from 1980 to ~1500 MHz within
-0.3 s (an lm_head GEMM read 12-20% slow); a 256 MB memset between timed calls, as in
-``triton.testing.do_bench``, kept it within 1% and also stops repeated identical inputs
-(EmbeddingBag lookups) from being served out of a warm L2 (they read 22-25% fast).
+Heavy GEMMs run back to back pull the SM clock down within a fraction of a second; a 256 MB
+memset between timed calls, as in ``triton.testing.do_bench``, keeps it up and also stops
+repeated identical inputs (EmbeddingBag lookups) from being served out of a warm L2
+(benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 

@@ -100,13 +100,13 @@ WARM_MIN_BYTES = 64 << 10  # smaller inputs stay cached whatever happens; not wo
 def input_toucher(copies):
     """touch(i) rewrites copy i's larger input tensors in place with their own values (x * 1),
     as the op that produced them would have: in the real step a module reads an input its
-    producer has just written, often still in the 50 MB L2 (on the H200 ResNet-50's ReLUs read
-    +28 % and Llama's RMSNorms +8 % from cold inputs). None when no input qualifies (or for
+    producer has just written, often still in L2 (an activation after its producer reads slow
+    from cold inputs). None when no input qualifies (or for
     dtypes without an in-place multiply); parameters and overlapping views are left alone.
     Writes go through aliases with version counters of their own: an in-place write on a view
     of a non-leaf input (even untimed, under no_grad) makes autograd regenerate its grad_fn as
-    AsStridedBackward, whose backward zero-fills and copies a buffer the size of the input (on
-    the H200 two extra kernels, 11 us, in every GPT-2 Linear's replayed backward)."""
+    AsStridedBackward, whose backward zero-fills and copies a buffer the size of the input (two
+    extra kernels in every replayed backward of such a call)."""
     per_copy = [[_alias(t) for t in flat_tensors(c) if _touchable(t)] for c in copies]
     if not any(per_copy):
         return None

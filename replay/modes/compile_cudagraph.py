@@ -19,12 +19,10 @@ Inductor compiles the kernels of one graph in parallel worker processes
 modules cannot be compiled at once in one process.
 
 ``cudagraph``: the eager call captured into one CUDA graph per input copy (on one capture stream
-per device, warmed up on it, so what torch keeps per stream is made outside any capture; into
-one memory pool per device held by the step, so each call's captures reuse the blocks the last
-call's graphs left free, and the graphs are reset before the next call; a call that runs out
-of memory hands the pool and torch's cached blocks back to the driver and tries once more) and
-timed from
-``g.replay()`` between two CUDA events with the GPU idle before the start event (no spin
+per device, warmed up on it, so what torch keeps per stream is made outside any capture; the
+call's graphs share a private pool of torch's, are reset before the next call and torch's cached
+blocks are handed back, so GPU memory returns to its level; a call that runs out of memory tries
+once more after that) and timed from ``g.replay()`` between two CUDA events with the GPU idle before the start event (no spin
 kernel): the graph's launch latency is inside the figure, the host synchronisation is not (a
 host wall clock around replay + sync would add a sync latency a step never pays). Where a real
 step's host runs ahead of the GPU the launch hides behind earlier work, so the figure is an

@@ -4,10 +4,9 @@ Loading a call's inputs is mostly Parquet reads and CRCs (``store.load.read_call
 which release the GIL: on a GPU, where the timing loop waits on the device, one worker thread
 reads the next calls' shards while call N is measured, into pinned host memory, so that only an
 asynchronous host-to-device copy is left on the replay thread. It keeps several calls ahead (up
-to ``MAX_CALLS`` and ``MAX_BYTES``): GPT-2's Dropouts and LayerNorms are timed in ~10 ms, less
-than a 12 MB read takes, and one call ahead left the replay thread waiting 0.36 s of its 5 s on
-the H200; the copies from pageable memory took 0.5 s more. On CPU the reads would take cores
-from the timed call: no read-ahead there. A failed read-ahead is dropped; the call then loads as
+to ``MAX_CALLS`` and ``MAX_BYTES``): a small call is timed faster than its inputs are read, so
+one call ahead leaves the replay thread waiting (benchmarks/RESULTS.md). On CPU the reads would
+take cores from the timed call: no read-ahead there. A failed read-ahead is dropped; the call then loads as
 usual and reports the error itself.
 
 The worker makes no CUDA call: one from another thread invalidates a CUDA graph that a model

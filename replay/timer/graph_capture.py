@@ -26,8 +26,7 @@ def capturing(g: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None):
 
     The capture forbids unsafe CUDA calls on this thread only ("thread_local"): under torch's
     default ("global"), calls from any other thread of the process invalidate it (the
-    read-ahead thread's pinned allocations, before it read into a ring allocated up front,
-    invalidated 23 of 150 captures of a GPT-2 replay on the H200)."""
+    read-ahead thread's allocations would)."""
     torch.cuda.synchronize()
     _DEVICE[g] = stream.device.index  # end_pool_routing's device after a failed capture
     with torch.cuda.stream(stream):
@@ -56,7 +55,7 @@ def side_stream_warmup(call, n_copies: int, runs: int, stream=None) -> None:
 def watch_capture_checks(asked: list):
     """Note every call of ``torch.cuda.is_current_stream_capturing`` that answers yes: code
     that branches on it (transformers' mask creation) would be timed on a path its real step
-    does not take (BERT-base's and a Llama's whole model read +15-17 % on the H200). cbtrace's
+    does not take (transformers then keeps an all-ones attention mask). cbtrace's
     own checks call ``torch._C._cuda_isCurrentStreamCapturing`` and are not noted."""
     original = torch.cuda.is_current_stream_capturing
 
