@@ -370,9 +370,18 @@ def test_diff_icicle_model_colours_by_delta(runs, tmp_path):
 
     page, data = _diff_icicle(runs, tmp_path)
     by_fqn = {n["q"]: n for n in data["nodes"] if n["k"] == "module"}
-    assert by_fqn[SLOW]["bg"] == {"metric": SLOWER, "bound": NEUTRAL}
-    assert by_fqn["transformer.h.0"]["bg"] == {"metric": NEUTRAL, "bound": SLOWER}
-    assert by_fqn["transformer.wte"]["bg"] == {"metric": NEUTRAL, "bound": NEUTRAL}
+    rows = diff_runs(runs["A"], runs["B"]).set_index("fqn")
+
+    def time_colour(fqn):  # what timing noise decides, coloured as the diff row counted it
+        row = rows.loc[fqn]
+        counted = any("time" in str(row[c]).split(",") for c in ("regressed", "improved"))
+        return delta_color(row["isolated_ms_rel"], counted)
+
+    assert by_fqn[SLOW]["bg"] == {"metric": SLOWER, "bound": NEUTRAL}  # the planted 100x
+    assert by_fqn["transformer.h.0"]["bg"] == {"metric": time_colour("transformer.h.0"),
+                                               "bound": SLOWER}  # the planted memory
+    assert by_fqn["transformer.wte"]["bg"] == {"metric": time_colour("transformer.wte"),
+                                               "bound": NEUTRAL}
     assert {n["bg"]["metric"] for n in data["nodes"] if n["k"] == "residual"} == {RESIDUAL}
     assert by_fqn[SLOW]["m"].startswith("+") and by_fqn[SLOW]["tip"][0][0] == "B against A"
     assert data["columns"][:6] == ["module", "type", "call", "match", "regressed", "isolated"]
