@@ -56,7 +56,7 @@ def main() -> None:
                      len(gzip.decompress(out.read_bytes())) / 1e6 / raw_mb,
                      out.stat().st_size / TRACE.stat().st_size))
         n_mod = sum(1 for _ in insitu.itertuples())
-    lines = [f"# annotate benchmark\n",
+    lines = ["# annotate benchmark\n",
              f"Trace: `{TRACE.name}` ({raw_mb:.1f} MB JSON, "
              f"{TRACE.stat().st_size / 1e6:.1f} MB gz, "
              f"{n_mod} attribution rows); best of {REPEATS} after a warm-up; attribution alone "

@@ -270,8 +270,6 @@ def test_gpu_capture_trace(tmp_path):
 
 
 def test_metadata_names_replay_device_and_its_peaks(tmp_path, capture_trace):
-    import pandas as pd
-
     from helpers.runs import write_run
 
     from cbtrace.rundir.read import read_manifest, read_records

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from helpers.module_traces import module_trace
 from helpers.paths import REPO
 
 from cbtrace.attribution import comm
@@ -210,26 +211,11 @@ def test_nccl_per_rank_on_a_two_rank_directory(shared_traces, tmp_path):
 
 # ---------------------------------------------------------------- --model: names without a capture
 
-def _module_trace(spec: str, out: Path) -> Path:
-    """A with_stack profiler trace of the model's forward on the CPU (``nn.Module`` events)."""
-    import torch
-
-    from cbtrace.model.spec import resolve
-
-    provider = resolve(spec)
-    model, batch = provider.model_and_batch("cpu")
-    model.eval()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                record_shapes=True, with_stack=True) as prof:
-        provider.run(model, batch)
-    prof.export_chrome_trace(str(out))
-    return out
-
 
 @pytest.fixture(scope="module")
 def gpt_trace(tmp_path_factory):
     pytest.importorskip("torch")
-    return _module_trace("nanogpt:tiny", tmp_path_factory.mktemp("gpt") / "gpt.pt.trace.json")
+    return module_trace("nanogpt:tiny", tmp_path_factory.mktemp("gpt") / "gpt.pt.trace.json")
 
 
 def test_model_names_like_a_capture_run(gpt_trace, tmp_path):
@@ -284,7 +270,7 @@ def test_model_whose_forward_needs_values_falls_back_to_declaration_order(tmp_pa
     pytest.importorskip("torch")
     user = tmp_path / "user.py"
     user.write_text(USER_MODELS)
-    trace = _module_trace(f"{user}:net", tmp_path / "net.pt.trace.json")
+    trace = module_trace(f"{user}:net", tmp_path / "net.pt.trace.json")
     df = attribute(trace, model=f"{user}:net")
     mods = df[df.source == "nn.Module"]
     assert list(mods.fqn) == ["", "layers.0", "layers.1"]

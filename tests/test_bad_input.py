@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
+from helpers.module_traces import module_trace
 from helpers.paths import REPO
 
 from cbtrace.capture.from_spec import capture_model
@@ -106,22 +106,11 @@ def test_declared_options_presets_and_callables_still_resolve(tmp_path):
 
 # ---------------------------------------------------------------- 2. attribute --capture-run
 
-def _module_trace(spec: str, out: Path) -> Path:
-    """A with_stack profiler trace of the model's forward (``nn.Module: Class_N`` events)."""
-    provider = resolve(spec)
-    model, batch = provider.model_and_batch("cpu")
-    model.eval()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                record_shapes=True, with_stack=True) as prof:
-        provider.run(model, batch)
-    prof.export_chrome_trace(str(out))
-    return out
-
 
 def test_capture_run_of_another_model_is_refused(tmp_path):
     gpt = capture_model("nanogpt:tiny", tmp_path / "gpt", device="cpu").out
     dlrm = capture_model("dlrm:tiny", tmp_path / "dlrm", device="cpu").out
-    trace = _module_trace("dlrm:tiny", tmp_path / "dlrm.pt.trace.json")
+    trace = module_trace("dlrm:tiny", tmp_path / "dlrm.pt.trace.json")
     before = digests(tmp_path)
     rc, out, err = cbtrace("attribute", str(trace), "--capture-run", str(gpt))
     assert rc == 1 and len(err) == 1, err

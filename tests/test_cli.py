@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from cbtrace.cli.main import COMMANDS
+from helpers.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,22 +113,9 @@ def test_bad_inputs_give_one_line_errors_and_lose_nothing(tmp_path):
     assert "manifest" in _one_line_error(["replay", str(bad)])
 
 
-def _main(args, capsys) -> tuple[int, str, str]:
-    """Run the CLI in this process: (exit code, stdout, stderr)."""
-    from cbtrace.cli.main import main
-
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_dash_h_is_help_on_every_command(name, capsys):
-    code, out, err = _main([name, "-h"], capsys)
+    code, out, err = run_cli([name, "-h"], capsys)
     assert code == 0, err
     assert out.startswith(f"Usage: cbtrace {name}") and "-h, --help" in out
 
@@ -173,7 +161,7 @@ def test_attribute_takes_a_run_dir_and_skips_annotated_copies(annotated_run, cap
     import pandas as pd
 
     out = annotated_run.parent / "t.csv"
-    code, text, err = _main(["attribute", str(annotated_run), "--workers", "1", "--top", "3",
+    code, text, err = run_cli(["attribute", str(annotated_run), "--workers", "1", "--top", "3",
                              "--out", str(out)], capsys)
     assert code == 0, err
     assert err == "" and "ranks [0]," in text
@@ -191,7 +179,7 @@ def test_attribute_takes_a_run_dir_and_skips_annotated_copies(annotated_run, cap
 
 def test_attribute_out_must_name_parquet_or_csv(annotated_run, capsys):
     out = annotated_run.parent / "table.txt"
-    code, text, err = _main(["attribute", str(annotated_run), "--out", str(out)], capsys)
+    code, text, err = run_cli(["attribute", str(annotated_run), "--out", str(out)], capsys)
     assert code == 2 and not out.exists()
     assert err.count("\n") == 1 and "table.txt" in err and ".parquet or .csv" in err
 

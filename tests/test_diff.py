@@ -16,11 +16,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from helpers.cli import run_cli
 from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
-from cbtrace.cli.main import COMMANDS, main
+from cbtrace.cli.main import COMMANDS
 from cbtrace.model.spec import resolve
 from cbtrace.workflows.align import align
 from cbtrace.workflows.diff import diff_runs
@@ -285,13 +286,7 @@ def cli(monkeypatch, capsys):
     monkeypatch.setitem(COMMANDS, "diff", ("cbtrace.cli.commands.diff", "Compare two runs."))
 
     def run(*args) -> tuple[int, str, str]:
-        try:
-            main(["diff", *map(str, args)])
-            code = 0
-        except SystemExit as e:
-            code = e.code
-        out = capsys.readouterr()
-        return code, out.out, out.err
+        return run_cli(["diff", *args], capsys)
     return run
 
 

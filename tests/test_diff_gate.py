@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli import run_cli
 from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
-from cbtrace.cli.main import COMMANDS, main
+from cbtrace.cli.main import COMMANDS
 from cbtrace.workflows.diff import DiffError, diff_runs
 
 transformers = pytest.importorskip("transformers")
@@ -64,13 +65,7 @@ def cli(monkeypatch, capsys):
     monkeypatch.setitem(COMMANDS, "diff", ("cbtrace.cli.commands.diff", "Compare two runs."))
 
     def run(*args) -> tuple[int, str, str]:
-        try:
-            main(["diff", *map(str, args), "--no-icicle"])
-            code = 0
-        except SystemExit as e:
-            code = e.code
-        out = capsys.readouterr()
-        return code, out.out, out.err
+        return run_cli(["diff", *args, "--no-icicle"], capsys)
     return run
 
 

@@ -219,8 +219,8 @@ def test_builtin_reporters_are_registered_and_write(runs, tmp_path):
 
     reps = registry.reporters()
     assert {"icicle", "svg", "summary"} <= set(reps)
-    df = _frame(runs["dlrm"])
-    written = [p for name in ("icicle", "svg", "summary") for p in reps[name].report(*_records(runs["dlrm"]), tmp_path)]
+    written = [p for name in ("icicle", "svg", "summary")
+               for p in reps[name].report(*_records(runs["dlrm"]), tmp_path)]
     assert sorted(p.name for p in written) == ["icicle.html", "icicle.svg", "summary.txt"]
     assert all(p.stat().st_size > 500 for p in written)
 

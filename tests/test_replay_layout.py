@@ -1,8 +1,8 @@
 """replay/'s layout: its modules import one way (no cycle, counting imports inside functions),
 imports sit at the top but for the listed few, and no two of its files share a name."""
-import ast
 from pathlib import Path
 
+from helpers.imports import cycle, imported_names, imports_inside_functions
 from helpers.paths import REPO
 
 ROOT = REPO / "replay"
@@ -27,46 +27,8 @@ def sources() -> dict:
     return {module_name(p): p.read_text() for p in ROOT.rglob("*.py")}
 
 
-def replay_imports(source: str, known: set) -> set:
-    """The replay modules ``source`` imports, anywhere in it."""
-    out = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        out |= set(names) & known
-    return out
-
-
-def cycle(graph: dict) -> list | None:
-    """One import cycle of ``graph`` (module -> imported modules), or None."""
-    state: dict = {}
-
-    def visit(m, path):
-        state[m] = "open"
-        for n in sorted(graph[m]):
-            if state.get(n) == "open":
-                return path[path.index(n):] + [n]
-            if n not in state:
-                found = visit(n, path + [n])
-                if found:
-                    return found
-        state[m] = "done"
-        return None
-
-    for m in sorted(graph):
-        if m not in state:
-            found = visit(m, [m])
-            if found:
-                return found
-    return None
-
-
 def graph_of(srcs: dict) -> dict:
-    return {m: replay_imports(src, set(srcs)) - {m} for m, src in srcs.items()}
+    return {m: imported_names(src) & set(srcs) - {m} for m, src in srcs.items()}
 
 
 def test_replay_has_no_import_cycle():
@@ -84,19 +46,8 @@ def test_a_planted_cycle_is_found():
 
 
 def test_imports_sit_at_the_top_but_the_lazy_few():
-    found = set()
-    for path in ROOT.rglob("*.py"):
-        for fn in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for node in ast.walk(fn):
-                if isinstance(node, ast.Import):
-                    mods = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom):
-                    mods = [node.module or ""]
-                else:
-                    continue
-                found |= {(path.relative_to(ROOT).as_posix(), m) for m in mods}
+    found = {(path.relative_to(ROOT).as_posix(), m) for path in ROOT.rglob("*.py")
+             for m in imports_inside_functions(path.read_text())}
     assert found <= LAZY, sorted(found - LAZY)
 
 

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from cbtrace.cli.main import main
+from helpers.cli import run_cli
 from helpers.sample_runs import write_sample_run
 
 
@@ -16,18 +16,8 @@ def run(tmp_path_factory):
     return write_sample_run(tmp_path_factory.mktemp("r") / "dlrm", "dlrm")
 
 
-def _cli(args, capsys) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_report_writes_icicle_svg_and_summary(run, capsys):
-    code, out, err = _cli(["report", str(run), "--svg", "--top", "3"], capsys)
+    code, out, err = run_cli(["report", str(run), "--svg", "--top", "3"], capsys)
     assert code == 0, err
     for name in ("icicle.html", "icicle.svg", "summary.txt"):
         assert (run / name).stat().st_size > 500
@@ -41,7 +31,7 @@ def test_report_writes_icicle_svg_and_summary(run, capsys):
 
 def test_report_out_dir_and_capture_only_run(tmp_path, capsys):
     bare = write_sample_run(tmp_path / "bare", "transformer", timings=False)
-    code, out, err = _cli(["report", str(bare), "--out", str(tmp_path / "out")], capsys)
+    code, out, err = run_cli(["report", str(bare), "--out", str(tmp_path / "out")], capsys)
     assert code == 0, err
     assert (tmp_path / "out" / "icicle.html").is_file()
     assert not (bare / "icicle.html").exists()
@@ -50,13 +40,13 @@ def test_report_out_dir_and_capture_only_run(tmp_path, capsys):
 
 
 def test_report_errors_are_one_line(tmp_path, run, capsys):
-    code, _, err = _cli(["report", str(tmp_path)], capsys)
+    code, _, err = run_cli(["report", str(tmp_path)], capsys)
     assert code == 1
     assert err.strip() == f"Error: {tmp_path}: not a cbtrace run directory (no manifest.json)"
-    code, _, err = _cli(["report", str(run), "-r", "nope"], capsys)
+    code, _, err = run_cli(["report", str(run), "-r", "nope"], capsys)
     assert code == 1 and "unknown reporter(s) nope; registered: icicle, summary, svg" in err
     (tmp_path / "manifest.json").write_text("{}")
-    code, _, err = _cli(["report", str(tmp_path)], capsys)
+    code, _, err = run_cli(["report", str(tmp_path)], capsys)
     assert code == 1 and len(err.strip().splitlines()) == 1
     assert "manifest.json: invalid manifest: Object missing required field" in err
     from helpers.runs import manifest
@@ -64,7 +54,7 @@ def test_report_errors_are_one_line(tmp_path, run, capsys):
 
     (tmp_path / "manifest.json").write_bytes(encode(manifest()))
     (tmp_path / "modules.parquet").write_bytes(b"not parquet")
-    code, _, err = _cli(["report", str(tmp_path)], capsys)
+    code, _, err = run_cli(["report", str(tmp_path)], capsys)
     assert code == 1 and "corrupt Parquet file" in err and len(err.strip().splitlines()) == 1
 
 
@@ -84,9 +74,9 @@ def test_report_command_is_lazy_and_runs_as_a_process(run):
 
 def test_report_writes_svg_only_with_svg_as_its_help_says(tmp_path, capsys):
     run = write_sample_run(tmp_path / "t", "transformer")
-    code, out, err = _cli(["report", str(run), "--top", "2"], capsys)
+    code, out, err = run_cli(["report", str(run), "--top", "2"], capsys)
     assert code == 0, err
     assert (run / "icicle.html").is_file() and (run / "summary.txt").is_file()
     assert not (run / "icicle.svg").exists() and "icicle.svg" not in out
-    code, out, _ = _cli(["report", "-h"], capsys)
+    code, out, _ = run_cli(["report", "-h"], capsys)
     assert "icicle.svg with --svg" in " ".join(out.split())

@@ -21,7 +21,7 @@ import pytest
 
 from cbtrace.plugins.reporters import logdir as ld
 from helpers.sample_runs import write_sample_run
-from helpers.servers import CHROMIUM, CHROMIUM_ARGS, free_port, stop
+from helpers.servers import free_port, stop
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 REAL_TRACE = (SHARED / "traces/generated/torch2.13cpu_transformer2/"

@@ -1,6 +1,5 @@
 """torchrec's own DeepFM on KeyedJaggedTensor: capture, load back, replay (needs torchrec 1.8)."""
 import pytest
-import torch
 from helpers.settings import FAST_REPLAY
 
 pytest.importorskip("torchrec.sparse.jagged_tensor")
