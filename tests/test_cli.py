@@ -121,10 +121,14 @@ def test_dash_h_is_help_on_every_command(name, capsys):
 
 
 def test_ctrl_c_exits_130_with_one_line():
-    # a real SIGINT delivered inside a command, as Ctrl-C in a terminal would
-    code = ("import os, signal\n"
+    # a real SIGINT delivered inside a command, as Ctrl-C in a terminal would; raised in the main
+    # thread (os.kill may hand it to another thread, and the command can end before Python sees it)
+    code = ("import signal, time\n"
             "from cbtrace.cli.commands import models\n"
-            "models.command.callback = lambda: os.kill(os.getpid(), signal.SIGINT)\n"
+            "def interrupted():\n"
+            "    signal.raise_signal(signal.SIGINT)\n"
+            "    time.sleep(60)\n"
+            "models.command.callback = interrupted\n"
             "from cbtrace.cli.main import main\n"
             "main(['models'])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
