@@ -122,8 +122,11 @@ def test_dash_h_is_help_on_every_command(name, capsys):
 
 def test_ctrl_c_exits_130_with_one_line():
     # a real SIGINT delivered inside a command, as Ctrl-C in a terminal would; raised in the main
-    # thread (os.kill may hand it to another thread, and the command can end before Python sees it)
+    # thread (os.kill may hand it to another thread, and the command can end before Python sees it).
+    # Python's own SIGINT handler first: a shell without job control starts background commands
+    # (a CI runner's) with SIGINT ignored, and Python then leaves it ignored
     code = ("import signal, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "from cbtrace.cli.commands import models\n"
             "def interrupted():\n"
             "    signal.raise_signal(signal.SIGINT)\n"
