@@ -4,9 +4,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import run_cli
 
 from cbtrace.cli.main import COMMANDS
-from helpers.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,7 +169,7 @@ def test_attribute_takes_a_run_dir_and_skips_annotated_copies(annotated_run, cap
 
     out = annotated_run.parent / "t.csv"
     code, text, err = run_cli(["attribute", str(annotated_run), "--workers", "1", "--top", "3",
-                             "--out", str(out)], capsys)
+                               "--out", str(out)], capsys)
     assert code == 0, err
     assert err == "" and "ranks [0]," in text
     assert set(pd.read_csv(out)["trace"]) == {str(next(annotated_run.glob("vm_*")))}

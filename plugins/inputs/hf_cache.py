@@ -14,7 +14,6 @@ defined there.
 """
 from __future__ import annotations
 
-
 from cbtrace.errors import SerializationError
 from cbtrace.store.serializer import Serializer, lookup_class, qualname_of
 
