@@ -50,6 +50,14 @@ class ReplayConfig:
     replay's error is its noise, and context would multiply its time). Never with ``cold``."""
     context_calls: int = 4
     """Most predecessors run before a call in context replay."""
+    context_max_ms: float = 0.015
+    """Calls timed in their context: those whose device time (the profiled pass) is under this
+    (ms). Longer calls set their own cache state, and subtracting a context's graph from a long
+    call adds its noise (benchmarks/RESULTS.md, context replay)."""
+    context_rewrite: bool = False
+    """A call in context none of whose inputs is a context output (it reads what non-module
+    code wrote, such as a residual add) also gets its larger inputs rewritten in place (x * 1)
+    after the context, as their producer would have left them."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,
@@ -109,7 +117,8 @@ class ReplayConfig:
             raise ValueError(f"host_runs and profile_runs must be >= 1, got {self.host_runs}, "
                              f"{self.profile_runs}")
         bad = {k: getattr(self, k) for k in ("budget_s", "cold_budget_s", "cold_warmup_s",
-                                             "cold_settle_tol") if getattr(self, k) < 0}
+                                             "cold_settle_tol", "context_max_ms")
+               if getattr(self, k) < 0}
         if self.modes_budget_s is not None and self.modes_budget_s < 0:
             bad["modes_budget_s"] = self.modes_budget_s
         if bad:

@@ -136,6 +136,35 @@ def test_an_inplace_call_is_fed_by_its_producer(tmp_path):
         df.loc["act", "timer_notes"])
 
 
+class Residual(nn.Module):
+    """A ReLU whose input a residual add wrote, code of the parent and no module's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.act = nn.Linear(256, 256), nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.a(x) + x)
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_an_input_no_module_wrote_is_rewritten_after_the_context_when_asked(tmp_path, rewrite):
+    torch.manual_seed(0)
+    model = Residual().eval()
+    with cbtrace.capture(model, tmp_path / "run"):
+        model(torch.randn(512, 256))  # 512 KiB: above the rewrite's floor
+    before, rng = state_fingerprint(model), torch.get_rng_state()
+    df = cbtrace.replay(tmp_path / "run", model=model, device="cpu",
+                        **{**FAST, "context_rewrite": rewrite}).set_index("fqn")
+    assert state_fingerprint(model) == before and torch.equal(torch.get_rng_state(), rng)
+    assert (df.status == "ok").all()
+    note = str(df.loc["act", "timer_notes"])
+    if rewrite:
+        assert "context: 1 call before (a); its inputs rewritten after them" in note
+    else:
+        assert "context" not in note
+
+
 @pytest.mark.gpu
 def test_graph_timer_times_each_slot_inside_the_graph(tmp_path):
     torch.manual_seed(0)

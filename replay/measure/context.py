@@ -27,7 +27,8 @@ from cbtrace.cost.dtypes import meta_bytes
 from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors
 from cbtrace.replay.measure.copies import clone_like, n_copies, table_copies, tensor_bytes
-from cbtrace.replay.measure.prepare import CallUnderTest, InputState, call_context
+from cbtrace.replay.measure.prepare import (CallUnderTest, InputState, call_context,
+                                            input_toucher)
 from cbtrace.replay.timer.contract import CallRunner
 from cbtrace.schema.modules import COPY_FAILED
 
@@ -210,12 +211,19 @@ def in_context(c: CallUnderTest, context) -> None:
     # the last copy: steps before timing ran copy 0, which an in-place call has rewritten
     chained = chained_positions(first, copies[-1])
     del first
+    rewrite = None
     if not chained:
-        return
+        if not getattr(c.cfg, "context_rewrite", False):
+            return
+        rewrite = input_toucher(copies)  # what non-module code wrote just before it
+        if rewrite is None:
+            return
     slots: dict = {}
 
     def before(j: int) -> None:
         slots[j] = [flat_tensors(x(j)) for x in context]
+        if rewrite is not None:
+            rewrite(j)
 
     def timed(j: int = 0):
         outs = slots.pop(j, None)
@@ -225,18 +233,14 @@ def in_context(c: CallUnderTest, context) -> None:
         return run_on(inputs, j)
 
     c.timed = CallRunner(run=timed, n_copies=n, before=before, release=slots.clear)
-    c.context_note = describe(context, chained)
-
-
-# Calls timed in their context: those whose device time (the profiled pass) is under this (ms).
-# Longer calls read the same alone (their own traffic sets their cache state), and subtracting
-# a context's graph from a long one adds its noise (benchmarks/RESULTS.md, context replay).
-CONTEXT_MAX_MS = 0.015
+    c.context_note = describe(context, chained) + ("; its inputs rewritten after them"
+                                                   if rewrite is not None else "")
 
 
 def _small(c: CallUnderTest) -> bool:
+    """Whether the call is short enough to be timed in its context (``context_max_ms``)."""
     ms = c.row.get("device_ms")
-    return c.device.type != "cuda" or (ms is not None and 0 < ms < CONTEXT_MAX_MS)
+    return c.device.type != "cuda" or (ms is not None and 0 < ms < c.cfg.context_max_ms)
 
 
 def in_step_cache_state(c: CallUnderTest) -> None:
