@@ -1,5 +1,6 @@
 """Context replay (replay/measure/context.py): a call's step-order predecessors run untimed
 before each of its timed runs, in step order, and an input equal to one of their outputs is taken from it."""
+import dataclasses
 import time
 
 import pytest
@@ -8,7 +9,7 @@ from helpers.settings import FAST_REPLAY
 from torch import nn
 
 import cbtrace
-from cbtrace.replay.measure.context import chained_positions, predecessors
+from cbtrace.replay.measure.context import ContextSource, chained_positions, predecessors
 from cbtrace.schema.modules import ModuleRecord
 from cbtrace.state import state_fingerprint
 
@@ -65,6 +66,30 @@ def test_predecessors_are_earlier_leaves_in_step_order_never_descendants():
     assert before[5] == [2, 3]
     assert predecessors(recs, max_calls=1, max_bytes=1 << 30)[5] == [3]
     assert predecessors(recs, max_calls=4, max_bytes=1)[5] == [3]  # one call's bytes fill it
+
+
+def test_inputs_are_loaded_only_where_an_output_may_feed_the_call():
+    # call 2's ids (int64) cannot be call 1's output; call 3's input has its metadata
+    out = '[{"shape": [4, 8], "dtype": "float32", "stride": [8, 1]}]'
+    ids = '[{"shape": [4], "dtype": "int64", "stride": [1]}]'
+    recs = [_rec(0, -1), dataclasses.replace(_rec(1, 0), output_meta=out),
+            dataclasses.replace(_rec(2, 0), input_meta=ids),
+            dataclasses.replace(_rec(3, 0), input_meta=out)]
+    model = nn.Module()
+    for i in (1, 2, 3):
+        model.add_module(f"m{i}", nn.Identity())
+
+    def source(rewrite=False):
+        loaded = []
+        return loaded, ContextSource(recs, model, "cpu", rewrite=rewrite,
+                                     load=lambda r: loaded.append(r.call_id)
+                                     or ((torch.zeros(4, 8),), {}))
+
+    loaded, src = source()
+    assert src.calls(2) == [] and loaded == []  # nothing read for a lookup's ids
+    assert [c.rec.call_id for c in src.calls(3)] == [1, 2] and loaded == [1, 2]
+    loaded, src = source(rewrite=True)  # a rewrite needs the context whatever it produced
+    assert [c.rec.call_id for c in src.calls(2)] == [1] and loaded == [1]
 
 
 def test_chained_positions_match_equal_outputs_only():
