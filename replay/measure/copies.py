@@ -58,10 +58,10 @@ def n_copies(input_bytes: int, device: torch.device, max_copies: int) -> int:
 
 def table_copies(module, device, max_copies: int = 8):
     """The table of an Embedding/EmbeddingBag and copies of it for back-to-back runs to rotate
-    among, enough to overflow the GPU's L2 twice; None when one table already does, when
-    ``max_copies`` of it would still fit in the L2 (they would all stay cached, as one does,
-    and each run then costs a ``functional_call``: 600 tables of 1.3 MB spent ~20 ms a call
-    capturing them), or on a CPU."""
+    among, enough to overflow the GPU's L2 twice; None when one table already does (or on a
+    CPU, or when fewer than two would do). ``max_copies`` of a small table fit in the L2 and
+    still help: without them the DCN's 2-7 MB tables read 5-15 % fast (benchmarks/RESULTS.md,
+    session 16)."""
     if not isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         return None
     if device.type != "cuda":
@@ -70,7 +70,7 @@ def table_copies(module, device, max_copies: int = 8):
     nbytes = w.numel() * w.element_size()
     cache = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
     n = min(max_copies, -(-2 * cache // max(nbytes, 1)))
-    if n < 2 or n * nbytes <= cache:
+    if n < 2:
         return None
     with torch.no_grad():
         return [w] + [w.detach().clone() for _ in range(n - 1)]
