@@ -12,7 +12,8 @@ replayed backward two ways on the same prepared call:
 (A third way, a graph of K forward+backward pairs less a graph of K forwards, was replay's
 method before this probe; at 35435c8 its capture failed on every call, see RESULTS.md.)
 
-Usage: python benchmarks/probes/probe_backward.py OUT_DIR [SPEC] [FQN ...]   (GPU; SPEC: nanogpt)
+Usage: python benchmarks/probes/probe_backward.py OUT_DIR [SPEC] [FQN ...]   (GPU; SPEC: nanogpt;
+       a benchmarks/zoo.py spec is captured at its real size)
 """
 import sys
 from collections import defaultdict
@@ -88,6 +89,13 @@ def methods(c, backward, backends, tcfg):
     return out
 
 
+def spec_options(spec: str) -> dict:
+    """The provider options the probe captures with: NanoGPT's batch, a zoo model's real size."""
+    if spec == SPEC:
+        return OPTIONS
+    return {"size": "real"} if "zoo.py:" in spec else {}
+
+
 def main(out_dir, spec=SPEC, fqns=None):
     import pandas as pd
 
@@ -105,7 +113,7 @@ def main(out_dir, spec=SPEC, fqns=None):
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     cap = capture_model(spec, run, device=device.type, dtype="bf16" if gpu else None,
-                        options=OPTIONS if spec == SPEC else {}, step="train")
+                        options=spec_options(spec), step="train")
     model = cap.model
     manifest, df = load_run(run)
     ins = insitu_kernels(find_trace(run, manifest))
