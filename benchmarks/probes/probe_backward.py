@@ -1,8 +1,8 @@
 """Why a replayed backward differs from its in-situ time: kernels and timing methods, per call.
 
-Captures one training step (``--step train``), then for a few calls lists the backward's kernels
-in the step (the capture trace, attributed to the call by autograd sequence number, as the
-in-situ stage does) beside the kernels of one replayed backward (torch.profiler), and times the
+Captures one training step (``--step train``), then for a few calls gives the backward's time and
+kernel count in the step (the in-situ stage's attribution of the capture trace) beside the
+kernels of one replayed backward (torch.profiler), and times the
 replayed backward two ways on the same prepared call:
 
 - ``staged``: the graph timer as replay uses it (each slot's forward run eagerly on the capture
@@ -16,7 +16,6 @@ Usage: python benchmarks/probes/probe_backward.py OUT_DIR [SPEC] [FQN ...]   (GP
        a benchmarks/zoo.py spec is captured at its real size)
 """
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -27,30 +26,14 @@ FQNS = ["transformer.h.0.ln_1", "transformer.h.0.attn.c_attn", "transformer.h.0.
         "transformer.h.0.attn", "transformer.h.0.mlp", "transformer.h.0", "lm_head"]
 
 
-def insitu_kernels(trace) -> dict:
-    """fqn -> [(kernel, µs)] of the backward kernels the step ran for the call (own, not its
-    children's), first call of each fqn."""
-    from cbtrace.attribution import backward_ops as bw
-    from cbtrace.attribution import forest as fm
-    from cbtrace.attribution import identity, insitu, loader
+def insitu_backward(run, manifest) -> dict:
+    """fqn -> (ms, kernel count) of the backward the step ran for the call's first call (own
+    work, not its children's), as the in-situ stage attributes it (device time on a GPU)."""
+    from cbtrace.attribution.join import insitu_for_run
 
-    cols = loader.load(trace)
-    name_of = dict(zip(cols.idx.tolist(), cols.name.tolist()))
-    strings = cols.strings
-    f = fm.build(cols)
-    lab, is_copy, labels = identity.labels(f, identity.choose_source(f))
-    module_of, copy_of = f.nearest(lab >= 0), f.outermost(is_copy)
-    roots = bw.backward_roots(f)
-    owner = bw.backward_owner(f, roots, bw.forward_owner_by_seq(f, module_of, roots, copy_of))
-    key = insitu.owners(f, module_of, copy_of, roots, owner, bw.engine_work(f, roots))
-    out = defaultdict(list)
-    for j in range(len(f.d_ts)):
-        la = f.launcher[j]
-        if la < 0 or key[la] % 5 != insitu.BWD:
-            continue
-        node = key[la] // 5 - 1
-        out[labels[lab[node]]].append((strings[name_of[int(f.d_idx[j])]], float(f.d_dur[j])))
-    return out
+    t = insitu_for_run(run, manifest, phase="bwd")
+    t = t[t["call_index"] == 0]
+    return {f: (ms, n) for f, ms, n in zip(t["fqn"], t["insitu_ms"], t["kernel_count"])}
 
 
 def replay_kernels(bwd, outs_of) -> list:
@@ -89,11 +72,12 @@ def methods(c, backward, backends, tcfg):
     return out
 
 
-def spec_options(spec: str) -> dict:
-    """The provider options the probe captures with: NanoGPT's batch, a zoo model's real size."""
+def spec_options(spec: str, gpu: bool) -> dict:
+    """The provider options the probe captures with: NanoGPT's batch, a zoo model's real size
+    (on a CPU, a dry run: their defaults)."""
     if spec == SPEC:
         return OPTIONS
-    return {"size": "real"} if "zoo.py:" in spec else {}
+    return {"size": "real"} if gpu and "zoo.py:" in spec else {}
 
 
 def main(out_dir, spec=SPEC, fqns=None):
@@ -104,7 +88,7 @@ def main(out_dir, spec=SPEC, fqns=None):
     from cbtrace.replay.modes.backward import _FreshBackward, _gradients, _grad_outputs
     from cbtrace.replay.measure.prepare import prepare
     from cbtrace.replay.config import ReplayConfig
-    from cbtrace.rundir.read import find_trace, load_run
+    from cbtrace.rundir.read import load_run
     from cbtrace.schema.modules import frame_to_records
     from cbtrace.store.load import load_call_inputs
 
@@ -113,10 +97,10 @@ def main(out_dir, spec=SPEC, fqns=None):
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     cap = capture_model(spec, run, device=device.type, dtype="bf16" if gpu else None,
-                        options=spec_options(spec), step="train")
+                        options=spec_options(spec, gpu), step="train")
     model = cap.model
     manifest, df = load_run(run)
-    ins = insitu_kernels(find_trace(run, manifest))
+    ins = insitu_backward(run, manifest)
     cfg = ReplayConfig()
     tcfg = cfg.timing()
     backends = registry.backends()
@@ -135,15 +119,15 @@ def main(out_dir, spec=SPEC, fqns=None):
         g, source = _gradients(c, _grad_outputs(c.run(0)))  # no graph kept (see BackwardStep)
         backward = _FreshBackward(c, g)
         rk = replay_kernels(lambda o: backward(o), lambda: _grad_outputs(c.run(0)))
-        own = ins.get(fqn, [])
+        own_ms, own_kernels = ins.get(fqn, (float("nan"), 0))
         m = methods(c, backward, backends, tcfg)
-        rows.append(dict(fqn=fqn, grads=source, insitu_own_us=sum(d for _, d in own),
-                         insitu_kernels=len(own), replay_us=sum(d for _, d in rk),
+        rows.append(dict(fqn=fqn, grads=source, insitu_own_us=own_ms * 1e3,
+                         insitu_kernels=own_kernels, replay_us=sum(d for _, d in rk),
                          replay_kernels=len(rk),
                          **{f"{k}_us": v[0] * 1e3 for k, v in m.items()},
                          notes=" | ".join(f"{k}: {v[1]} {v[2]}" for k, v in m.items())))
         print(f"\n== {fqn} (grads {source})")
-        print("  in situ (own):  " + "; ".join(f"{n[:60]} {d:.1f}" for n, d in own))
+        print(f"  in situ (own):  {own_kernels} kernels, {own_ms * 1e3:.1f} us")
         print("  replay (all):   " + "; ".join(f"{n[:60]} {d:.1f}" for n, d in rk))
         for p in module.parameters():
             p.grad = None
