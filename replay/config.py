@@ -56,8 +56,8 @@ class ReplayConfig:
     call adds its noise (benchmarks/RESULTS.md, context replay)."""
     context_rewrite: bool = False
     """A call in context none of whose inputs is a context output (it reads what non-module
-    code wrote, such as a residual add) also gets its larger inputs rewritten in place after
-    the context, as a sum of two operands of their size would have left them (x + 0 * y)."""
+    code wrote, such as a residual add) also gets its larger inputs rewritten in place (x * 1)
+    after the context, as their producer would have left them."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,

@@ -185,7 +185,7 @@ def test_an_input_no_module_wrote_is_rewritten_after_the_context_when_asked(tmp_
     assert (df.status == "ok").all()
     note = str(df.loc["act", "timer_notes"])
     if rewrite:
-        assert "context: 1 call before (a); its inputs rewritten after them, as a sum" in note
+        assert "context: 1 call before (a); its inputs rewritten after them" in note
     else:
         assert "context" not in note
 

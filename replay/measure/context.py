@@ -239,7 +239,7 @@ def in_context(c: CallUnderTest, context) -> None:
     if not chained:
         if not getattr(c.cfg, "context_rewrite", False):
             return
-        rewrite = input_toucher(copies, as_a_sum=True)  # as non-module code just wrote them
+        rewrite = input_toucher(copies)  # what non-module code wrote just before it
         if rewrite is None:
             return
     slots: dict = {}
@@ -257,7 +257,7 @@ def in_context(c: CallUnderTest, context) -> None:
         return run_on(inputs, j)
 
     c.timed = CallRunner(run=timed, n_copies=n, before=before, release=slots.clear)
-    c.context_note = describe(context, chained) + ("; its inputs rewritten after them, as a sum"
+    c.context_note = describe(context, chained) + ("; its inputs rewritten after them"
                                                    if rewrite is not None else "")
 
 
