@@ -58,8 +58,8 @@ OWN_DTYPE = {"fasterrcnn"}
 PHASES = {"fwd": ("status", "insitu_ms", "error_pct"),
           "bwd": ("bwd_status", "bwd_insitu_ms", "bwd_error_pct")}
 # per call, for <model>_rows.csv.gz (what a miss is looked into with)
-ROW_COLUMNS = ("call_id", "parent_call_id", "fqn", "module_type", "status", "status_reason", "timer", "timer_fallback",
-               "timer_notes",
+ROW_COLUMNS = ("call_id", "parent_call_id", "fqn", "module_type", "status", "status_reason",
+               "timer", "timer_fallback", "timer_notes",
                "insitu_ms", "isolated_ms", "error_pct", "device_ms", "host_ms", "bound",
                "kernel_count",
                "bwd_status", "bwd_status_reason", "bwd_insitu_ms", "bwd_ms", "bwd_error_pct",
@@ -99,7 +99,8 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
                          .value_counts().to_dict())
     g = big.groupby("module_type")
     classes = [{"phase": phase, "module_type": t, "count": len(d),
-                "median_err%": float(d[err].median()), "insitu_ms_median": float(d[insitu].median()),
+                "median_err%": float(d[err].median()),
+                "insitu_ms_median": float(d[insitu].median()),
                 "within5%": 100 * float((d[err].abs() <= WITHIN_PCT).mean()),
                 "timer_notes": _most_common(d["timer_notes"])}
                for t, d in g]
