@@ -114,8 +114,8 @@ class ContextSource:
         loaded then (an embedding lookup's ids never are; loading its predecessors' inputs took
         13 of `dlrm:large`'s 69 s). Raises what loading raises."""
         before = self.before.get(call_id, [])
-        if not self.rewrite and not may_feed(self.by_id[call_id],
-                                             [self.by_id[c] for c in before]):
+        if not before or (not self.rewrite and not may_feed(
+                self.by_id[call_id], [self.by_id[c] for c in before])):
             return []
         out = []
         for cid in before:
