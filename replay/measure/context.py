@@ -237,7 +237,7 @@ def in_context(c: CallUnderTest, context) -> None:
     del first
     rewrite = None
     if not chained:
-        if not getattr(c.cfg, "context_rewrite", False):
+        if not c.cfg.context_rewrite:
             return
         rewrite = input_toucher(copies)  # what non-module code wrote just before it
         if rewrite is None:
