@@ -2,20 +2,18 @@
 
 When a tensor feeds several ops, the autograd engine sums their gradients with an ``aten::add``
 that runs inside whichever consumer's backward node finishes second (third, ...). The in-situ
-attribution (``backward_ops.engine_work``) gives every such add to the parent of the module
-whose node it ran in: right where the consumers sit in different modules (a residual stream, the
-q/k/v projections of one input), wrong where they all sit in one leaf (a tanh GELU uses its input
-three times, an RMSNorm twice): the leaf's replayed backward then runs adds its in-situ figure
-lacks (transformers GPT-2's GELU backward read +28 % for it on the H200, RESULTS.md session 16).
+attribution (``backward_ops.engine_work``) gives such an add to the parent of the module whose
+node it ran in: right where the consumers sit in different modules (a residual stream, the q/k/v
+projections of one input), wrong where they all sit in one leaf (a tanh GELU uses its input three
+times, an RMSNorm twice): the leaf's replayed backward runs adds its in-situ figure then lacks
+(transformers GPT-2's GELU backward read +28 % for it on the H200, RESULTS.md session 16).
 
 Per leaf module of one train step (its first call), this prints the engine adds the capture
-trace shows in its backward nodes (attributed to the parent today) beside its own sums, counted
-on the autograd graph in a forward hook: for every tensor its nodes feed gradients into (its
-inputs, parameters and intermediates), the edges into it from its nodes, less one. A rule that
-keeps ``min(own sums, adds in its nodes)`` in the leaf would give GELU and RMSNorm theirs and
-leave the projections' and LayerNorms' with the parent. Parents are not covered: Llama's
-attention runs 4 adds in its own nodes (rotary embedding's uses of q and k) where this walk
-counted 2.
+trace shows in its backward nodes beside its own sums, counted on the autograd graph in a
+forward hook (``replay.modes.backward.grad_sums``, which the replay of ``--backward`` records as
+``bwd_grad_sums``): for every tensor its nodes feed gradients into, the edges into it beyond the
+first. The in-situ attribution keeps ``min(own sums, adds in its nodes)`` in the call
+(``backward_ops.keep_own_adds``) and gives the rest to the parent.
 
 Usage: python benchmarks/probes/probe_engine_sums.py OUT_DIR [SPEC]   (default: the zoo's
        tiny transformers GPT-2; CPU is enough: the adds are host ops in the trace)
@@ -28,37 +26,9 @@ import numpy as np
 import torch
 
 from cbtrace.nested import flat_tensors
+from cbtrace.replay.modes.backward import grad_sums, grad_targets
 
 ZOO = str(Path(__file__).resolve().parents[1] / "zoo.py")
-WALK_LIMIT = 20_000  # nodes under one call's outputs before the count gives up
-
-
-def own_sums(module, inputs: list, outputs) -> int | None:
-    """Gradient sums the engine makes inside one call, its children's included: for every
-    tensor the call's nodes feed gradients into (its inputs, its parameters, its intermediates),
-    the edges into it from the nodes below the call's outputs, less one (None: the walk went past
-    ``WALK_LIMIT`` nodes)."""
-    inputs_at = {(t.grad_fn, t.output_nr) if t.grad_fn is not None else ("leaf", id(t))
-                 for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad}
-    params = {id(p) for p in module.parameters()}
-    stack = [o.grad_fn for o in flat_tensors(outputs) if o.grad_fn is not None]
-    seen, edges = set(map(id, stack)), Counter()
-    while stack:
-        for fn, nr in stack.pop().next_functions:
-            if fn is None:
-                continue
-            if type(fn).__name__ == "AccumulateGrad":
-                key = ("leaf", id(fn.variable))
-                if key in inputs_at or id(fn.variable) in params:
-                    edges[key] += 1
-                continue
-            edges[(id(fn), nr) if (fn, nr) not in inputs_at else (fn, nr)] += 1
-            if (fn, nr) not in inputs_at and id(fn) not in seen:
-                seen.add(id(fn))
-                stack.append(fn)
-                if len(seen) > WALK_LIMIT:
-                    return None
-    return sum(n - 1 for n in edges.values() if n > 1)
 
 
 def graph_sums(spec: str) -> dict:
@@ -76,7 +46,8 @@ def graph_sums(spec: str) -> dict:
             continue  # leaves only: a parent's count by this walk did not match its trace
 
         def hook(m, args, kwargs, o, fqn=fqn):
-            total.setdefault(fqn, own_sums(m, flat_tensors((args, kwargs)), o))
+            outs = [t for t in flat_tensors(o) if t.grad_fn is not None]
+            total.setdefault(fqn, grad_sums(outs, grad_targets(flat_tensors((args, kwargs))), m))
         handles.append(m.register_forward_hook(hook, with_kwargs=True))
     try:
         with torch.enable_grad():
@@ -115,11 +86,11 @@ def main(out_dir, spec=f"{ZOO}:hf_gpt2") -> None:
     capture_model(spec, run, device="cpu", step="train", options={})
     adds, sums = trace_adds(run), graph_sums(spec)
     print(f"{spec}: leaves whose backward nodes ran engine adds, or that sum gradients")
-    print(f"{'module':<48} {'adds in its nodes':>17} {'own sums':>9} {'to keep':>8}")
+    print(f"{'module':<48} {'adds in its nodes':>17} {'own sums':>9} {'kept':>5}")
     for fqn in sorted(set(adds) | {f for f, n in sums.items() if n}):
         n_adds, own = adds.get(fqn, 0), sums.get(fqn)
         keep = "?" if own is None else min(own, n_adds)
-        print(f"{fqn:<48} {n_adds:>17} {own if own is not None else '?':>9} {keep:>8}")
+        print(f"{fqn:<48} {n_adds:>17} {own if own is not None else '?':>9} {keep:>5}")
 
 
 if __name__ == "__main__":

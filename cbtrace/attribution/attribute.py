@@ -124,14 +124,16 @@ def _skip_annotated(files: list[Path]) -> list[Path]:
 
 
 def attribute_file(path, *, rank: int | None = None, class_map: dict | None = None,
-                   steps_per_window: int | None = None):
+                   steps_per_window: int | None = None, grad_sums: dict | None = None):
     """Rows of one trace file (one rank) as a DataFrame, no aggregation.
 
     ``steps_per_window``: load and attribute that many profiler steps at a time (memory
     bounded by a window, for traces larger than memory; see windows.py), else all at once.
+    ``grad_sums``: (fqn, call_index) -> the gradient sums that are the call's own, from a
+    replay of its backward (``insitu.rows``).
     """
     return pd.DataFrame(file_columns(path, rank=rank, class_map=class_map,
-                                     steps_per_window=steps_per_window))
+                                     steps_per_window=steps_per_window, grad_sums=grad_sums))
 
 
 def attribute(paths, *, capture_run=None, model: str | None = None,

@@ -107,6 +107,30 @@ def engine_work(forest: Forest, bwd_root: np.ndarray) -> np.ndarray:
     return outside & (forest.nearest(outside & add) >= 0)
 
 
+def keep_own_adds(forest: Forest, engine: np.ndarray, bwd_root: np.ndarray,
+                  b_owner: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """``engine`` less the gradient adds that are a module call's own: of the adds run inside
+    the backward nodes of the call whose range event is ``m``, the first ``keep[m]`` (host
+    order) leave the mask and count for the call with the rest of its node. ``keep`` comes from
+    the replay (the sums its backward alone makes, less its children's): a tanh GELU sums the
+    three gradients of its input with two adds, which run in its own nodes and are its own; a
+    LayerNorm's add, summing its input's gradient with the residual stream's, is not."""
+    top = forest.outermost(engine)
+    adds = np.flatnonzero(engine & (top == np.arange(len(forest))))
+    if not len(adds):
+        return engine
+    owner = b_owner[np.maximum(bwd_root[adds], 0)]
+    quota = np.where(owner >= 0, keep[np.maximum(owner, 0)], 0)
+    order = np.lexsort((adds, owner))  # by owner, then host order
+    grouped = owner[order]
+    first = np.r_[True, grouped[1:] != grouped[:-1]]
+    start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order)) - start
+    kept = adds[rank < quota]
+    return engine & ~np.isin(top, kept) if len(kept) else engine
+
+
 RECOMPUTE = "cbtrace.recompute::"  # capture's range around a call recomputed in the backward
 
 

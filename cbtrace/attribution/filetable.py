@@ -45,18 +45,20 @@ def device_name_of(meta: dict) -> str | None:
 
 
 def file_columns(path, *, rank: int | None = None, class_map: dict | None = None,
-                 steps_per_window: int | None = None) -> dict:
+                 steps_per_window: int | None = None, grad_sums: dict | None = None) -> dict:
     """``attribute_file``'s columns (COLUMNS, in order) as arrays and lists, without pandas:
-    what a worker process sends back (ranks.py)."""
+    what a worker process sends back (ranks.py). ``grad_sums``: see ``insitu.rows``."""
     path = Path(path)
     coster = OpCoster()
     if steps_per_window:
         meta, loads = windows.window_loads(path, coster, steps_per_window)
-        parts = [table(path, cols, coster, class_map=class_map, device_filter=keep, part=part)
+        parts = [table(path, cols, coster, class_map=class_map, device_filter=keep, part=part,
+                       grad_sums=grad_sums)
                  for cols, keep, part in loads]
     else:
         cols = loader.load(path, on_op=coster)
-        parts, meta = [table(path, cols, coster, class_map=class_map)], cols.meta
+        parts = [table(path, cols, coster, class_map=class_map, grad_sums=grad_sums)]
+        meta = cols.meta
     with_shapes = any(p.pop("~with_shapes") for p in parts)
     out = {k: _concat([p[k] for p in parts]) for k in parts[0]}
     n = len(out["step"])
@@ -77,7 +79,8 @@ def _concat(cols: list):
     return np.concatenate([np.atleast_1d(c) for c in cols])
 
 
-def table(path, cols, coster, *, class_map=None, device_filter=None, part=False) -> dict:
+def table(path, cols, coster, *, class_map=None, device_filter=None, part=False,
+          grad_sums=None) -> dict:
     """Columns of the rows of loaded events (all of a trace, or one window of it).
 
     ``device_filter(forest) -> bool mask`` drops device events that another window counts;
@@ -92,7 +95,7 @@ def table(path, cols, coster, *, class_map=None, device_filter=None, part=False)
         raise TraceError(f"{path}: no host or device duration events to attribute")
     data = insitu.rows(forest, costs=coster.costs, class_map=class_map,
                        device_name=device_name_of(cols.meta), with_shapes=True,
-                       every_step=not part or bool(forest.steps))
+                       every_step=not part or bool(forest.steps), grad_sums=grad_sums)
     data["~with_shapes"] = bool((forest.cost >= 0).any())
     return data
 

@@ -61,11 +61,14 @@ def owners(forest: Forest, module_of, copy_of, roots, b_owner, engine=None,
 
 def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = None,
          device_name: str | None = None, with_shapes: bool = True,
-         every_step: bool = True) -> dict:
+         every_step: bool = True, grad_sums: dict | None = None) -> dict:
     """Columns of one row per (module call, phase) plus unattributed and overhead rows, per step.
 
     An unattributed fwd row is given for every step (step -1 without steps) even if empty,
     unless ``every_step`` is False (then only where something is unattributed).
+    ``grad_sums``: (fqn, call_index) -> the gradient sums that are the call's own (its
+    replayed backward's, less its children's): that many of the engine's adds in its backward
+    nodes stay with it (``backward_ops.keep_own_adds``) instead of going to its parent.
     """
     source = identity.choose_source(forest)
     lab, is_copy, labels = identity.labels(forest, source)
@@ -75,13 +78,16 @@ def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = 
     b_owner = backward_ops.backward_owner(
         forest, roots, backward_ops.forward_owner_by_seq(forest, module_of, roots, copy_of,
                                                      rcp_inner))
+    calls = _Calls(forest, lab, labels, module_of, source, class_map)
     engine = backward_ops.engine_work(forest, roots)
+    if grad_sums:
+        engine = backward_ops.keep_own_adds(forest, engine, roots, b_owner,
+                                            calls.per_node(grad_sums))
     key = owners(forest, module_of, copy_of, roots, b_owner, engine, rcp)
     copy_root = is_copy & (copy_of == np.arange(len(forest)))  # outermost cbtrace.copy ranges
     b = _Buckets(forest, key, roots, copy_root, module_of, copy_of, costs, engine,
                  rcp, rcp_root)
-    m_cols, m_figs = _module_rows(forest, b, lab, labels, module_of, copy_root, source,
-                                  class_map)
+    m_cols, m_figs = _module_rows(forest, b, calls, lab, labels, module_of, copy_root)
     u_cols, u_figs = _unattributed_rows(forest, b, every_step)
     return _finish(m_cols, m_figs, u_cols, u_figs, b.dtypes, device_name, with_shapes)
 
@@ -206,15 +212,37 @@ class _Buckets:
         return out
 
 
-def _module_rows(forest: Forest, b: _Buckets, lab, labels, module_of, copy_root, source,
-                 class_map):
+class _Calls:
+    """The module calls of a trace: their range events (``mods``), the index of each among them
+    (``mi``, by event), their parent call, fqn, depth, parent fqn and call index."""
+
+    def __init__(self, forest: Forest, lab, labels, module_of, source, class_map):
+        par = forest.parent
+        self.source = source
+        self.mods = mods = np.flatnonzero(lab >= 0)
+        self.mi = np.full(len(forest) + 1, -1, np.int64)
+        self.mi[mods] = np.arange(len(mods))
+        self.mparent = self.mi[np.where(par[mods] >= 0, module_of[par[mods]], -1)]  # -1: top
+        self.fqn, self.depth, self.parent_fqn = _names(mods, self.mparent, lab, labels, source,
+                                                       class_map)
+        self.step = forest.step_of_host[mods]
+        self.call_index = _call_index(forest.ts[mods], self.step, self.fqn)
+        self.n_events = len(forest)
+
+    def per_node(self, by_call: dict) -> np.ndarray:
+        """``by_call`` ((fqn, call_index) -> int) per host event: at each call's range event,
+        else 0."""
+        out = np.zeros(self.n_events, np.int64)
+        for m, f, i in zip(self.mods, self.fqn, self.call_index):
+            out[m] = by_call.get((f, int(i)), 0)
+        return out
+
+
+def _module_rows(forest: Forest, b: _Buckets, calls: _Calls, lab, labels, module_of,
+                 copy_root):
     """Per module call its fwd row, then its bwd row if it has backward figures (host order)."""
-    par = forest.parent
-    mods = np.flatnonzero(lab >= 0)
-    mi = np.full(len(forest) + 1, -1, np.int64)
-    mi[mods] = np.arange(len(mods))
-    mparent = mi[np.where(par[mods] >= 0, module_of[par[mods]], -1)]  # -1 at the top
-    fqn, depth, parent_fqn = _names(mods, mparent, lab, labels, source, class_map)
+    mods, mi, mparent = calls.mods, calls.mi, calls.mparent
+    fqn, depth, parent_fqn, source = calls.fqn, calls.depth, calls.parent_fqn, calls.source
     mtree = _ModTree(mparent, depth)
     fself, bself, rself = (b.lookup(_key(k, mods)) for k in (FWD, BWD, RCP))
     fincl, bincl, rincl = (mtree.inclusive(f) for f in (fself, bself, rself))
@@ -225,8 +253,7 @@ def _module_rows(forest: Forest, b: _Buckets, lab, labels, module_of, copy_root,
     cpu_incl = forest.dur[mods] - mtree.subtree_sum(copy_us[:-1])
     child_cpu = np.zeros(len(mods) + 1)
     np.add.at(child_cpu, mparent, cpu_incl)
-    step_m = forest.step_of_host[mods]
-    call_index = _call_index(forest.ts[mods], step_m, fqn)
+    step_m, call_index = calls.step, calls.call_index
 
     has_b, has_r = ((x["cpu"] != 0) | (x["kernels"] != 0) | (x["flops"] != 0)
                     for x in (bincl, rincl))

@@ -38,7 +38,8 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         table = insitu_for_run(run, manifest)
         insitu, span = _by_call(df, table), _by_call(df, table, "gpu_span_ms")
         kernels = _by_call(df, table, "kernel_count")
-    bwd = (_by_call(df, insitu_for_run(run, manifest, phase="bwd"))
+    bwd = (_by_call(df, insitu_for_run(run, manifest, phase="bwd",
+                                       grad_sums=own_grad_sums(df)))
            if df["bwd_ms"].notna().any() else {})
     recompute = _recompute(run, manifest, df)
     out = {}
@@ -64,6 +65,24 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
                          "bwd_insitu_ms": bwd_ins,
                          "bwd_error_pct": metrics.error_pct(_number(row["bwd_ms"]), bwd_ins),
                          "recompute_insitu_ms": _number(recompute.get(cid))}
+    return out
+
+
+def own_grad_sums(df) -> dict:
+    """(fqn, call_index) -> the gradient sums a call's replayed backward made at its own level
+    (``bwd_grad_sums`` less its children's), where it and all its children have one and it is
+    above 0: the engine's adds the in-situ attribution leaves with the call."""
+    if "bwd_grad_sums" not in df:
+        return {}
+    sums = dict(zip(df["call_id"], df["bwd_grad_sums"]))
+    below: dict = {}
+    for cid, parent in zip(df["call_id"], df["parent_call_id"]):
+        below.setdefault(parent, []).append(sums.get(cid))
+    out = {}
+    for cid, fqn, i in zip(df["call_id"], df["fqn"], df["call_index"]):
+        own = [_number(sums.get(cid))] + [_number(v) for v in below.get(cid, [])]
+        if None not in own and own[0] - sum(own[1:]) > 0:
+            out[(fqn, int(i))] = int(own[0] - sum(own[1:]))
     return out
 
 
@@ -100,7 +119,7 @@ def _by_call(df, ins, column: str = "insitu_ms") -> dict:
             zip(df["call_id"], df["fqn"], df["call_index"])}
 
 
-def insitu_for_run(run_dir, manifest, phase: str = "fwd"):
+def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None = None):
     """In-situ time per captured call from the run's own capture trace.
 
     Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, kernel_count, insitu_ms]
@@ -109,12 +128,13 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd"):
     cbtrace's input copies excluded) when the trace has device events, else cpu_ms. Not the
     span, except where the isolated figure holds the host's gaps too (``insitu_columns``): during
     capture the host is slowed by hooks and copies, so the device idles inside a parent's span
-    for reasons that are cbtrace's, not the model's.
+    for reasons that are cbtrace's, not the model's. ``grad_sums``: (fqn, call_index) -> the
+    gradient sums that are the call's own (``own_grad_sums``).
     """
     trace = find_trace(run_dir, manifest)
     if trace is None:
         raise RunDirError(f"{run_dir}: no capture trace (*.pt.trace.json*) in the run")
-    df = attribute_file(trace)
+    df = attribute_file(trace, grad_sums=grad_sums)
     df = df[(df["phase"] == phase) & (df["depth"] >= 0)]
     if (df["step"] >= 0).any():
         df = df[df["step"] == df.loc[df["step"] >= 0, "step"].min()]

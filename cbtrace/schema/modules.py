@@ -187,6 +187,10 @@ class ModuleRecord:
     bwd_bytes: float | None = column(REPLAY, "bytes", "moved by the backward", default=None)
     bwd_compute_dtype: str | None = column(REPLAY, doc="dtype whose peak bwd_mfu/mbu use",
                                            default=None)
+    bwd_grad_sums: int | None = column(REPLAY, doc="gradient sums the autograd engine makes in "
+                                                   "the call's backward (a tensor the call uses "
+                                                   "n times: n - 1), its children's included",
+                                       default=None)
     bwd_mfu: float | None = column(REPLAY, "fraction", "bwd_flops / bwd time / peak", default=None)
     bwd_mbu: float | None = column(REPLAY, "fraction", "bwd_bytes / bwd time / bandwidth",
                                    default=None)

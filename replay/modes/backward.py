@@ -37,7 +37,9 @@ class BackwardStep:
         self.tcfg = cfg.timing()
 
     def run(self, c: CallUnderTest) -> dict:
+        targets = grad_targets(flat_tensors(c.run.copies[0]))  # before an in-place forward
         outs = _grad_outputs(c.run(0))
+        sums = grad_sums(outs, targets, c.module)
         _note_inplace(c)
         if not outs:
             return dict(bwd_status="skipped", bwd_status_reason="no output requires grad (the "
@@ -53,12 +55,51 @@ class BackwardStep:
         except Exception as e:  # noqa: BLE001 - the backward failed: record it, go on
             return dict(bwd_status="error", grad_source=source,
                         bwd_status_reason=one_line(e))
-        row = dict(bwd_status="ok", grad_source=source, bwd_timer=t.timer, bwd_ms=t.median_ms,
+        row = dict(bwd_status="ok", grad_source=source, bwd_grad_sums=sums,
+                   bwd_timer=t.timer, bwd_ms=t.median_ms,
                    bwd_ms_p10=t.p10_ms, bwd_ms_p90=t.p90_ms,
                    bwd_timer_notes=join_notes(t.notes, fallback and f"fallback: {fallback}"))
         row.update(_cost(c, backward))
         row.update(_memory(c, backward))
         return row
+
+
+def grad_targets(inputs) -> set:
+    """Where the gradients of ``inputs`` go: each non-leaf's (node, output) and each leaf's
+    id (its AccumulateGrad node's variable)."""
+    return {(t.grad_fn, t.output_nr) if t.grad_fn is not None else id(t)
+            for t in inputs if t.requires_grad}
+
+
+def grad_sums(outs, inputs: set, module, limit: int = 100_000) -> int | None:
+    """Gradient sums the autograd engine makes in the backward of ``outs`` down to ``inputs``
+    (``grad_targets``): for every tensor the call's nodes feed gradients into (an input, a
+    parameter of ``module``, an intermediate), one add per edge into it beyond the first. A
+    tanh GELU uses its input three times: 2. In the step these adds run inside whichever
+    consumer's node finishes later, and the in-situ attribution needs to know they are the
+    call's own (``attribution.backward_ops``). None past ``limit`` nodes."""
+    params = {id(p) for p in module.parameters()}
+    edges: dict = {}
+    stack = [o.grad_fn for o in outs]
+    seen = set(map(id, stack))
+    while stack:
+        for fn, nr in stack.pop().next_functions:
+            if fn is None:
+                continue
+            var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
+            if var is not None:
+                if id(var) in inputs or id(var) in params:
+                    edges[id(var)] = edges.get(id(var), 0) + 1
+                continue
+            inside = (fn, nr) not in inputs  # an input's producer is not the call's
+            key = (id(fn), nr) if inside else (fn, nr)
+            edges[key] = edges.get(key, 0) + 1
+            if inside and id(fn) not in seen:
+                seen.add(id(fn))
+                if len(seen) > limit:
+                    return None
+                stack.append(fn)
+    return sum(n - 1 for n in edges.values() if n > 1)
 
 
 def _grad_outputs(out) -> list[torch.Tensor]:
