@@ -56,6 +56,25 @@ def test_grad_sums_count_each_tensor_used_more_than_once(leaf_input):
         assert grad_sums([out], grad_targets([x]), module) == want, type(module).__name__
 
 
+class Halves(nn.Module):
+    """Two outputs of one autograd node (chunk's split): nothing summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.lin(x).chunk(2, dim=1)
+
+
+def test_outputs_of_one_node_are_walked_once():
+    x = torch.randn(4, 64, requires_grad=True)
+    module = Halves()
+    outs = list(module(x))
+    assert outs[0].grad_fn is outs[1].grad_fn
+    assert grad_sums(outs, grad_targets([x]), module) == 0
+
+
 def test_a_calls_own_adds_stay_with_it_in_situ(tmp_path):
     torch.manual_seed(0)
     model = Net().train()

@@ -80,7 +80,7 @@ def grad_sums(outs, inputs: set, module, limit: int = 100_000) -> int | None:
     call's own (``attribution.backward_ops``). None past ``limit`` nodes."""
     params = {id(p) for p in module.parameters()}
     edges: dict = {}
-    stack = [o.grad_fn for o in outs]
+    stack = list({id(o.grad_fn): o.grad_fn for o in outs}.values())  # outputs of one node: once
     seen = set(map(id, stack))
     while stack:
         for fn, nr in stack.pop().next_functions:
