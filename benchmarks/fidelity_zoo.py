@@ -65,8 +65,7 @@ ROW_COLUMNS = ("call_id", "parent_call_id", "fqn", "module_type", "status", "sta
                "bwd_status", "bwd_status_reason", "bwd_insitu_ms", "bwd_ms", "bwd_error_pct",
                "bwd_timer_notes", "host_syncs", "insitu_span_ms", "error_basis", "step_compiled",
                "eager_ms", "insitu_kernel_count", "kernel_error_pct", "miss_cause")
-COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "w5%_span",
-           "EmbBag_med%",
+COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
            "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named")
 
 
@@ -88,8 +87,6 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
            "EmbBag_med%": _pct(bags[err].median()) if len(bags) else float("nan"),
            "root_err%": _pct(root[err].iloc[0]) if len(root) else float("nan"),
            "<10us_|err|_med%": _pct(small[err].abs().median()) if len(small) else float("nan")}
-    if phase == "fwd" and "insitu_span_ms" in df and len(big):
-        row["w5%_span"] = 100 * float((span_error(df).loc[big.index].abs() <= WITHIN_PCT).mean())
     if phase == "fwd" and "kernel_error_pct" in df:  # like with like: kernels alone vs in the step
         kern = small["kernel_error_pct"].dropna().abs()
         row["<10us_|kern|_med%"] = _pct(kern.median()) if len(kern) else float("nan")
@@ -106,18 +103,6 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
                for t, d in g]
     classes.sort(key=lambda c: -c["insitu_ms_median"])
     return row, classes
-
-
-def span_error(df):
-    """error_pct with the leaves that ran several kernels in situ and were timed by the graph
-    timer against busy time compared with their in-situ span instead: both figures then hold
-    the gaps between the call's kernels (a graph's ~0.5 us each, the step's launches)."""
-    leaves = ~df["call_id"].isin(df["parent_call_id"])
-    multi = ((df["timer"] == "graph") & (df["error_basis"] == "busy") & leaves
-             & (df["insitu_kernel_count"] >= 2) & (df["insitu_span_ms"] > 0))
-    err = df["error_pct"].copy()
-    err[multi] = 100 * (df.loc[multi, "isolated_ms"] / df.loc[multi, "insitu_span_ms"] - 1)
-    return err
 
 
 def _most_common(notes) -> str:
