@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cbtrace.replay.config import CONTEXT_REWRITES
+
 MIN_MS, WITHIN_PCT = 0.010, 5.0
 ZOO = str(Path(__file__).resolve().parent / "zoo.py")
 TINY, REAL = {"size": "tiny"}, {"size": "real"}
@@ -120,8 +122,8 @@ def profile_one(name, spec, options, args, run_dir):
         replay_options["context"] = False
     if args.context_max_ms is not None:
         replay_options["context_max_ms"] = args.context_max_ms
-    if args.context_rewrite:
-        replay_options["context_rewrite"] = True
+    if args.context_rewrite != "off":
+        replay_options["context_rewrite"] = args.context_rewrite
     if args.budget_s is not None:
         replay_options["budget_s"] = args.budget_s
     t0 = time.perf_counter()
@@ -172,8 +174,9 @@ def parse(argv):
                    help="replay each call on its own (ReplayConfig.context=False)")
     p.add_argument("--context-max-ms", type=float, default=None,
                    help="ReplayConfig.context_max_ms (calls timed in context: under this)")
-    p.add_argument("--context-rewrite", action="store_true",
-                   help="ReplayConfig.context_rewrite (inputs no context call wrote, rewritten)")
+    p.add_argument("--context-rewrite", choices=CONTEXT_REWRITES, default="off",
+                   help="ReplayConfig.context_rewrite (inputs no context call wrote, rewritten "
+                        "as x * 1: self, or x + 0 * y: sum)")
     p.add_argument("--budget-s", type=float, default=None, help="ReplayConfig.budget_s")
     p.add_argument("--top", type=int, default=8, help="classes printed per model and phase")
     p.add_argument("--keep-runs", action="store_true", help="keep the run directories in OUT/runs")
@@ -243,7 +246,7 @@ def main(argv=None) -> int:
     print(f"\n== fidelity ({args.device}, {args.dtype or 'model dtype'}, {args.size}, "
           f"{args.step}{', cold' if args.cold else ''}{', no context' if args.no_context else ''}"
           f"{f', context under {args.context_max_ms} ms' if args.context_max_ms else ''}"
-          f"{', context rewrite' if args.context_rewrite else ''})")
+          f"{f', context rewrite {args.context_rewrite}' if args.context_rewrite != 'off' else ''})")
     print(table(rows))
     for n in notes:
         print(n)

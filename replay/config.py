@@ -9,6 +9,7 @@ from cbtrace.replay.timer.contract import TimingConfig
 
 
 MODES = ("compile", "cudagraph")  # besides eager, which every replay times
+CONTEXT_REWRITES = ("off", "self", "sum")  # ReplayConfig.context_rewrite
 
 
 @dataclass(kw_only=True)
@@ -54,10 +55,12 @@ class ReplayConfig:
     """Calls timed in their context: those whose device time (the profiled pass) is under this
     (ms). Longer calls set their own cache state, and subtracting a context's graph from a long
     call adds its noise (benchmarks/RESULTS.md, context replay)."""
-    context_rewrite: bool = False
+    context_rewrite: str = "off"
     """A call in context none of whose inputs is a context output (it reads what non-module
-    code wrote, such as a residual add) also gets its larger inputs rewritten in place (x * 1)
-    after the context, as their producer would have left them."""
+    code wrote, such as a residual add): "self" rewrites its larger inputs in place after the
+    context (x * 1), as their producer would have left them; "sum" as an op of two operands of
+    their size would have (x + 0 * y, y another copy's: a residual add also read y); "off":
+    neither (``CONTEXT_REWRITES``)."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,
@@ -116,6 +119,9 @@ class ReplayConfig:
         if self.host_runs < 1 or self.profile_runs < 1:
             raise ValueError(f"host_runs and profile_runs must be >= 1, got {self.host_runs}, "
                              f"{self.profile_runs}")
+        if self.context_rewrite not in CONTEXT_REWRITES:
+            raise ValueError(f"context_rewrite: {self.context_rewrite!r} is not one of "
+                             f"{', '.join(CONTEXT_REWRITES)}")
         bad = {k: getattr(self, k) for k in ("budget_s", "cold_budget_s", "cold_warmup_s",
                                              "cold_settle_tol", "context_max_ms")
                if getattr(self, k) < 0}

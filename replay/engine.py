@@ -450,7 +450,8 @@ def context_source(cfg, records, model, run, device, flags):
         return None
     return ContextSource(records, model, device,
                          lambda r: load.load_call_inputs(run, r.inputs_ref, device=device),
-                         flags, max_calls=cfg.context_calls, rewrite=cfg.context_rewrite)
+                         flags, max_calls=cfg.context_calls,
+                         rewrite=cfg.context_rewrite != "off")
 
 
 def footprint_bytes(rec) -> int:

@@ -623,6 +623,21 @@ def test_the_toucher_rewrites_big_inputs_with_their_own_values():
     assert input_toucher([((small,), {})]) is None
 
 
+def test_the_toucher_as_a_sum_reads_the_next_copy_and_keeps_each_copys_values():
+    from cbtrace.replay.measure.prepare import input_toucher
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    before = (a.clone(), b.clone())
+    touch = input_toucher([((a,), {}), ((b,), {})], as_a_sum=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
+        touch(0)
+        touch(1)
+    adds = [e.input_shapes[:2] for e in prof.events() if e.name == "aten::add_"]
+    assert adds == [[[256, 256], [256, 256]]] * 2  # each copy rewritten from two operands
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+
+
 def test_a_graph_capture_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypatch):
     from types import SimpleNamespace
 

@@ -237,9 +237,10 @@ def in_context(c: CallUnderTest, context) -> None:
     del first
     rewrite = None
     if not chained:
-        if not c.cfg.context_rewrite:
+        if c.cfg.context_rewrite == "off":
             return
-        rewrite = input_toucher(copies)  # what non-module code wrote just before it
+        # as what non-module code wrote just before it left it
+        rewrite = input_toucher(copies, as_a_sum=c.cfg.context_rewrite == "sum")
         if rewrite is None:
             return
     slots: dict = {}
@@ -257,8 +258,12 @@ def in_context(c: CallUnderTest, context) -> None:
         return run_on(inputs, j)
 
     c.timed = CallRunner(run=timed, n_copies=n, before=before, release=slots.clear)
-    c.context_note = describe(context, chained) + ("; its inputs rewritten after them"
-                                                   if rewrite is not None else "")
+    c.context_note = describe(context, chained) + (
+        f"; its inputs rewritten after them ({REWRITTEN_AS[c.cfg.context_rewrite]})"
+        if rewrite is not None else "")
+
+
+REWRITTEN_AS = {"self": "x * 1", "sum": "x + 0 * y"}
 
 
 def _small(c: CallUnderTest) -> bool:

@@ -97,7 +97,7 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
 WARM_MIN_BYTES = 64 << 10  # smaller inputs stay cached whatever happens; not worth a kernel
 
 
-def input_toucher(copies):
+def input_toucher(copies, *, as_a_sum: bool = False):
     """touch(i) rewrites copy i's larger input tensors in place with their own values (x * 1),
     as the op that produced them would have: in the real step a module reads an input its
     producer has just written, often still in L2 (an activation after its producer reads slow
@@ -106,15 +106,25 @@ def input_toucher(copies):
     Writes go through aliases with version counters of their own: an in-place write on a view
     of a non-leaf input (even untimed, under no_grad) makes autograd regenerate its grad_fn as
     AsStridedBackward, whose backward zero-fills and copies a buffer the size of the input (two
-    extra kernels in every replayed backward of such a call)."""
+    extra kernels in every replayed backward of such a call).
+
+    ``as_a_sum``: rewrite copy i's tensors as x + 0 * y, y the same tensor of the next copy (of
+    the same values, so x keeps its own), as an op of two operands of its size (a residual add)
+    leaves its output: that op also read y, which took part of the cache."""
     per_copy = [[_alias(t) for t in flat_tensors(c) if _touchable(t)] for c in copies]
     if not any(per_copy):
         return None
+    n = len(per_copy)
 
     def touch(i: int) -> None:
         with torch.no_grad():
-            for t in per_copy[i % len(per_copy)]:
-                t.mul_(1)
+            mine = per_copy[i % n]
+            if not as_a_sum:
+                for t in mine:
+                    t.mul_(1)
+                return
+            for t, y in zip(mine, per_copy[(i + 1) % n]):
+                t.add_(y, alpha=0)
 
     return touch
 
