@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     print(f"\n== fidelity ({args.device}, {args.dtype or 'model dtype'}, {args.size}, "
           f"{args.step}{', cold' if args.cold else ''}{', no context' if args.no_context else ''}"
           f"{f', context under {args.context_max_ms} ms' if args.context_max_ms else ''}"
-          f"{f', context rewrite {args.context_rewrite}' if args.context_rewrite != 'off' else ''})")
+          f"{'' if args.context_rewrite == 'off' else f', rewrite {args.context_rewrite}'})")
     print(table(rows))
     for n in notes:
         print(n)
