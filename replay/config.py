@@ -80,6 +80,11 @@ class ReplayConfig:
     """Also time each call compiled and/or from a CUDA graph: "compile", "cudagraph"."""
     compile_mode: str = "default"
     """torch.compile's mode for the "compile" mode (e.g. "max-autotune-no-cudagraphs")."""
+    compile_workers: int | None = 0
+    """Processes that compile the calls the loop will compile ahead of it, in parallel, so that
+    its own compiles hit inductor's caches (``modes.precompile``); None: on a GPU, up to 8 as
+    CPUs and memory allow, none on a CPU; 0 (default until measured on a GPU: a 2-core CPU
+    gained nothing, benchmarks/RESULTS.md): none."""
     modes_budget_s: float | None = None
     """Seconds the other modes may take over the whole replay; calls after that get the status
     "skipped: ..." in those modes, their eager figures as usual (None: no limit)."""
@@ -125,6 +130,8 @@ class ReplayConfig:
         bad = {k: getattr(self, k) for k in ("budget_s", "cold_budget_s", "cold_warmup_s",
                                              "cold_settle_tol", "context_max_ms")
                if getattr(self, k) < 0}
+        if self.compile_workers is not None and self.compile_workers < 0:
+            bad["compile_workers"] = self.compile_workers
         if self.modes_budget_s is not None and self.modes_budget_s < 0:
             bad["modes_budget_s"] = self.modes_budget_s
         if bad:

@@ -31,6 +31,7 @@ from cbtrace.replay.derive import finalize
 from cbtrace.replay.measure.context import ContextSource
 from cbtrace.replay.measure.plan import default_plan, measure_call
 from cbtrace.replay.measure.time_limit import CallTimeout, time_limit
+from cbtrace.replay.modes import precompile
 from cbtrace.replay.run_io import rebuild, shard
 from cbtrace.replay.run_io.prefetch import ReadAhead
 from cbtrace.replay.run_io.progress import ProgressLog, clear_progress, read_done
@@ -99,6 +100,11 @@ def setup(run: Path, model, device, cfg: ReplayConfig) -> ReplayLoop:
     with phase(outside, "state_copy"):  # StateGuard: a copy of every parameter
         guard = StateGuard(model)
     flags = TrainingFlags(manifest.training_flags)
+    with phase(outside, "compile_ahead"):  # the loop's compiles, ahead in parallel (modes/)
+        ahead_note = precompile.compile_ahead(
+            run, manifest, [r for r in records if r.call_id not in done], model, cfg, device,
+            rebuildable=rebuild.refusal(manifest, trust=cfg.trust, spec=cfg.model_spec,
+                                        run=run) is None, sharded=w is not None)
     order = bfs_order({r.call_id: r.parent_call_id for r in records})
     if w is not None:
         mine = shard.assign(shard.costs(df), w.size)
@@ -113,8 +119,9 @@ def setup(run: Path, model, device, cfg: ReplayConfig) -> ReplayLoop:
                         enabled=device.type == "cuda", pin=device.type == "cuda",
                         device=device),
         context=context_source(cfg, records, model, run, device, flags),
-        outside=outside, t_start=t_start)
-    outside["setup"] = time.perf_counter() - t_setup - outside["state_copy"]
+        outside=outside, t_start=t_start, compile_ahead=ahead_note)
+    outside["setup"] = (time.perf_counter() - t_setup - outside["state_copy"]
+                        - outside["compile_ahead"])
     return loop
 
 
@@ -158,6 +165,7 @@ class ReplayLoop:
     outside: dict               # seconds outside the per-call loop, by phase
     t_start: float              # perf_counter at the start of setup
     timings: dict = field(default_factory=dict)  # seconds per phase of a call's replay
+    compile_ahead: str | None = None  # what compiling ahead did (modes/precompile.py)
 
     def run(self) -> None:
         """Every call of ``order`` not done yet, then (CPU) the noisy ones again."""
@@ -298,6 +306,7 @@ def write_replay_info(loop: ReplayLoop, name: str, wall: float) -> None:
                                  timings_s=_rounded(loop.timings),
                                  outside_s=_rounded(loop.outside))
     manifest.replay.ranks = 1 if loop.world is None else loop.world.size
+    manifest.replay.compile_ahead = loop.compile_ahead
     write_manifest(loop.run_dir, manifest, rewritten=[MODULES])
 
 

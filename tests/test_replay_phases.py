@@ -8,8 +8,8 @@ from cbtrace.capture.from_spec import capture_model
 from cbtrace.rundir.read import read_manifest
 from cbtrace.state import same_state, state_digest
 
-OUTSIDE = {"load_run", "verify_inputs", "calibrate", "state_copy", "setup", "finalize", "write",
-           "other"}
+OUTSIDE = {"load_run", "verify_inputs", "calibrate", "state_copy", "compile_ahead", "setup",
+           "finalize", "write", "other"}
 
 BN_MODEL = '''
 import torch

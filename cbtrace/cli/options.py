@@ -134,6 +134,20 @@ def strict_exit(df, strict: bool) -> None:
         sys.exit(1)
 
 
+def parse_workers(text: str) -> int | None:
+    """--compile-workers: "auto" -> None (ReplayConfig's own choice), else a count >= 0."""
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise click.BadParameter(f"expected a count >= 0 or auto, got {text!r}",
+                                 param_hint="--compile-workers")
+    return n
+
+
 def parse_modes(text: str) -> tuple:
     """"eager,compile" -> ("eager", "compile"), checked against the replay modes."""
     modes = tuple(m.strip() for m in text.split(",") if m.strip())

@@ -85,9 +85,10 @@ class ReplayInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     timings_s: dict[str, float] = {}     # the per-call loop's seconds: load, prepare, each
     #   step, state_guard (StateGuard.call per call), loop_other (progress rows, the bar)
     outside_s: dict[str, float] = {}     # the rest of wall_s: load_run, rebuild, verify_state,
-    #   verify_inputs, calibrate, state_copy (StateGuard's copy of every parameter), setup,
-    #   finalize, write (modules.parquet), other
+    #   verify_inputs, calibrate, state_copy (StateGuard's copy of every parameter),
+    #   compile_ahead (replay/modes/precompile.py), setup, finalize, write (modules.parquet), other
     ranks: int = 1                       # processes it was sharded over (torchrun)
+    compile_ahead: str | None = None     # what compiling ahead in workers did, or why it did not
 
 
 class Manifest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

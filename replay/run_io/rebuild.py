@@ -38,14 +38,11 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
         timings: gets the seconds of "rebuild" and "verify_state" (the digest check).
     """
     where = f"{run}: " if run is not None else ""
+    refused = refusal(manifest, trust=trust, spec=spec, run=run)
+    if refused is not None:
+        raise refused
     named = spec is not None
     spec = spec if named else manifest.model.spec
-    if not spec:
-        raise ReplayError(f"{where}run was captured from a live model (no spec): pass the "
-                          "model (model=) or its spec (model_spec=SPEC)", retry="model_spec")
-    if not (named or trust or is_registered(spec) or signed_source(run, manifest)):
-        raise ReplayError(f"{where}the run's model spec '{spec}' is not a registered provider; "
-                          + HOW, retry=("model_spec", "trust"))
     dtype = manifest.step.dtype if manifest.step is not None else None
     whose = "the model" if named else "the run's model"
     t0 = time.perf_counter()
@@ -70,6 +67,22 @@ def rebuild_model(manifest, device, *, verify: bool, trust: bool = False,
     return model
 
 
+def refusal(manifest, *, trust: bool = False, spec: str | None = None,
+            run=None) -> ReplayError | None:
+    """Why ``rebuild_model`` would refuse to rebuild the model (nothing is run to tell), or
+    None when it would try."""
+    where = f"{run}: " if run is not None else ""
+    named = spec is not None
+    spec = spec if named else manifest.model.spec
+    if not spec:
+        return ReplayError(f"{where}run was captured from a live model (no spec): pass the "
+                           "model (model=) or its spec (model_spec=SPEC)", retry="model_spec")
+    if not (named or trust or is_registered(spec) or signed_source(run, manifest)):
+        return ReplayError(f"{where}the run's model spec '{spec}' is not a registered provider; "
+                           + HOW, retry=("model_spec", "trust"))
+    return None
+
+
 def signed_source(run, manifest) -> bool:
     """Whether ``run`` is signed by this user for the model source ``manifest`` names (the
     manifest as read, checked against the bytes the signature covers)."""
@@ -77,4 +90,3 @@ def signed_source(run, manifest) -> bool:
         return False
     signed = signed_manifest(run)
     return signed is not None and signed.model == manifest.model
-

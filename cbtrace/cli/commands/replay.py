@@ -3,7 +3,8 @@ import os
 import click
 
 import cbtrace
-from cbtrace.cli.options import parse_modes, replay_options, strict_exit, timer_warning
+from cbtrace.cli.options import (parse_modes, parse_workers, replay_options, strict_exit,
+                                 timer_warning)
 from cbtrace.plugins.reporters.opportunities import modes_note
 from cbtrace.plugins.reporters.summary import status_text, summary_table
 from cbtrace.replay.config import ReplayConfig
@@ -34,6 +35,11 @@ from cbtrace.rundir.read import read_manifest
               help="also time each call compiled and/or from a CUDA graph: eager,compile,cudagraph")
 @click.option("--compile-mode", default=ReplayConfig.compile_mode, show_default=True,
               help="torch.compile mode for --modes compile (e.g. max-autotune-no-cudagraphs)")
+@click.option("--compile-workers", default="0", show_default=True, metavar="N|auto",
+              callback=lambda ctx, param, v: parse_workers(v),
+              help="compile what --modes compile will compile ahead, in N processes that rebuild "
+                   "the model from the run's spec, so the replay's compiles hit inductor's cache "
+                   "(auto: on a GPU, up to 8 as CPUs and memory allow)")
 @click.option("--modes-budget-s", type=click.FloatRange(min=0), default=None, metavar="S",
               help="seconds the other modes may take in all; later calls are skipped in them "
                    "(their status says so) and timed eagerly as usual")
@@ -48,7 +54,8 @@ from cbtrace.rundir.read import read_manifest
 @click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
               help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, resume, model_spec,
-            trust, timeout_s, modes, compile_mode, modes_budget_s, backward, reuse_timing,
+            trust, timeout_s, modes, compile_mode, compile_workers, modes_budget_s, backward,
+            reuse_timing,
             eager_only, count_every_call, nproc, strict, top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
@@ -67,6 +74,7 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, re
                 context=context,
                 model_spec=model_spec, trust=trust, timeout_s=timeout_s,
                 modes=parse_modes(modes), compile_mode=compile_mode,
+                compile_workers=compile_workers,
                 modes_budget_s=modes_budget_s, backward=backward,
                 reuse_timing=reuse_timing, reuse_counts=not count_every_call,
                 eager_only=eager_only)
@@ -79,6 +87,9 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, re
     for note in replay_notes(read_manifest(run), backward):
         click.echo(note)
     click.echo(status_text(df))
+    ahead = read_manifest(run).replay.compile_ahead
+    if ahead:
+        click.echo(ahead)
     skipped = modes_note(df)
     if skipped:
         click.echo(f"modes:\n{skipped}")

@@ -1,0 +1,121 @@
+"""Issue 31, item 2: the compile mode's wall with and without compiling ahead in worker processes
+(``ReplayConfig.compile_workers``, ``replay/modes/precompile.py``), side by side on one run.
+
+Captures the model once from its spec (a worker rebuilds it from there), then replays it with
+``--modes`` once per worker count, each in a fresh process with an empty inductor cache of its
+own (nothing compiled before, in memory or on disk), and prints per variant: the replay's
+wall, the compile-ahead phase, the loop's own compiling (sum of ``compile_s``), inductor's FX
+graph cache hits and misses in the loop, the statuses, and how the compiled figures compare
+with the first variant's (median ratio of ``compile_ms``, call by call: workers only warm
+caches, so the loop should measure the same compiled calls). Usage:
+
+    python benchmarks/bench_compile_ahead.py --model efficientnet_b0 --workers 0,4,8   # H200
+    python benchmarks/bench_compile_ahead.py --model cnn --device cpu --workers 0,2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ZOO = str(Path(__file__).resolve().parent / "zoo.py")
+# name -> (spec, options, capture depth); real sizes on a GPU, tiny on a CPU
+MODELS = {
+    "efficientnet_b0": (f"{ZOO}:timm_efficientnet_b0", {"size": "real"}, {"size": "tiny"}),
+    "resnet50": (f"{ZOO}:tv_resnet50", {"size": "real"}, {"size": "tiny"}),
+    "nanogpt": ("nanogpt", {"batch_size": 8}, None),
+    "cnn": (f"{ZOO}:cnn", {"size": "real"}, {"size": "tiny"}),
+}
+REPLAY = dict(budget_s=0.03, timeout_s=300.0, progress=False)
+
+
+def variant(run: Path, device: str, modes: tuple, workers: int) -> dict:
+    """One replay (in this process, which the parent started with a fresh inductor cache)."""
+    import cbtrace
+    from cbtrace.rundir.read import read_manifest
+    from torch._dynamo.utils import counters
+
+    t0 = time.perf_counter()
+    df = cbtrace.replay(run, device=device, modes=modes, compile_workers=workers, **REPLAY)
+    wall = time.perf_counter() - t0
+    info = read_manifest(run).replay
+    return {"workers": workers, "wall_s": wall,
+            "ahead_s": info.outside_s.get("compile_ahead", 0.0), "ahead": info.compile_ahead,
+            "loop_compile_s": float(df["compile_s"].sum()),
+            "graphs": int((df["compile_graphs"] > 0).sum()),
+            "fx_hits": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
+            "fx_misses": int(counters["inductor"].get("fxgraph_cache_miss", 0)),
+            "status": {m: df[f"{m}_status"].fillna("-").str.split(":").str[0]
+                       .value_counts().to_dict() for m in modes},
+            "compile_ms": {str(k): v for k, v in
+                           df.set_index("call_id")["compile_ms"].dropna().items()}}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="cnn", help=f"one of {', '.join(MODELS)}, or a spec")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default=None, help="bf16, fp16 (default: bf16 on cuda)")
+    p.add_argument("--modes", default="compile,cudagraph")
+    p.add_argument("--workers", default="0,4,8", help="worker counts, comma-separated")
+    p.add_argument("--out", type=Path, default=None, help="where runs and caches go")
+    p.add_argument("--variant", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--run", type=Path, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    modes = tuple(m for m in a.modes.split(",") if m and m != "eager")
+    if a.device == "cpu":
+        modes = tuple(m for m in modes if m != "cudagraph")
+    if a.variant is not None:  # the child: one replay, its figures on the last line
+        print(json.dumps(variant(a.run, a.device, modes, a.variant)), flush=True)
+        return
+
+    from cbtrace.capture.from_spec import capture_model
+
+    spec, gpu_options, cpu_options = MODELS.get(a.model, (a.model, {}, {}))
+    options = gpu_options if a.device == "cuda" else (cpu_options or gpu_options)
+    dtype = a.dtype or ("bf16" if a.device == "cuda" else None)
+    out = a.out or Path(tempfile.mkdtemp(prefix="bench_compile_ahead_"))
+    run = out / "run"
+    t0 = time.perf_counter()
+    capture_model(spec, run, device=a.device, dtype=dtype, options=options, trace=False)
+    print(f"=== {a.model} on {a.device} ({dtype or 'fp32'}), modes {','.join(modes)}; captured "
+          f"in {time.perf_counter() - t0:.1f} s; each variant a fresh process and inductor cache",
+          flush=True)
+    rows = []
+    for w in (int(x) for x in a.workers.split(",")):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(out / f"inductor_{w}"),
+                   TRITON_CACHE_DIR=str(out / f"triton_{w}"))
+        p2 = subprocess.run([sys.executable, __file__, "--variant", str(w), "--run", str(run),
+                             "--device", a.device, "--modes", ",".join(modes)],
+                            env=env, capture_output=True, text=True)
+        last = (p2.stdout.strip().splitlines() or [""])[-1]
+        try:
+            rows.append(json.loads(last))
+        except ValueError:
+            print(f"workers={w}: failed (exit {p2.returncode}): "
+                  f"{(p2.stderr.strip().splitlines() or [''])[-1][:300]}")
+            continue
+        r = rows[-1]
+        print(f"workers={w}: wall {r['wall_s']:.1f} s; {r['ahead'] or 'no compile ahead'}",
+              flush=True)
+    if not rows:
+        raise SystemExit("no variant ran")
+    base = rows[0]["compile_ms"]
+    print(f"\n{'workers':>7} {'wall_s':>7} {'ahead_s':>7} {'loop_compile_s':>14} {'graphs':>6} "
+          f"{'fx_hit':>6} {'fx_miss':>7} {'compile_ms/first':>16}  status")
+    for r in rows:
+        ratios = sorted(r["compile_ms"][k] / base[k] for k in r["compile_ms"]
+                        if k in base and base[k] > 0)
+        med = f"{ratios[len(ratios) // 2]:.3f} ({len(ratios)})" if ratios else "-"
+        print(f"{r['workers']:>7} {r['wall_s']:>7.1f} {r['ahead_s']:>7.1f} "
+              f"{r['loop_compile_s']:>14.1f} {r['graphs']:>6} {r['fx_hits']:>6} "
+              f"{r['fx_misses']:>7} {med:>16}  {r['status']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Compile ahead: before the replay's loop, the calls it will compile are compiled in worker
+processes, in parallel, so that the loop's own compiles hit inductor's on-disk caches.
+
+    note = compile_ahead(run, manifest, records, model, flags, cfg, device)   # engine.setup
+
+The compile mode (and a call the step ran compiled) compiles each kind of call once
+(``compile_cudagraph.EntryCache``), one after another: dynamo traces one frame at a time, and a
+330-call CNN spent two minutes compiling on the H200 host. A compile whose FX graph inductor
+has compiled before (same graph, input metadata and settings, in any process: its FX graph,
+AOTAutograd and Triton caches live on disk) only traces and loads, about a tenth of the time
+(``benchmarks/bench_compile_ahead.py``). So the first call of each kind is handed to one of N
+workers (``python -m cbtrace.replay.modes.precompile JOB``), largest subtrees first, each
+worker with its own rebuild of the run's model (from the run's spec, as replay would rebuild
+it: a run from elsewhere still needs ``trust`` or ``model_spec``); the loop waits for them,
+then compiles as before, now mostly from the caches. Nothing else runs on the device while the
+workers do: their compiles run the call once, and Triton tunes kernels on the device.
+
+Workers only warm caches: what the loop measures is its own compile, whether the workers
+finished, failed or were never started (a live model with no spec to rebuild, a sharded
+replay, a CPU replay unless asked for). On a GPU a leaf is left to the loop: most leaves are
+one kernel, which the compile mode does not compile (``nothing_to_fuse``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from cbtrace import module_tree
+from cbtrace.calltree import CallTree
+from cbtrace.console import announce
+from cbtrace.errors import one_line
+from cbtrace.replay.measure.reuse import call_key
+from cbtrace.schema.modules import COPY_FAILED
+
+MAX_WORKERS = 8
+WORKER_HOST_BYTES = 1 << 30  # what a worker's CUDA context and inductor take beside the model
+
+
+@dataclass
+class Job:
+    """One worker's share, as written to its job file."""
+
+    run: str
+    device: str
+    calls: list[int]
+    compile_mode: str
+    trust: bool = False
+    model_spec: str | None = None
+    threads: int = 1
+    timeout_s: float | None = None
+
+
+@dataclass
+class Outcome:
+    """What one worker reports on its last line of output."""
+
+    compiled: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def candidates(records, model, cfg, device) -> list:
+    """The calls the loop will compile, the first of each kind (``call_key``; a call without
+    one is its own kind): every call under the compile mode, else those the step ran compiled;
+    on a GPU, parents only."""
+    out, seen = [], set()
+    compiling = "compile" in cfg.modes
+    for rec in sorted(records, key=lambda r: r.call_id):
+        if (rec.capture_error or "").startswith(COPY_FAILED):
+            continue
+        if not compiling and (cfg.eager_only or not rec.step_compiled):
+            continue
+        try:
+            module = module_tree.get_submodule(model, rec.fqn)
+        except AttributeError:
+            continue
+        if device.type == "cuda" and next(module.children(), None) is None:
+            continue
+        key = call_key(module, rec)
+        key = ("module", rec.fqn) if key is None else key
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(rec)
+    return out
+
+
+def shares(recs, records, n: int) -> list[list[int]]:
+    """``recs`` split among ``n`` workers, each call weighed by its subtree's size (a parent's
+    compile traces all of it), largest first to the least loaded worker; in each share, the
+    call order of the step."""
+    tree = CallTree({r.call_id: r.parent_call_id for r in records})
+    size: dict[int, int] = {}
+    for cid in sorted(tree.parent, reverse=True):  # children begin after their parent
+        size[cid] = 1 + sum(size[c] for c in tree.children[cid])
+    loads = [[0, []] for _ in range(max(n, 1))]
+    for rec in sorted(recs, key=lambda r: -size.get(r.call_id, 1)):
+        least = min(loads, key=lambda x: x[0])
+        least[0] += size.get(rec.call_id, 1)
+        least[1].append(rec.call_id)
+    return [sorted(ids) for _, ids in loads if ids]
+
+
+def workers_for(cfg, device, model, n_calls: int) -> int:
+    """``cfg.compile_workers``, or by default on a GPU: up to MAX_WORKERS, half the CPUs, and as
+    many as fit in half the free device memory with a model each; 0 on a CPU."""
+    if cfg.compile_workers is not None:
+        return min(cfg.compile_workers, n_calls)
+    if device.type != "cuda":
+        return 0
+    model_bytes = sum(t.numel() * t.element_size()
+                      for t in [*model.parameters(), *model.buffers()])
+    free, _ = torch.cuda.mem_get_info(device)
+    fit = int(0.5 * free) // (model_bytes + WORKER_HOST_BYTES)
+    return max(0, min(MAX_WORKERS, (os.cpu_count() or 2) // 2, fit, n_calls))
+
+
+def compile_ahead(run: Path, manifest, records, model, cfg, device, *, rebuildable: bool,
+                  sharded: bool = False) -> str | None:
+    """Compile the loop's compiles ahead in worker processes (module docstring); returns a
+    note for the manifest (what was done, or why not), None when nothing was to compile."""
+    if not ("compile" in cfg.modes or any(r.step_compiled for r in records)):
+        return None
+    recs = candidates(records, model, cfg, device)
+    if not recs:
+        return None
+    n = workers_for(cfg, device, model, len(recs))
+    if n <= 0:
+        return None
+    if sharded:
+        return "no compile ahead: a sharded replay's ranks compile in parallel already"
+    if not rebuildable:
+        return ("no compile ahead: the workers could not rebuild the model (a live model with "
+                "no spec, or a run from elsewhere: model_spec= or trust=True)")
+    if cfg.progress is not False:
+        announce(f"compiling {len(recs)} kinds of call ahead in {n} processes")
+    threads = torch.get_num_threads()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="cbtrace-compile-") as tmp:
+        procs = []
+        for i, calls in enumerate(shares(recs, records, n)):
+            job = Job(run=str(Path(run).resolve()), device=str(device), calls=calls,
+                      compile_mode=cfg.compile_mode, trust=cfg.trust, model_spec=cfg.model_spec,
+                      threads=threads, timeout_s=cfg.timeout_s)
+            path = Path(tmp) / f"job{i}.json"
+            path.write_text(json.dumps(asdict(job)))
+            procs.append(_start(path, n))
+        outcomes = [_wait(*p) for p in procs]
+    compiled = sum(o.compiled for o in outcomes)
+    failed = sum(o.failed for o in outcomes)
+    errors = [e for o in outcomes for e in o.errors]
+    note = (f"compiled ahead: {compiled} of {len(recs)} kinds of call in {len(procs)} "
+            f"processes, {time.perf_counter() - t0:.1f} s")
+    if failed:
+        note += f"; {failed} failed ({errors[0] if errors else 'no reason given'})"
+    return note
+
+
+def _start(job: Path, n: int) -> tuple:
+    """The worker's process, its output going to files beside its job (a pipe left unread
+    while another worker is waited for would stall it)."""
+    env = dict(os.environ)
+    # each worker's inductor compiles kernels in a pool of its own: share the CPUs
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // n)))
+    out, err = job.with_suffix(".out"), job.with_suffix(".err")
+    with out.open("w") as o, err.open("w") as e:
+        p = subprocess.Popen([sys.executable, "-m", "cbtrace.replay.modes.precompile", str(job)],
+                             env=env, stdout=o, stderr=e, stdin=subprocess.DEVNULL)
+    return p, out, err
+
+
+def _wait(p: subprocess.Popen, out: Path, err: Path) -> Outcome:
+    p.wait()
+    last = out.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+    try:
+        return Outcome(**json.loads(last[0]))
+    except (ValueError, TypeError):
+        why = err.read_text(errors="replace").strip().splitlines()[-1:] or [
+            f"exit {p.returncode}"]
+        return Outcome(failed=1, errors=[f"a worker ended without a report: {why[0][:200]}"])
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def work(job: Job) -> Outcome:
+    """Compile each of ``job.calls`` once, as the loop's compile step would: the module as
+    flagged at capture, through an entry of its kind, on the captured inputs, under the call's
+    grad mode and autocast, dynamo's stance default."""
+    from cbtrace.replay.engine import TrainingFlags
+    from cbtrace.replay.measure.prepare import call_context
+    from cbtrace.replay.measure.time_limit import time_limit
+    from cbtrace.replay.modes.compile_cudagraph import EntryCache, stance
+    from cbtrace.replay.run_io.rebuild import rebuild_model
+    from cbtrace.rundir.read import load_run
+    from cbtrace.schema.modules import frame_to_records
+    from cbtrace.store import load
+
+    torch.set_num_threads(job.threads)
+    run, device = Path(job.run), torch.device(job.device)
+    manifest, df = load_run(run)
+    by_id = {r.call_id: r for r in frame_to_records(df)}
+    model = rebuild_model(manifest, device, verify=False, trust=job.trust, spec=job.model_spec,
+                          run=run)
+    flags = TrainingFlags(manifest.training_flags)
+    cache, outcome = EntryCache(job.compile_mode), Outcome()
+    for cid in job.calls:
+        rec = by_id[cid]
+        try:
+            module = module_tree.get_submodule(model, rec.fqn)
+            args, kwargs = load.load_call_inputs(run, rec.inputs_ref, device=device)
+            flags.apply(module, rec)
+            fn = cache.runner_fn(cache.key(module, rec), module)
+            with time_limit(job.timeout_s), stance("default"), \
+                    call_context(rec, device.type):
+                fn(*args, **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            outcome.compiled += 1
+        except Exception as e:  # noqa: BLE001 - the loop will meet it and say so in the row
+            outcome.failed += 1
+            outcome.errors.append(f"{rec.fqn or '(root)'}: {one_line(e, 160)}")
+            torch._dynamo.reset()
+            cache.clear()
+    return outcome
+
+
+def main(argv: list[str]) -> int:
+    job = Job(**json.loads(Path(argv[0]).read_text()))
+    try:
+        outcome = work(job)
+    except Exception as e:  # noqa: BLE001 - reported to the replay, which goes on without
+        outcome = Outcome(failed=len(job.calls), errors=[one_line(e, 200)])
+    print(json.dumps(asdict(outcome)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

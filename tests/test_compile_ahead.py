@@ -1,0 +1,106 @@
+"""Compiling ahead (issue 31, item 2): the calls the compile mode will compile are compiled first
+in worker processes, each with its own rebuild of the run's model, so that the loop's compiles
+hit inductor's on-disk cache; the loop then measures as before. Inductor on CPU: the model is
+a few small blocks, two of them identical (one kind, compiled once)."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+import cbtrace
+from cbtrace.capture.from_spec import capture_model
+from cbtrace.replay.config import ReplayConfig
+from cbtrace.replay.modes import precompile
+from cbtrace.rundir.read import read_manifest, read_records
+from helpers.settings import FAST_REPLAY
+
+MODEL = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self, c_in, c_out):
+            super().__init__()
+            self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+            self.act = nn.SiLU()
+
+        def forward(self, x):
+            return self.act(self.conv(x)) * 2
+
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(4, 6), Block(6, 6), Block(6, 6)).eval()
+        return model, (torch.randn(2, 4, 8, 8),)
+""")
+
+
+@pytest.fixture
+def spec_run(tmp_path, monkeypatch):
+    """A run captured from a file spec (signed: the workers may rebuild it), depth 1, and an
+    empty inductor cache of the test's own (the workers inherit it)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    (tmp_path / "blocks.py").write_text(MODEL)
+    run = tmp_path / "run"
+    capture_model(f"{tmp_path / 'blocks.py'}:build", run, device="cpu", max_depth=1,
+                  trace=False)
+    return run
+
+
+def _fx_counts():
+    from torch._dynamo.utils import counters
+
+    return (counters["inductor"].get("fxgraph_cache_hit", 0),
+            counters["inductor"].get("fxgraph_cache_miss", 0))
+
+
+def test_the_loop_compiles_from_what_the_workers_compiled(spec_run):
+    torch._dynamo.reset()  # nothing of earlier tests in this process's memory
+    hits, misses = _fx_counts()
+    df = cbtrace.replay(spec_run, modes=("compile",), compile_workers=2,
+                        **{**FAST_REPLAY, "timeout_s": None})
+    info = read_manifest(spec_run).replay
+    # the root, three blocks of two kinds: three kinds, split between two workers
+    assert info.compile_ahead.startswith("compiled ahead: 3 of 3 kinds of call in 2 processes")
+    assert info.outside_s["compile_ahead"] > 0
+    assert (df["compile_status"] == "ok").all(), df["compile_status"].tolist()
+    new_hits, new_misses = _fx_counts()
+    assert new_misses == misses  # every graph the loop compiled, a worker had compiled
+    assert new_hits - hits >= 3
+    assert df["compile_ms"].notna().all()
+
+
+def test_a_run_of_a_live_model_is_compiled_by_the_loop_alone(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    with cbtrace.capture(model, tmp_path / "run", trace=False):
+        model(torch.randn(4, 8))
+    df = cbtrace.replay(tmp_path / "run", model=model, modes=("compile",), compile_workers=2,
+                        **FAST_REPLAY)
+    note = read_manifest(tmp_path / "run").replay.compile_ahead
+    assert note.startswith("no compile ahead: the workers could not rebuild the model")
+    assert (df["compile_status"] == "ok").all()
+
+
+def test_no_workers_by_default_on_a_cpu_and_none_below_zero():
+    assert ReplayConfig().compile_workers == 0
+    with pytest.raises(ValueError, match="compile_workers"):
+        ReplayConfig(compile_workers=-1)
+
+
+def test_each_kind_once_and_shares_weighed_by_subtree(spec_run):
+    records = read_records(spec_run)
+    model = torch.nn.Sequential(*[torch.nn.Conv2d(c, 6, 3, padding=1) for c in (4, 6, 6)])
+    fqn = {r.call_id: r.fqn for r in records}
+    with_parent = {r.call_id for r in records if r.parent_call_id in fqn}
+    assert len(records) == 4 and len(with_parent) == 3
+    # the same layout of kinds as the captured blocks: "1" and "2" are one kind
+    recs = precompile.candidates(records, model, ReplayConfig(modes=("compile",)),
+                                 torch.device("cpu"))
+    assert [fqn[r.call_id] for r in recs] == ["", "0", "1"]
+    shares = precompile.shares(recs, records, 2)
+    # the root (a subtree of four) alone; the two blocks on the other worker
+    assert sorted([fqn[c] for c in s] for s in shares) == [[""], ["0", "1"]]
+    assert precompile.candidates(records, model, ReplayConfig(), torch.device("cpu")) == []
