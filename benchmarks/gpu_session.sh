@@ -20,6 +20,8 @@
 # FIDELITY_OUT names the output folder and log, for two variants in one call);
 # opportunity: bench_opportunity.py per model (the root and top 5 modules compiled in place, estimated vs
 # measured saving; the replay's modes wall and out-of-memory rows; OPP_MODELS, OPP_MODES);
+# compile-ahead: bench_compile_ahead.py (modes wall with compile workers 0 vs N, fresh caches each;
+# AHEAD_MODELS, AHEAD_WORKERS);
 # fresh: bench_replay_fresh.py (a plain `cbtrace replay` beside the replay inside `profile`; FRESH_MODELS,
 # FRESH_REPEATS, FRESH_DTYPE).
 R=$PWD
@@ -73,6 +75,10 @@ fidelity)
 opportunity)
   for M in ${OPP_MODELS:-efficientnet_b0 nanogpt dlrm}; do
     timeout ${OPP_TIMEOUT:-580} python3 $R/benchmarks/bench_opportunity.py --model $M --top 5 --modes ${OPP_MODES:-compile,cudagraph} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_opportunity_$M.log | tail -16
+  done ;;
+compile-ahead)
+  for M in ${AHEAD_MODELS:-efficientnet_b0}; do
+    timeout ${AHEAD_TIMEOUT:-580} python3 $R/benchmarks/bench_compile_ahead.py --model $M --workers ${AHEAD_WORKERS:-0,8} --out /tmp/ahead_$M 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_compile_ahead_$M.log | tail -12
   done ;;
 fresh)
   for M in ${FRESH_MODELS:-nanogpt dlrm:large}; do
