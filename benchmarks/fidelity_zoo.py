@@ -50,6 +50,7 @@ MODELS = {
     "mixtral": (f"{ZOO}:hf_mixtral", TINY, f"{ZOO}:hf_mixtral", REAL, "transformers"),
     "fasterrcnn": (f"{ZOO}:tv_fasterrcnn", TINY, f"{ZOO}:tv_fasterrcnn", REAL, "torchvision"),
     "gnn": (f"{ZOO}:pyg_gnn", TINY, f"{ZOO}:pyg_gnn", REAL, "torch_geometric"),
+    "wav2vec2": (f"{ZOO}:hf_wav2vec2", TINY, f"{ZOO}:hf_wav2vec2", REAL, "transformers"),
     "compiled-gpt2": ("nanogpt:tiny", {}, f"{ZOO}:compiled_nanogpt", REAL, None),
 }
 DEFAULT_MODELS = "nanogpt,dlrm,dcn,hstu,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base"

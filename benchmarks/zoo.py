@@ -136,6 +136,22 @@ def hf_whisper(size: str = "tiny"):
     return model, {"input_features": feats, "decoder_input_ids": _ids(c.vocab_size, batch, dec)}
 
 
+def hf_wav2vec2(size: str = "tiny"):
+    """Speech encoder on raw audio: a conv feature extractor, then a positional embedding by a
+    grouped Conv1d (kernel 128, 16 groups) under weight norm, then transformer layers."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    cfg, batch, samples = _pick(size, (dict(hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=128,
+                                            conv_dim=(32, 32, 32), conv_stride=(5, 4, 2),
+                                            conv_kernel=(10, 4, 2), num_conv_pos_embeddings=16,
+                                            num_conv_pos_embedding_groups=4), 2, 4000),
+                                (dict(), 8, 16000))  # wav2vec2-base's sizes: the defaults
+    model = Wav2Vec2Model(Wav2Vec2Config(**cfg)).eval()
+    audio = torch.randn(batch, samples, generator=torch.Generator().manual_seed(0))
+    return model, {"input_values": audio}
+
+
 def hf_vit(size: str = "tiny"):
     from transformers import ViTConfig, ViTModel
 

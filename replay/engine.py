@@ -33,6 +33,7 @@ from cbtrace.replay.measure.plan import default_plan, measure_call
 from cbtrace.replay.measure.time_limit import CallTimeout, time_limit
 from cbtrace.replay.modes import precompile
 from cbtrace.replay.run_io import rebuild, shard
+from cbtrace.replay.run_io.rebuild import TrainingFlags
 from cbtrace.replay.run_io.prefetch import ReadAhead
 from cbtrace.replay.run_io.progress import ProgressLog, clear_progress, read_done
 from cbtrace.replay.timer.contract import join_notes
@@ -423,28 +424,6 @@ def verify_inputs(run: Path, manifest) -> None:
         if want and sha256_file(path) != want:
             raise ReplayError(f"{path}: captured input file is corrupt (sha256 differs from "
                               "the manifest)")
-
-
-class TrainingFlags:
-    """``apply(module, rec)``: the call's own train/eval flag, and each submodule's as it was at
-    capture (``flags``: fqn -> training, the manifest's). A call's submodules are looked up
-    once, and a flag is set only where it differs (a walk of every submodule per call is slow
-    on a large model)."""
-
-    def __init__(self, flags: dict | None):
-        self.flags, self._subs = flags or {}, {}
-
-    def apply(self, module, rec) -> None:
-        subs = self._subs.get((rec.fqn, id(module)))  # a module swapped in: walked again
-        if subs is None:
-            prefix = f"{rec.fqn}." if rec.fqn else ""
-            subs = self._subs[(rec.fqn, id(module))] = [
-                (sub, bool(self.flags[f"{prefix}{name}"]))
-                for name, sub in module_tree.named_modules(module)
-                if name and f"{prefix}{name}" in self.flags]
-        for sub, want in [(module, bool(rec.training)), *subs]:
-            if sub.training != want:
-                sub.training = want
 
 
 def uses_context(cfg, device) -> bool:

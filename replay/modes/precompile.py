@@ -37,8 +37,14 @@ from cbtrace import module_tree
 from cbtrace.calltree import CallTree
 from cbtrace.console import announce
 from cbtrace.errors import one_line
+from cbtrace.replay.measure.prepare import call_context
 from cbtrace.replay.measure.reuse import call_key
-from cbtrace.schema.modules import COPY_FAILED
+from cbtrace.replay.measure.time_limit import time_limit
+from cbtrace.replay.modes.compile_cudagraph import EntryCache, stance
+from cbtrace.replay.run_io.rebuild import TrainingFlags, rebuild_model
+from cbtrace.rundir.read import load_run
+from cbtrace.schema.modules import COPY_FAILED, frame_to_records
+from cbtrace.store import load
 
 MAX_WORKERS = 8
 WORKER_HOST_BYTES = 1 << 30  # what a worker's CUDA context and inductor take beside the model
@@ -195,15 +201,6 @@ def work(job: Job) -> Outcome:
     """Compile each of ``job.calls`` once, as the loop's compile step would: the module as
     flagged at capture, through an entry of its kind, on the captured inputs, under the call's
     grad mode and autocast, dynamo's stance default."""
-    from cbtrace.replay.engine import TrainingFlags
-    from cbtrace.replay.measure.prepare import call_context
-    from cbtrace.replay.measure.time_limit import time_limit
-    from cbtrace.replay.modes.compile_cudagraph import EntryCache, stance
-    from cbtrace.replay.run_io.rebuild import rebuild_model
-    from cbtrace.rundir.read import load_run
-    from cbtrace.schema.modules import frame_to_records
-    from cbtrace.store import load
-
     torch.set_num_threads(job.threads)
     run, device = Path(job.run), torch.device(job.device)
     manifest, df = load_run(run)

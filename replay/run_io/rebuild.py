@@ -7,12 +7,13 @@ as keyword values. A ``file.py:fn`` or ``pkg.module:fn`` spec runs the code it n
 used only when the run is signed by this user (captured here, or ``cbtrace trust RUN``:
 ``cbtrace.rundir.signature``) or the user trusts it for this replay (``trust``); or the user
 names the model (``spec``, resolved as ``cbtrace capture --model`` resolves it, with the run's
-options and seed).
+options and seed). ``TrainingFlags`` puts each call's train/eval flags back as captured.
 """
 from __future__ import annotations
 
 import time
 
+from cbtrace import module_tree
 from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.errors import CbtraceError, ReplayError, one_line
 from cbtrace.model.spec import is_registered, resolve
@@ -90,3 +91,25 @@ def signed_source(run, manifest) -> bool:
         return False
     signed = signed_manifest(run)
     return signed is not None and signed.model == manifest.model
+
+
+class TrainingFlags:
+    """``apply(module, rec)``: the call's own train/eval flag, and each submodule's as it was at
+    capture (``flags``: fqn -> training, the manifest's). A call's submodules are looked up
+    once, and a flag is set only where it differs (a walk of every submodule per call is slow
+    on a large model)."""
+
+    def __init__(self, flags: dict | None):
+        self.flags, self._subs = flags or {}, {}
+
+    def apply(self, module, rec) -> None:
+        subs = self._subs.get((rec.fqn, id(module)))  # a module swapped in: walked again
+        if subs is None:
+            prefix = f"{rec.fqn}." if rec.fqn else ""
+            subs = self._subs[(rec.fqn, id(module))] = [
+                (sub, bool(self.flags[f"{prefix}{name}"]))
+                for name, sub in module_tree.named_modules(module)
+                if name and f"{prefix}{name}" in self.flags]
+        for sub, want in [(module, bool(rec.training)), *subs]:
+            if sub.training != want:
+                sub.training = want
