@@ -109,6 +109,9 @@ def main(argv=None) -> None:
     p.add_argument("--k", type=int, default=STEPS_K)
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a temp dir)")
+    p.add_argument("--cold-host-issue", action="store_true",
+                   help="ReplayConfig.cold_host_issue (compiled issue time against the eager "
+                        "one, the CPU's caches evicted before each call)")
     a = p.parse_args(argv)
     dtype_name = a.dtype or ("bf16" if a.device == "cuda" else None)
     dtype = torch_dtype(dtype_name) if dtype_name and dtype_name != "fp32" else None
@@ -124,7 +127,8 @@ def main(argv=None) -> None:
             step(model)
     t0 = time.perf_counter()
     df = cbtrace.replay(run_dir, model=model, device=a.device, modes=modes,
-                        compile_mode=a.compile_mode, modes_budget_s=a.modes_budget_s, **REPLAY)
+                        compile_mode=a.compile_mode, modes_budget_s=a.modes_budget_s,
+                        cold_host_issue=a.cold_host_issue, **REPLAY)
     wall = time.perf_counter() - t0
     statuses = {m: df[f"{m}_status"].fillna("-").str.split(":").str[0].value_counts().to_dict()
                 for m in modes}

@@ -19,7 +19,8 @@
 # < 10 us median |error|; FIDELITY_MODELS comma-separated, FIDELITY_ARGS e.g. "--step train", "--no-context";
 # FIDELITY_OUT names the output folder and log, for two variants in one call);
 # opportunity: bench_opportunity.py per model (the root and top 5 modules compiled in place, estimated vs
-# measured saving; the replay's modes wall and out-of-memory rows; OPP_MODELS, OPP_MODES);
+# measured saving; the replay's modes wall and out-of-memory rows; OPP_MODELS, OPP_MODES, OPP_ARGS
+# e.g. --cold-host-issue);
 # compile-ahead: bench_compile_ahead.py (modes wall with compile workers 0 vs N, fresh caches each;
 # AHEAD_MODELS, AHEAD_WORKERS);
 # fresh: bench_replay_fresh.py (a plain `cbtrace replay` beside the replay inside `profile`; FRESH_MODELS,
@@ -74,7 +75,7 @@ fidelity)
   timeout ${FIDELITY_TIMEOUT:-580} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/${FIDELITY_OUT:-fidelity} --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models ${FIDELITY_MODELS:-nanogpt,dlrm,dcn,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base} ${FIDELITY_ARGS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/${FIDELITY_OUT:-fidelity}_zoo.log | tail -${FIDELITY_LINES:-60} ;;
 opportunity)
   for M in ${OPP_MODELS:-efficientnet_b0 nanogpt dlrm}; do
-    timeout ${OPP_TIMEOUT:-580} python3 $R/benchmarks/bench_opportunity.py --model $M --top 5 --modes ${OPP_MODES:-compile,cudagraph} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_opportunity_$M.log | tail -16
+    timeout ${OPP_TIMEOUT:-580} python3 $R/benchmarks/bench_opportunity.py --model $M --top 5 --modes ${OPP_MODES:-compile,cudagraph} ${OPP_ARGS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_opportunity_$M.log | tail -16
   done ;;
 compile-ahead)
   for M in ${AHEAD_MODELS:-efficientnet_b0}; do

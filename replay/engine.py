@@ -401,6 +401,8 @@ def timing_settings(cfg) -> dict:
         settings.update(cold_warmup_s=cfg.cold_warmup_s, cold_settle_tol=cfg.cold_settle_tol)
     if cfg.eager_only:  # only when set: rows of earlier replays keep their settings
         settings["eager_only"] = True
+    if cfg.cold_host_issue:
+        settings["cold_host_issue"] = True
     return settings
 
 

@@ -322,6 +322,35 @@ def test_steady_issue_time_runs_warm_calls_back_to_back():
     assert copies[:4] == [0, 1, 2, 0] and copies[4:7] == [0, 1, 2]  # input copies rotate
 
 
+def test_cold_issue_time_evicts_the_host_caches_before_each_timed_call():
+    from cbtrace.replay.modes.compile_cudagraph import HostEvictor, cold_issue_ms
+
+    log = []
+    evictor = HostEvictor(1 << 20)
+
+    def evict():
+        evictor()
+        log.append("evict")
+
+    def run(i):
+        log.append(i)
+        return torch.ones(4) * i
+
+    ms = cold_issue_ms(run, 2, "cpu", evict, warmup=2, runs=3)
+    assert ms > 0 and int(evictor.buf[-1]) == 1  # the buffer was written through
+    # two warm-up calls, then each timed call right after an eviction, copies rotating
+    assert log == [0, 1, "evict", 0, "evict", 1, "evict", 0]
+
+
+def test_cold_host_issue_is_a_setting_that_tells_its_rows_apart():
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.engine import timing_settings
+
+    assert ReplayConfig().cold_host_issue is False
+    assert "cold_host_issue" not in timing_settings(ReplayConfig())
+    assert timing_settings(ReplayConfig(cold_host_issue=True))["cold_host_issue"] is True
+
+
 class CountsEager(nn.Module):
     """Counts its eager runs (a compiled run skips the branch: dynamo folds it away)."""
 
@@ -598,6 +627,19 @@ def test_modes_on_nanogpt_cuda(tmp_path):
     # calls back to back by more than noise
     assert (ok["cudagraph_ms"] > 0.8 * ok["isolated_ms"]).all()
     assert df["best_mode"].notna().all() and (df["opportunity_ms"] >= 0).all()
+
+
+@pytest.mark.gpu
+def test_cold_host_issue_on_cuda_puts_the_compiled_issue_beside_the_eager_one(tmp_path):
+    from cbtrace.capture.from_spec import capture_model
+
+    capture_model("nanogpt:tiny", tmp_path / "r", device="cuda", dtype="bf16", trace=False,
+                  max_depth=1)
+    df = cbtrace.replay(tmp_path / "r", modes=("compile",), cold_host_issue=True,
+                        **FAST_REPLAY)
+    ok = df[df["compile_status"] == "ok"]
+    assert len(ok) and ok["compile_host_ms"].notna().all() and (ok["compile_host_ms"] >= 0).all()
+    assert ok["host_ms"].notna().all()
 
 
 def test_a_graph_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypatch):
