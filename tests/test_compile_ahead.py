@@ -104,3 +104,29 @@ def test_each_kind_once_and_shares_weighed_by_subtree(spec_run):
     # the root (a subtree of four) alone; the two blocks on the other worker
     assert sorted([fqn[c] for c in s] for s in shares) == [[""], ["0", "1"]]
     assert precompile.candidates(records, model, ReplayConfig(), torch.device("cpu")) == []
+
+
+def test_an_interrupted_compile_ahead_leaves_no_worker_running(spec_run, monkeypatch):
+    from cbtrace.replay.run_io.rebuild import rebuild_model
+    from cbtrace.rundir.read import load_run
+
+    manifest, _ = load_run(spec_run)
+    records = read_records(spec_run)
+    model = rebuild_model(manifest, torch.device("cpu"), verify=False, run=spec_run)
+    started = []
+    start = precompile._start
+
+    def spy(job, n):
+        started.append(start(job, n))
+        return started[-1]
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(precompile, "_start", spy)
+    monkeypatch.setattr(precompile, "_wait", interrupted)
+    cfg = ReplayConfig(modes=("compile",), compile_workers=2, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        precompile.compile_ahead(spec_run, manifest, records, model, cfg, torch.device("cpu"),
+                                 rebuildable=True)
+    assert len(started) == 2 and all(p.poll() is not None for p, _, _ in started)

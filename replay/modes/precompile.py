@@ -152,14 +152,20 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *, rebuildab
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cbtrace-compile-") as tmp:
         procs = []
-        for i, calls in enumerate(shares(recs, records, n)):
-            job = Job(run=str(Path(run).resolve()), device=str(device), calls=calls,
-                      compile_mode=cfg.compile_mode, trust=cfg.trust, model_spec=cfg.model_spec,
-                      threads=threads, timeout_s=cfg.timeout_s)
-            path = Path(tmp) / f"job{i}.json"
-            path.write_text(json.dumps(asdict(job)))
-            procs.append(_start(path, n))
-        outcomes = [_wait(*p) for p in procs]
+        try:
+            for i, calls in enumerate(shares(recs, records, n)):
+                job = Job(run=str(Path(run).resolve()), device=str(device), calls=calls,
+                          compile_mode=cfg.compile_mode, trust=cfg.trust,
+                          model_spec=cfg.model_spec, threads=threads, timeout_s=cfg.timeout_s)
+                path = Path(tmp) / f"job{i}.json"
+                path.write_text(json.dumps(asdict(job)))
+                procs.append(_start(path, n))
+            outcomes = [_wait(*p) for p in procs]
+        finally:  # interrupted (Ctrl-C, an error here): no worker outlives the replay
+            for p, _, _ in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     compiled = sum(o.compiled for o in outcomes)
     failed = sum(o.failed for o in outcomes)
     errors = [e for o in outcomes for e in o.errors]
