@@ -60,11 +60,13 @@ def _fx_counts():
 def test_the_loop_compiles_from_what_the_workers_compiled(spec_run):
     torch._dynamo.reset()  # nothing of earlier tests in this process's memory
     hits, misses = _fx_counts()
-    df = cbtrace.replay(spec_run, modes=("compile",), compile_workers=2,
+    # one worker: on a loaded 2-core machine a second costs more than it saves (the split
+    # between workers is tested below)
+    df = cbtrace.replay(spec_run, modes=("compile",), compile_workers=1,
                         **{**FAST_REPLAY, "timeout_s": None})
     info = read_manifest(spec_run).replay
-    # the root, three blocks of two kinds: three kinds, split between two workers
-    assert info.compile_ahead.startswith("compiled ahead: 3 of 3 kinds of call in 2 processes")
+    # the root, three blocks of two kinds: three kinds
+    assert info.compile_ahead.startswith("compiled ahead: 3 of 3 kinds of call in 1 process")
     assert info.outside_s["compile_ahead"] > 0
     assert (df["compile_status"] == "ok").all(), df["compile_status"].tolist()
     new_hits, new_misses = _fx_counts()

@@ -147,7 +147,7 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *, rebuildab
         return ("no compile ahead: the workers could not rebuild the model (a live model with "
                 "no spec, or a run from elsewhere: model_spec= or trust=True)")
     if cfg.progress is not False:
-        announce(f"compiling {len(recs)} kinds of call ahead in {n} processes")
+        announce(f"compiling {len(recs)} kinds of call ahead in {_processes(n)}")
     threads = torch.get_num_threads()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cbtrace-compile-") as tmp:
@@ -169,11 +169,15 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *, rebuildab
     compiled = sum(o.compiled for o in outcomes)
     failed = sum(o.failed for o in outcomes)
     errors = [e for o in outcomes for e in o.errors]
-    note = (f"compiled ahead: {compiled} of {len(recs)} kinds of call in {len(procs)} "
-            f"processes, {time.perf_counter() - t0:.1f} s")
+    note = (f"compiled ahead: {compiled} of {len(recs)} kinds of call in {_processes(len(procs))}"
+            f", {time.perf_counter() - t0:.1f} s")
     if failed:
         note += f"; {failed} failed ({errors[0] if errors else 'no reason given'})"
     return note
+
+
+def _processes(n: int) -> str:
+    return f"{n} process{'es' if n != 1 else ''}"
 
 
 def _start(job: Path, n: int) -> tuple:
