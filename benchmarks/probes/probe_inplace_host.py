@@ -9,9 +9,14 @@ For a few modules of a model (default: NanoGPT tiny on the CPU), prints per modu
 - in the step: what the whole step gains in ms when the module is compiled in place (median of
   windows of steps, eager and compiled in turn; > 0 is a saving).
 
+``--gc-off``: Python's garbage collector off during each window (collected before it), to see
+whether its pauses make the step's time drift between windows.
+
 Usage: python benchmarks/probes/probe_inplace_host.py [--spec nanogpt:tiny] [--device cpu]
+       [--gc-off]
 """
 import argparse
+import gc
 import statistics
 import time
 
@@ -37,10 +42,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="nanogpt:tiny")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modules", default="transformer.drop,transformer.ln_f,transformer.h.0.mlp,"
-                                        "transformer.h.0")
+    ap.add_argument("--modules",
+                    default="transformer.drop,transformer.ln_f,transformer.h.0.mlp,transformer.h.0")
     ap.add_argument("--windows", type=int, default=15)
     ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--gc-off", action="store_true")
     a = ap.parse_args()
     from cbtrace.device import window_ms
     from cbtrace.model.spec import resolve
@@ -71,9 +77,10 @@ def main():
         with torch.no_grad():
             return p.run(m, batch)
 
-    print(f"{a.spec} on {a.device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{a.spec} on {a.device}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+          f"{', GC off in the windows' if a.gc_off else ''}; host us per call, step ms")
     print(f"{'module':22} {'eager b2b':>9} {'comp b2b':>9} {'eager cold':>10} {'comp cold':>10}"
-          f" {'in-step saving ms (median of pairs)':>36}")
+          f" {'step saving (median of pairs)':>30} {'eager step p10..p90':>20}")
     for fqn, (args, kwargs) in seen.items():
         mod = model.get_submodule(fqn)
         comp = torch.compile(mod)
@@ -87,13 +94,25 @@ def main():
             for _ in range(3):
                 run_step(eager())
                 run_step(compiled())
-            diffs = []
+            diffs, eagers = [], []
+
+            def window(step):
+                if a.gc_off:
+                    gc.collect()
+                    gc.disable()
+                try:
+                    return window_ms(step, a.device, a.k)
+                finally:
+                    gc.enable()
+
             for _ in range(a.windows):
-                e = window_ms(lambda: run_step(eager()), a.device, a.k)
-                c = window_ms(lambda: run_step(compiled()), a.device, a.k)
+                e = window(lambda: run_step(eager()))
+                c = window(lambda: run_step(compiled()))
                 diffs.append(e - c)
+                eagers.append(e)
+        q = statistics.quantiles(eagers, n=10)
         print(f"{fqn:22} {row[0]:9.1f} {row[1]:9.1f} {row[2]:10.1f} {row[3]:10.1f} "
-              f"{statistics.median(diffs):+36.3f}")
+              f"{statistics.median(diffs):+30.3f} {f'{q[0]:.3f}..{q[-1]:.3f}':>20}")
         torch._dynamo.reset()
 
 
