@@ -231,8 +231,8 @@ def cold_issue_ms(run, n_copies: int, device, evict, *, warmup: int = 3, runs: i
     """Host ms to issue one call with the CPU's caches cold: after ``warmup`` calls, ``runs``
     calls each after ``evict()`` (and the device idle), the median. A compiled call issued once
     per step runs dynamo's guards, its wrappers and its kernels' launchers from cold caches:
-    on a 2-core CPU a compiled Dropout took 19 us back to back, 76-93 us cold, and compiled in
-    place it cost a NanoGPT-tiny step 112 us (benchmarks/probes/probe_inplace_host.py)."""
+    on a 2-core CPU a compiled Dropout took 19-25 us back to back, 66-93 us cold, and compiled
+    in place it cost a NanoGPT-tiny step 96-112 us (benchmarks/probes/probe_inplace_host.py)."""
     def sync():
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
