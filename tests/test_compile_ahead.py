@@ -70,7 +70,12 @@ def test_the_loop_compiles_from_what_the_workers_compiled(spec_run):
     assert info.outside_s["compile_ahead"] > 0
     assert (df["compile_status"] == "ok").all(), df["compile_status"].tolist()
     new_hits, new_misses = _fx_counts()
-    assert new_misses == misses  # every graph the loop compiled, a worker had compiled
+    # every graph the loop compiled first, a worker had compiled; a loaded machine's CPU timer
+    # may time a call again on one thread, and dynamo, guarding on the thread count, compiles
+    # it again there (the row says so): those the workers never saw
+    again = df["timer_notes"].fillna("").str.extract(
+        r"compile: (\d+) more graph\(s\) compiled while timed")[0].dropna().astype(int).sum()
+    assert new_misses - misses == again, df[["fqn", "timer_notes"]]
     assert new_hits - hits >= 3
     assert df["compile_ms"].notna().all()
 
