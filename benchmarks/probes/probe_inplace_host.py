@@ -6,6 +6,8 @@ For a few modules of a model (default: NanoGPT tiny on the CPU), prints per modu
   (how ``steady_issue_ms`` and ``HostIssue`` measure);
 - cold: the same with a 64 MB write before each call (the CPU's caches evicted, as the rest of
   a step evicts them);
+- after a step: the same with a whole eager step run before each call (the caches as a step
+  leaves them);
 - in the step: what the whole step gains in ms when the module is compiled in place (median of
   windows of steps, eager and compiled in turn; > 0 is a saving).
 
@@ -80,6 +82,7 @@ def main():
     print(f"{a.spec} on {a.device}, torch {torch.__version__}, {torch.get_num_threads()} threads"
           f"{', GC off in the windows' if a.gc_off else ''}; host us per call, step ms")
     print(f"{'module':22} {'eager b2b':>9} {'comp b2b':>9} {'eager cold':>10} {'comp cold':>10}"
+          f" {'eager step':>10} {'comp step':>10}"
           f" {'step saving (median of pairs)':>30} {'eager step p10..p90':>20}")
     for fqn, (args, kwargs) in seen.items():
         mod = model.get_submodule(fqn)
@@ -87,7 +90,9 @@ def main():
         call_e = lambda *x: mod(*x, **kwargs)  # noqa: E731
         call_c = lambda *x: comp(*x, **kwargs)  # noqa: E731
         row = [per_call_us(call_e, args), per_call_us(call_c, args),
-               per_call_us(call_e, args, evict), per_call_us(call_c, args, evict)]
+               per_call_us(call_e, args, evict), per_call_us(call_c, args, evict),
+               per_call_us(call_e, args, lambda: run_step(model)),
+               per_call_us(call_c, args, lambda: run_step(model))]
         torch._dynamo.reset()
         with compiled_in_place(model, fqn) as (eager, compiled):
             run_step(compiled())
@@ -112,6 +117,7 @@ def main():
                 eagers.append(e)
         q = statistics.quantiles(eagers, n=10)
         print(f"{fqn:22} {row[0]:9.1f} {row[1]:9.1f} {row[2]:10.1f} {row[3]:10.1f} "
+              f"{row[4]:10.1f} {row[5]:10.1f} "
               f"{statistics.median(diffs):+30.3f} {f'{q[0]:.3f}..{q[-1]:.3f}':>20}")
         torch._dynamo.reset()
 
