@@ -82,10 +82,11 @@ class ReplayConfig:
     """torch.compile's mode for the "compile" mode (e.g. "max-autotune-no-cudagraphs")."""
     cold_host_issue: bool = False
     """compile_host_ms taken as the eager call's host_ms plus what compiling adds to its issue
-    time with the CPU's caches evicted before each call (``compile_cudagraph.cold_issue_ms``),
-    not back to back: a compiled call in a step is issued from cold caches, and back-to-back
-    figures put the saving of compiling a submodule in place too high. Off until measured on a
-    GPU (benchmarks/bench_opportunity.py --cold-host-issue)."""
+    time when each call is issued right after the step's root run eagerly
+    (``compile_cudagraph.cold_issue_ms``), not back to back: a compiled call in a step is issued
+    from the caches the rest of the step left, and back-to-back figures put the saving of
+    compiling a submodule in place too high. Off until measured on a GPU
+    (benchmarks/bench_opportunity.py --cold-host-issue)."""
     compile_workers: int | None = 0
     """Processes that compile the calls the loop will compile ahead of it, in parallel, so that
     its own compiles hit inductor's caches (``modes.precompile``); None: on a GPU, up to 8 as

@@ -228,11 +228,14 @@ class HostEvictor:
 
 
 def cold_issue_ms(run, n_copies: int, device, evict, *, warmup: int = 3, runs: int = 9) -> float:
-    """Host ms to issue one call with the CPU's caches cold: after ``warmup`` calls, ``runs``
-    calls each after ``evict()`` (and the device idle), the median. A compiled call issued once
-    per step runs dynamo's guards, its wrappers and its kernels' launchers from cold caches:
-    on a 2-core CPU a compiled Dropout took 19-25 us back to back, 66-93 us cold, and compiled
-    in place it cost a NanoGPT-tiny step 96-112 us (benchmarks/probes/probe_inplace_host.py)."""
+    """Host ms to issue one call with the CPU's caches as a step leaves them: after ``warmup``
+    calls, ``runs`` calls each after ``evict()`` (the step's root run eagerly, or a write of a
+    large buffer) and the device idle again, the median. A compiled call issued once per step
+    runs dynamo's guards, its wrappers and its kernels' launchers from cold caches, while an
+    eager call's code paths are the step's own and stay warm: on a 2-core CPU a compiled Dropout
+    took 19-25 us back to back, 58-60 us after an eager step, 59-93 us after a 64 MB write, and
+    compiled in place it cost a NanoGPT-tiny step 82-112 us; the eager Dropout 3, 5 and 13-17 us
+    (benchmarks/probes/probe_inplace_host.py)."""
     def sync():
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
@@ -243,6 +246,7 @@ def cold_issue_ms(run, n_copies: int, device, evict, *, warmup: int = 3, runs: i
     for i in range(runs):
         sync()
         evict()
+        sync()  # a step run as the eviction leaves kernels queued: the call must not wait
         t0 = time.perf_counter()
         out = run(i % n_copies)
         samples.append((time.perf_counter() - t0) * 1e3)
@@ -273,6 +277,7 @@ class Compiled:
         self.mode = cfg.compile_mode
         self.timed = Timed(chain, backends, cfg)
         self.evict = HostEvictor() if cfg.cold_host_issue else None
+        self.step = None  # the step's root call (its first), run as the eviction once replayed
         self.cache = EntryCache(self.mode)
         self.compiles: dict[int, tuple] = {}  # call_id -> (compile_s, graphs) of its first replay
 
@@ -343,14 +348,22 @@ class Compiled:
     def _host_ms(self, c: CallUnderTest, run) -> float:
         """compile_host_ms: the compiled call's issue time back to back (``steady_issue_ms``);
         with ``cold_host_issue``, the eager call's host_ms plus what compiling adds to the issue
-        time when both are issued with the CPU's caches cold (``cold_issue_ms``), so that the
-        opportunity's host saving, host_ms - compile_host_ms, is a difference of cold figures."""
+        time when both are issued right after the step's root run eagerly (before the root is
+        replayed: after a large write; ``cold_issue_ms``), so that the opportunity's host
+        saving, host_ms - compile_host_ms, is a difference of figures taken as in a step."""
         eager = c.row.get("host_ms")
         if self.evict is None or eager is None:
             return steady_issue_ms(run, c.n_copies, c.device)
-        added = (cold_issue_ms(run, c.n_copies, c.device, self.evict)
-                 - cold_issue_ms(c.run, c.n_copies, c.device, self.evict))
+        if self.step is None and c.rec.parent_call_id == -1:
+            self.step = c.run  # the root, replayed first: its eager run is the step's host work
+        evict = self.evict if self.step is None else self._after_step
+        added = (cold_issue_ms(run, c.n_copies, c.device, evict)
+                 - cold_issue_ms(c.run, c.n_copies, c.device, evict))
         return max(eager + added, 0.0)
+
+    def _after_step(self) -> None:
+        out = self.step(0)
+        del out
 
     @staticmethod
     def _notes(c, timed: dict, first: DynamoCounts, later: int, host) -> list[str | None]:
