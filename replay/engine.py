@@ -104,8 +104,7 @@ def setup(run: Path, model, device, cfg: ReplayConfig) -> ReplayLoop:
     with phase(outside, "compile_ahead"):  # the loop's compiles, ahead in parallel (modes/)
         ahead_note = precompile.compile_ahead(
             run, manifest, [r for r in records if r.call_id not in done], model, cfg, device,
-            rebuildable=rebuild.refusal(manifest, trust=cfg.trust, spec=cfg.model_spec,
-                                        run=run) is None, sharded=w is not None)
+            sharded=w is not None)
     order = bfs_order({r.call_id: r.parent_call_id for r in records})
     if w is not None:
         mine = shard.assign(shard.costs(df), w.size)

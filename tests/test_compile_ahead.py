@@ -134,6 +134,5 @@ def test_an_interrupted_compile_ahead_leaves_no_worker_running(spec_run, monkeyp
     monkeypatch.setattr(precompile, "_wait", interrupted)
     cfg = ReplayConfig(modes=("compile",), compile_workers=2, progress=False)
     with pytest.raises(KeyboardInterrupt):
-        precompile.compile_ahead(spec_run, manifest, records, model, cfg, torch.device("cpu"),
-                                 rebuildable=True)
+        precompile.compile_ahead(spec_run, manifest, records, model, cfg, torch.device("cpu"))
     assert len(started) == 2 and all(p.poll() is not None for p, _, _ in started)

@@ -41,7 +41,7 @@ from cbtrace.replay.measure.prepare import call_context
 from cbtrace.replay.measure.reuse import call_key
 from cbtrace.replay.measure.time_limit import time_limit
 from cbtrace.replay.modes.compile_cudagraph import EntryCache, stance
-from cbtrace.replay.run_io.rebuild import TrainingFlags, rebuild_model
+from cbtrace.replay.run_io.rebuild import TrainingFlags, rebuild_model, refusal
 from cbtrace.rundir.read import load_run
 from cbtrace.schema.modules import COPY_FAILED, frame_to_records
 from cbtrace.store import load
@@ -129,11 +129,13 @@ def workers_for(cfg, device, model, n_calls: int) -> int:
     return max(0, min(MAX_WORKERS, (os.cpu_count() or 2) // 2, fit, n_calls))
 
 
-def compile_ahead(run: Path, manifest, records, model, cfg, device, *, rebuildable: bool,
+def compile_ahead(run: Path, manifest, records, model, cfg, device, *,
                   sharded: bool = False) -> str | None:
     """Compile the loop's compiles ahead in worker processes (module docstring); returns a
-    note for the manifest (what was done, or why not), None when nothing was to compile."""
-    if not ("compile" in cfg.modes or any(r.step_compiled for r in records)):
+    note for the manifest (what was done, or why not), None when nothing was to compile or
+    no workers were asked for."""
+    if cfg.compile_workers == 0 or not (
+            "compile" in cfg.modes or any(r.step_compiled for r in records)):
         return None
     recs = candidates(records, model, cfg, device)
     if not recs:
@@ -143,7 +145,7 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *, rebuildab
         return None
     if sharded:
         return "no compile ahead: a sharded replay's ranks compile in parallel already"
-    if not rebuildable:
+    if refusal(manifest, trust=cfg.trust, spec=cfg.model_spec, run=run) is not None:
         return ("no compile ahead: the workers could not rebuild the model (a live model with "
                 "no spec, or a run from elsewhere: model_spec= or trust=True)")
     if cfg.progress is not False:

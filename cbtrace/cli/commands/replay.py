@@ -55,8 +55,7 @@ from cbtrace.rundir.read import read_manifest
               help="rows in the summary")
 def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, resume, model_spec,
             trust, timeout_s, modes, compile_mode, compile_workers, modes_budget_s, backward,
-            reuse_timing,
-            eager_only, count_every_call, nproc, strict, top):
+            reuse_timing, eager_only, count_every_call, nproc, strict, top):
     """Replay every captured module of RUN standalone, breadth-first, and measure it.
 
     Writes the results into RUN/modules.parquet and prints the slowest modules. The model is
@@ -84,12 +83,12 @@ def command(run, device, timer, budget_s, memory_budget_bytes, cold, context, re
     if int(os.environ.get("RANK", "0")) != 0:
         return  # a rank of a sharded replay: rank 0 reports for all
     click.echo(summary_table(df, top=top))
-    for note in replay_notes(read_manifest(run), backward):
+    manifest = read_manifest(run)
+    for note in replay_notes(manifest, backward):
         click.echo(note)
     click.echo(status_text(df))
-    ahead = read_manifest(run).replay.compile_ahead
-    if ahead:
-        click.echo(ahead)
+    if manifest.replay.compile_ahead:
+        click.echo(manifest.replay.compile_ahead)
     skipped = modes_note(df)
     if skipped:
         click.echo(f"modes:\n{skipped}")
