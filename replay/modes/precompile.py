@@ -16,8 +16,9 @@ then compiles as before, now mostly from the caches. Nothing else runs on the de
 workers do: their compiles run the call once, and Triton tunes kernels on the device.
 
 Workers only warm caches: what the loop measures is its own compile, whether the workers
-finished, failed or were never started (a live model with no spec to rebuild, a sharded
-replay, a CPU replay unless asked for). On a GPU a leaf is left to the loop: most leaves are
+finished, failed or were never started (not asked for: ``compile_workers`` is 0 by default
+until an H200 measures it; a live model with no spec to rebuild; a sharded replay; ``auto`` on
+a CPU). On a GPU a leaf is left to the loop: most leaves are
 one kernel, which the compile mode does not compile (``nothing_to_fuse``).
 """
 from __future__ import annotations
