@@ -9,6 +9,15 @@ and fidelity.csv (all rows): summaries only, the run directories go to a tempora
 
     python benchmarks/fidelity_zoo.py --out OUT [--models nanogpt,dcn,...] [--device cuda]
         [--dtype bf16] [--size real|tiny] [--step train] [--cold] [--no-context]
+        [--variant NAME:KEY=VALUE[,KEY=VALUE]] ...
+
+A/B in one run (``--variant``, repeatable): each model is captured once and its run replayed
+once per setting, the base settings first, then each variant's (``ReplayConfig`` fields over
+the base's), every replay compared with the same captured step. Each variant gets its rows in
+the table (model@NAME) and files (model@NAME_rows.csv.gz, ...), and one paired line per model
+and phase: of the calls >= 10 us timed in both, how many each reads within +-5 %, how many
+the variant moved in and out of it, and the median change of the isolated time. Two runs of
+one setting differ by how their hosts and steps differ; two replays of one capture do not.
 
 Models whose library is not installed are skipped with a note. --size defaults to real on a
 GPU (the sizes of benchmarks/zoo.py and the providers' default presets) and tiny on the CPU,
@@ -16,6 +25,7 @@ GPU (the sizes of benchmarks/zoo.py and the providers' default presets) and tiny
 busy CPU's in-situ and isolated times do not agree to 5 %.
 """
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -25,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cbtrace.replay.config import CONTEXT_REWRITES
+from cbtrace.replay.config import CONTEXT_REWRITES, ReplayConfig
 
 MIN_MS, WITHIN_PCT = 0.010, 5.0
 ZOO = str(Path(__file__).resolve().parent / "zoo.py")
@@ -114,24 +124,105 @@ def _most_common(notes) -> str:
     return str(counts.index[0]) if len(counts) else ""
 
 
-def profile_one(name, spec, options, args, run_dir):
-    """The modules table of `cbtrace profile` of one model, and the wall seconds it took."""
-    from cbtrace.workflows.profile_model import profile
-
-    replay_options = {"cold": args.cold, "timer": args.timer}
+def replay_options(args) -> dict:
+    """The base replay's ``ReplayConfig`` fields, from the command line."""
+    options = {"cold": args.cold, "timer": args.timer, "backward": args.step == "train"}
     if args.no_context:
-        replay_options["context"] = False
+        options["context"] = False
     if args.context_max_ms is not None:
-        replay_options["context_max_ms"] = args.context_max_ms
+        options["context_max_ms"] = args.context_max_ms
     if args.context_rewrite != "off":
-        replay_options["context_rewrite"] = args.context_rewrite
+        options["context_rewrite"] = args.context_rewrite
     if args.budget_s is not None:
-        replay_options["budget_s"] = args.budget_s
+        options["budget_s"] = args.budget_s
+    return options
+
+
+def profiled(name, spec, options, args, run_dir):
+    """Yield (variant, modules table, wall seconds) for the base settings ("" ) and then each
+    ``--variant``: the model captured once, its run replayed with each and joined with the same
+    in-situ times (``cbtrace profile``'s steps, the replay on the model the capture ran)."""
+    from cbtrace.attribution.join import join_insitu
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.replay.engine import replay
+    from cbtrace.workflows.profile_model import live_model
+
     t0 = time.perf_counter()
     dtype = None if name in OWN_DTYPE else args.dtype
-    df = profile(spec, run_dir, replay_options=replay_options, device=args.device,
-                 dtype=dtype, step=args.step, options=options)
-    return df, time.perf_counter() - t0
+    cap = capture_model(spec, run_dir, device=args.device, dtype=dtype, step=args.step,
+                        options=options)
+    run, model = cap.out, live_model(cap, args.device)
+    del cap  # the capture's own buffers go before replay starts
+    captured = time.perf_counter() - t0
+    base = dict(replay_options(args), model_spec=spec, device=args.device)
+    for variant, overrides in [("", {})] + args.variant:
+        t1 = time.perf_counter()
+        replay(run, model=model, **{**base, **overrides})
+        df = join_insitu(run)
+        yield variant, df, time.perf_counter() - t1 + (captured if not variant else 0.0)
+
+
+def paired(base, other, phase: str = "fwd") -> dict | None:
+    """How a variant's replay of a run compares with the base replay of it, call by call: of the
+    calls >= 10 us in situ that both timed, how many each reads within +-5 %, how many the
+    variant moved into (``in``) and out of (``out``) that band, and the median change of the
+    isolated time (%). None when no call qualifies."""
+    status, insitu, err = PHASES[phase]
+    iso = "isolated_ms" if phase == "fwd" else "bwd_ms"
+    cols = ["call_id", status, insitu, err, iso]
+    both = base[cols].merge(other[cols], on="call_id", suffixes=("_a", "_b"))
+    ok = both[(both[f"{status}_a"] == "ok") & (both[f"{status}_b"] == "ok")
+              & both[f"{err}_a"].notna() & both[f"{err}_b"].notna()
+              & (both[f"{insitu}_a"] >= MIN_MS)]
+    if not len(ok):
+        return None
+    a, b = ok[f"{err}_a"].abs() <= WITHIN_PCT, ok[f"{err}_b"].abs() <= WITHIN_PCT
+    change = 100 * (ok[f"{iso}_b"] / ok[f"{iso}_a"] - 1)
+    return {"phase": phase, "calls": len(ok), "within_base": int(a.sum()),
+            "within_variant": int(b.sum()), "in": int((b & ~a).sum()),
+            "out": int((a & ~b).sum()), "median_change%": _pct(change.median()),
+            "median_|err|_base%": _pct(ok[f"{err}_a"].abs().median()),
+            "median_|err|_variant%": _pct(ok[f"{err}_b"].abs().median())}
+
+
+def paired_line(name: str, variant: str, p: dict) -> str:
+    return (f"  {name}@{variant} {p['phase']} against the base, paired ({p['calls']} calls >= "
+            f"10 us): within 5 % {p['within_base']} -> {p['within_variant']} (moved in "
+            f"{p['in']}, out {p['out']}); median |error| {p['median_|err|_base%']:.1f} -> "
+            f"{p['median_|err|_variant%']:.1f} %; isolated time median change "
+            f"{p['median_change%']:+.2f} %")
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE[,KEY=VALUE]`` -> (NAME, {field: value}) over ``ReplayConfig``'s fields;
+    values: true/false, none, numbers, else strings. Raises ValueError saying what is wrong."""
+    name, sep, body = text.partition(":")
+    if not sep or not name or not body or not name.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"{text!r}: expected NAME:KEY=VALUE[,KEY=VALUE] (NAME of letters, "
+                         "digits, - and _)")
+    known = {f.name for f in dataclasses.fields(ReplayConfig)}
+    out = {}
+    for item in body.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key not in known:
+            raise ValueError(f"{text!r}: {key!r} is not a ReplayConfig field" if eq
+                             else f"{text!r}: {item!r} is not KEY=VALUE")
+        out[key] = _value(value)
+    return name, out
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def table(rows) -> str:
@@ -181,7 +272,18 @@ def parse(argv):
     p.add_argument("--budget-s", type=float, default=None, help="ReplayConfig.budget_s")
     p.add_argument("--top", type=int, default=8, help="classes printed per model and phase")
     p.add_argument("--keep-runs", action="store_true", help="keep the run directories in OUT/runs")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,...]",
+                   help="also replay each capture with these ReplayConfig fields over the base "
+                        "settings, compared call by call (repeatable), e.g. "
+                        "sum:context_rewrite=sum")
     args = p.parse_args(argv)
+    try:
+        args.variant = [parse_variant(v) for v in args.variant]
+    except ValueError as e:
+        p.error(f"--variant: {e}")
+    names = [n for n, _ in args.variant]
+    if len(set(names)) != len(names):
+        p.error(f"--variant: a name given twice ({', '.join(names)})")
     if args.models == "all":
         args.models = ",".join(MODELS)
     unknown = [m for m in args.models.split(",") if m not in MODELS]
@@ -209,8 +311,18 @@ def main(argv=None) -> int:
             notes.append(f"{name}: skipped ({needs} is not installed)")
             print(notes[-1], flush=True)
             continue
+        base = None
         try:
-            df, wall = profile_one(name, spec, options, args, runs / name)
+            for variant, df, wall in profiled(name, spec, options, args, runs / name):
+                label = f"{name}@{variant}" if variant else name
+                rows += summarize(label, df, wall, spec, options, args, out, variant)
+                if not variant:
+                    base = df
+                    continue
+                for phase in phases(args):
+                    p = paired(base, df, phase)
+                    if p is not None:
+                        print(paired_line(name, variant, p), flush=True)
         except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
             notes.append(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
             print(notes[-1], flush=True)
@@ -219,41 +331,53 @@ def main(argv=None) -> int:
             if not args.keep_runs:
                 shutil.rmtree(runs / name, ignore_errors=True)
             _free_memory()  # the next model gets the device's memory
-        keep = [c for c in ROW_COLUMNS if c in df.columns]
-        df[keep].to_csv(out / f"{name}_rows.csv.gz", index=False)
-        phases = ["fwd", "bwd"] if args.step == "train" else ["fwd"]
-        model_rows, classes = [], []
-        for phase in phases:
-            row, cls = fidelity(df, phase)
-            model_rows.append({"model": name, **row})
-            classes += cls
-        rows += model_rows
-        summary = {"model": name, "spec": spec, "options": options, "device": args.device,
-                   "dtype": None if name in OWN_DTYPE else args.dtype, "step": args.step,
-                   "cold": args.cold, "context": not args.no_context,
-                   "context_max_ms": args.context_max_ms, "context_rewrite": args.context_rewrite,
-                   "profile_wall_s": wall, "rows": model_rows,
-                   "classes": classes,
-                   "timer_notes": df["timer_notes"].value_counts().head(5).to_dict()}
-        (out / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
-        _write_csv(out / f"{name}_classes.csv", classes,
-                   ("phase", "module_type", "count", "median_err%", "insitu_ms_median", "within5%",
-                    "timer_notes"))
-        causes = "".join(f"\n  {name} {r['phase']} misses (>= 10 us) by cause: {r['causes']}"
-                         for r in model_rows if r.get("causes"))
-        print(f"{name}: profiled in {wall:.1f} s\n{table(model_rows)}\n"
-              f"{class_lines(name, classes, args.top)}{causes}", flush=True)
     _write_csv(out / "fidelity.csv", rows, COLUMNS)
+    variants = "".join(f"; @{n}: " + ", ".join(f"{k}={v}" for k, v in o.items())
+                       for n, o in args.variant)
     print(f"\n== fidelity ({args.device}, {args.dtype or 'model dtype'}, {args.size}, "
           f"{args.step}{', cold' if args.cold else ''}{', no context' if args.no_context else ''}"
           f"{f', context under {args.context_max_ms} ms' if args.context_max_ms else ''}"
-          f"{'' if args.context_rewrite == 'off' else f', rewrite {args.context_rewrite}'})")
+          f"{'' if args.context_rewrite == 'off' else f', rewrite {args.context_rewrite}'}"
+          f"{variants})")
     print(table(rows))
     for n in notes:
         print(n)
     if not args.keep_runs:
         shutil.rmtree(runs, ignore_errors=True)
     return 0 if rows else 1
+
+
+def phases(args) -> list[str]:
+    return ["fwd", "bwd"] if args.step == "train" else ["fwd"]
+
+
+def summarize(label, df, wall, spec, options, args, out, variant) -> list[dict]:
+    """One replay's rows of the table (a row per phase); its files written and its figures
+    printed."""
+    keep = [c for c in ROW_COLUMNS if c in df.columns]
+    df[keep].to_csv(out / f"{label}_rows.csv.gz", index=False)
+    model_rows, classes = [], []
+    for phase in phases(args):
+        row, cls = fidelity(df, phase)
+        model_rows.append({"model": label, **row})
+        classes += cls
+    summary = {"model": label, "spec": spec, "options": options, "device": args.device,
+               "dtype": None if label.split("@")[0] in OWN_DTYPE else args.dtype,
+               "step": args.step, "cold": args.cold, "context": not args.no_context,
+               "context_max_ms": args.context_max_ms, "context_rewrite": args.context_rewrite,
+               "variant": dict(args.variant).get(variant, {}),
+               "profile_wall_s": wall, "rows": model_rows, "classes": classes,
+               "timer_notes": df["timer_notes"].value_counts().head(5).to_dict()}
+    (out / f"{label}.json").write_text(json.dumps(summary, indent=1, default=str))
+    _write_csv(out / f"{label}_classes.csv", classes,
+               ("phase", "module_type", "count", "median_err%", "insitu_ms_median", "within5%",
+                "timer_notes"))
+    causes = "".join(f"\n  {label} {r['phase']} misses (>= 10 us) by cause: {r['causes']}"
+                     for r in model_rows if r.get("causes"))
+    what = "replayed again" if variant else "profiled"
+    print(f"{label}: {what} in {wall:.1f} s\n{table(model_rows)}\n"
+          f"{class_lines(label, classes, args.top)}{causes}", flush=True)
+    return model_rows
 
 
 def _free_memory() -> None:

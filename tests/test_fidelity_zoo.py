@@ -20,6 +20,16 @@ fidelity = runpy.run_path(sys.argv[1])["fidelity"]
 df = pd.read_parquet(sys.argv[2])
 print(json.dumps({p: fidelity(df, p) for p in ("fwd", "bwd")}, default=lambda o: o.item()))
 """
+# paired(a, b): the second table is the first with other errors and isolated times
+PAIRED = """import json, runpy, sys
+import pandas as pd
+paired = runpy.run_path(sys.argv[1])["paired"]
+a = pd.read_parquet(sys.argv[2])
+b = a.copy()
+b["error_pct"] = [2.0, 1.0, 3.0, -9.0, 0.0, 0.0, None, None]
+b["isolated_ms"] = a["isolated_ms"] * [1.02, 1.05, 0.97, 0.92, 1.0, 1.0, 1.0, 1.0]
+print(json.dumps(paired(a, b, "fwd"), default=lambda o: o.item()))
+"""
 # main() with one more model, whose library is missing
 MISSING_LIBRARY = """import runpy, sys
 script = runpy.run_path(sys.argv[1])
@@ -37,6 +47,7 @@ def table(rows):
     cols = ("call_id", "parent_call_id", "module_type", "status", "insitu_ms", "error_pct",
             "bwd_status", "bwd_insitu_ms", "bwd_error_pct")
     df = pd.DataFrame([dict(zip(cols, r)) for r in rows])
+    df["isolated_ms"] = df["insitu_ms"] * (1 + df["error_pct"] / 100)
     df["timer_notes"] = ["graph", "context 2 calls", "context 2 calls", None, None, None, None, None]
     return df
 
@@ -86,6 +97,32 @@ def test_backward_figures_read_the_backward_columns(figures):
     assert {c["phase"] for c in classes} == {"bwd"}
 
 
+def test_a_variant_is_compared_call_by_call_with_the_base(tmp_path):
+    table_path = tmp_path / "modules.parquet"
+    DF.to_parquet(table_path)
+    out = python("-c", PAIRED, SCRIPT, table_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    p = json.loads(out.stdout)
+    # calls >= 10 us ok in both: 0..3; base errors 2, -4, 6, -1; the variant's 2, 1, 3, -9
+    assert (p["calls"], p["within_base"], p["within_variant"]) == (4, 3, 3)
+    assert (p["in"], p["out"]) == (1, 1)  # call 2 moved in, call 3 out
+    assert p["median_change%"] == pytest.approx(-0.5)  # of -8, -3, +2, +5
+    assert p["median_|err|_base%"] == pytest.approx(3.0)  # 1, 2, 4, 6
+    assert p["median_|err|_variant%"] == pytest.approx(2.5)  # 1, 2, 3, 9
+
+
+@pytest.mark.parametrize("variant, says", [
+    ("few", "expected NAME:KEY=VALUE"),
+    ("few:nosuch=1", "'nosuch' is not a ReplayConfig field"),
+    ("few:min_runs", "'min_runs' is not KEY=VALUE"),
+])
+def test_a_malformed_variant_is_one_line_error(variant, says):
+    out = python(SCRIPT, "--out", "unused", "--models", "nanogpt", "--variant", variant)
+    error = out.stderr.splitlines()[-1]  # argparse's usage, then the one-line error
+    assert out.returncode == 2 and error.startswith("fidelity_zoo.py: error: --variant: ")
+    assert says in error
+
+
 def test_unknown_model_is_one_line_error():
     out = python(SCRIPT, "--out", "unused", "--models", "nanogpt,nosuch")
     assert out.returncode == 2 and "unknown nosuch" in out.stderr
@@ -95,7 +132,8 @@ def test_unknown_model_is_one_line_error():
 def test_a_cpu_run_on_nanogpt_tiny(tmp_path):
     # a model whose library is missing is skipped with a note, the others still run
     proc = python("-c", MISSING_LIBRARY, SCRIPT, "--out", tmp_path, "--models", "needs-x,nanogpt",
-                  "--device", "cpu", "--budget-s", "0.002", timeout=600)
+                  "--device", "cpu", "--budget-s", "0.002", "--variant", "few:min_runs=3",
+                  timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "needs-x: skipped (no_such_module_for_cbtrace is not installed)" in out
@@ -108,7 +146,22 @@ def test_a_cpu_run_on_nanogpt_tiny(tmp_path):
     assert summary["spec"] == "nanogpt:tiny" and summary["rows"][0]["errors"] == 0
     with open(tmp_path / "fidelity.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["model"] for r in rows] == ["nanogpt"] and list(rows[0]) == COLUMNS
+    assert [r["model"] for r in rows] == ["nanogpt", "nanogpt@few"] and list(rows[0]) == COLUMNS
     assert (tmp_path / "nanogpt_classes.csv").is_file()
+    # the variant: the same capture replayed again with min_runs=3, compared call by call
+    assert "nanogpt@few: replayed again in" in out and "; @few: min_runs=3)" in out
+    paired = next(ln for ln in out.splitlines() if "against the base, paired" in ln)
+    assert paired.startswith("  nanogpt@few fwd against the base, paired (")
+    few = json.loads((tmp_path / "nanogpt@few.json").read_text())
+    assert few["variant"] == {"min_runs": 3} and few["rows"][0]["calls"] == cells_calls(cells)
+    again = pd.read_csv(tmp_path / "nanogpt@few_rows.csv.gz")
+    base = pd.read_csv(tmp_path / "nanogpt_rows.csv.gz")
+    assert list(again["call_id"]) == list(base["call_id"])
+    assert list(again["insitu_ms"]) == list(base["insitu_ms"])  # one step, both replays
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "fidelity.csv", "nanogpt.json", "nanogpt_classes.csv", "nanogpt_rows.csv.gz"]  # no run
+        "fidelity.csv", "nanogpt.json", "nanogpt@few.json", "nanogpt@few_classes.csv",
+        "nanogpt@few_rows.csv.gz", "nanogpt_classes.csv", "nanogpt_rows.csv.gz"]  # no run
+
+
+def cells_calls(cells) -> int:
+    return int(cells[2])
