@@ -25,6 +25,8 @@
 # e.g. --cold-host-issue);
 # compile-ahead: bench_compile_ahead.py (modes wall with compile workers 0 vs N, fresh caches each;
 # AHEAD_MODELS, AHEAD_WORKERS);
+# context-loads: probes/probe_context_loads.py (contexts' reads of the run, offered copies off vs on;
+# CTX_SPECS);
 # fresh: bench_replay_fresh.py (a plain `cbtrace replay` beside the replay inside `profile`; FRESH_MODELS,
 # FRESH_REPEATS, FRESH_DTYPE).
 R=$PWD
@@ -83,6 +85,8 @@ compile-ahead)
   for M in ${AHEAD_MODELS:-efficientnet_b0}; do
     timeout ${AHEAD_TIMEOUT:-580} python3 $R/benchmarks/bench_compile_ahead.py --model $M --workers ${AHEAD_WORKERS:-0,8} --out /tmp/ahead_$M 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_compile_ahead_$M.log | tail -12
   done ;;
+context-loads)
+  timeout ${CTX_TIMEOUT:-300} python3 $R/benchmarks/probes/probe_context_loads.py /tmp/ctxloads ${CTX_SPECS:-dlrm:large nanogpt} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_context_loads.log | tail -8 ;;
 fresh)
   for M in ${FRESH_MODELS:-nanogpt dlrm:large}; do
     timeout ${FRESH_TIMEOUT:-300} python3 $R/benchmarks/bench_replay_fresh.py --model $M --device cuda ${FRESH_DTYPE:+--dtype $FRESH_DTYPE} --repeats ${FRESH_REPEATS:-2} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_replay_fresh_${M/:/_}.log | tail -30

@@ -227,6 +227,8 @@ class ReplayLoop:
             with timed(self.guard.call(), timings, "state_guard"), time_limit(cfg.timeout_s):
                 with phase(timings, "load"):
                     (args, kwargs), grads = self._inputs(rec, read)
+                    if self.context is not None:  # a later call's context may need them
+                        self.context.offer(rec, (args, kwargs))
                 # loaded only if the call qualifies, once its device time is known (Timed step)
                 ctx = (functools.partial(self.context.calls, rec.call_id)
                        if self.context is not None else None)

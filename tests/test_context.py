@@ -161,6 +161,29 @@ def test_an_inplace_call_is_fed_by_its_producer(tmp_path):
         df.loc["act", "timer_notes"])
 
 
+def test_a_predecessor_replayed_first_hands_its_inputs_to_the_contexts(tmp_path, monkeypatch):
+    """Breadth-first, a, bn and act are replayed before the calls whose contexts they are (bn,
+    act, t): their inputs are read from the run once each, as their own, never again for a
+    context, and the contexts still feed the calls (act's in-place run left them intact)."""
+    from cbtrace.store import load
+
+    torch.manual_seed(0)
+    model = Chain().eval()
+    with cbtrace.capture(model, tmp_path / "run"):
+        model(torch.randn(512, 64))
+    reads = []
+    real = load.load_call_inputs
+    monkeypatch.setattr(load, "load_call_inputs",
+                        lambda run, ref, **kw: reads.append(ref) or real(run, ref, **kw))
+    df = cbtrace.replay(tmp_path / "run", model=model, device="cpu", **FAST).set_index("fqn")
+    assert (df.status == "ok").all()
+    assert len(reads) == len(df) == 5  # one a call: none for a context
+    assert "context: 2 calls before (a, bn); 1 input from their outputs" in (
+        df.loc["act", "timer_notes"])
+    assert "context: 3 calls before (a, bn, act); 1 input from their outputs" in (
+        df.loc["t", "timer_notes"])
+
+
 class Residual(nn.Module):
     """A ReLU whose input a residual add wrote, code of the parent and no module's output."""
 

@@ -94,7 +94,10 @@ class ContextCall:
 class ContextSource:
     """Finds and loads each call's context: the predecessors' records (``predecessors``), their
     modules in the live model, and their inputs, kept in a small cache by call_id (neighbouring
-    calls share predecessors)."""
+    calls share predecessors). A predecessor replayed before the call that needs it hands its
+    inputs over as the replay loads them (``offer``): a copy in memory instead of a second read
+    of the run (a breadth-first replay meets a call's siblings, often its predecessors, just
+    before it)."""
 
     def __init__(self, records, model, device, load, flags=None, *, max_calls: int = 4,
                  max_bytes: int | None = None, keep_bytes: int = 1 << 30, max_copies: int = 8,
@@ -107,6 +110,36 @@ class ContextSource:
         self.keep_bytes, self.max_copies = keep_bytes, max_copies
         self._cache: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._cached = 0
+        # the predecessors whose inputs a context load would read: offered copies are kept
+        self.wanted = {p for cid, before in self.before.items() if self._loads(cid, before)
+                       for p in before}
+        self._offered: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self._offered_bytes = 0
+        # a context is about a cache's worth of traffic: an input larger is not worth a copy
+        self.offer_max_bytes, self.offered_max_bytes = budget, min(keep_bytes, 8 * budget)
+        self.loads = self.offers_used = 0  # reads of the run, and offered copies taken instead
+
+    def _loads(self, call_id: int, before: list[int]) -> bool:
+        """Whether ``calls(call_id)`` loads its context (``before``, its predecessors)."""
+        return bool(before) and (self.rewrite or may_feed(
+            self.by_id[call_id], [self.by_id[c] for c in before]))
+
+    def offer(self, rec, inputs) -> None:
+        """The captured inputs of ``rec``'s call, as the replay just loaded them (before it
+        ran): a copy is kept if a later call's context will need them and they are not cached
+        yet: copies of inputs up to a context's byte budget, at most eight budgets of them, the
+        oldest dropped."""
+        cid = rec.call_id
+        if cid not in self.wanted or cid in self._cache or cid in self._offered:
+            return
+        nbytes = tensor_bytes(inputs)
+        if nbytes > self.offer_max_bytes:
+            return
+        self._offered[cid] = clone_like(inputs)
+        self._offered_bytes += nbytes
+        while self._offered_bytes > self.offered_max_bytes:
+            _, old = self._offered.popitem(last=False)
+            self._offered_bytes -= tensor_bytes(old)
 
     def calls(self, call_id: int) -> list[ContextCall]:
         """The context of ``call_id``, loaded; [] when it has none, or when none of its inputs
@@ -114,8 +147,7 @@ class ContextSource:
         loaded then (an embedding lookup's ids never are; loading its predecessors' inputs took
         13 of `dlrm:large`'s 69 s). Raises what loading raises."""
         before = self.before.get(call_id, [])
-        if not before or (not self.rewrite and not may_feed(
-                self.by_id[call_id], [self.by_id[c] for c in before])):
+        if not self._loads(call_id, before):
             return []
         out = []
         for cid in before:
@@ -135,7 +167,13 @@ class ContextSource:
         if hit is not None:
             self._cache.move_to_end(rec.call_id)
             return hit
-        inputs = self.load(rec)
+        inputs = self._offered.pop(rec.call_id, None)
+        if inputs is None:
+            inputs = self.load(rec)
+            self.loads += 1
+        else:
+            self._offered_bytes -= tensor_bytes(inputs)
+            self.offers_used += 1
         nbytes = tensor_bytes(inputs)
         n = n_copies(nbytes, self.device, self.max_copies)
         copies = [inputs] + [clone_like(inputs) for _ in range(n - 1)]
