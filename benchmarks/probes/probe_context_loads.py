@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("specs", nargs="*", default=["dlrm:large@64", "nanogpt:tiny", "dcn:tiny"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
-    sources, real_offer, real_inputs = [], context.ContextSource.offer, context.ContextSource._inputs
+    sources = []
+    real_offer, real_inputs = context.ContextSource.offer, context.ContextSource._inputs
     seconds = [0.0]
 
     def timed_inputs(self, rec):
