@@ -182,6 +182,31 @@ def test_embedding_copies_touch_other_rows():
         assert torch.equal(a[1], offsets)
         assert bag(*a).shape == (2, 16)
     assert embedding_copies(torch.nn.Linear(2, 2), (torch.ones(2),), {}, torch.device("cpu")) is None
+    ids32 = torch.tensor([[5], [999]], dtype=torch.int32).as_strided((2, 1), (1, 7))  # free stride
+    for (a, _) in embedding_copies(torch.nn.Embedding(1000, 4), (ids32,), {}, torch.device("cpu")):
+        assert a[0].dtype == torch.int32 and a[0].stride() == (1, 7)  # as captured
+
+
+def test_copies_are_independent_and_keep_shape_strides_and_autograd_shape():
+    from cbtrace.replay.measure.copies import copies_of
+
+    x = torch.randn(3, 1, 4).as_strided((3, 1, 4), (4, 99, 1))  # contiguous; a size-1 dim's
+    ids = torch.arange(6)                                        # stride is free
+    leaf = torch.randn(2, 2, requires_grad=True)
+    bumped = torch.randn(4, 4)[:, :2]                           # not contiguous
+    inputs = ((x, ids, leaf, bumped, x), {"k": ids, "n": 3})
+    copies = copies_of(inputs, 5)
+    assert len(copies) == 5
+    for (a, k) in copies:
+        for mine, theirs in zip(a, inputs[0]):
+            assert torch.equal(mine, theirs) and mine.stride() == theirs.stride()
+            assert mine.data_ptr() != theirs.data_ptr()
+        assert a[2].requires_grad and a[2].is_leaf
+        assert a[0] is a[4] and k["k"] is a[1] and k["n"] == 3  # aliases stay aliases
+    copies[1][0][0].fill_(0)
+    copies[2][0][1].fill_(0)
+    assert torch.equal(copies[0][0][0], x) and torch.equal(copies[3][0][1], ids)  # independent
+    assert copies_of(inputs, 0) == []
 
 
 def test_reassigned_buffers_and_swapped_parameters_are_restored(tmp_path):

@@ -27,7 +27,8 @@ from cbtrace.calltree import CallTree
 from cbtrace.cost.dtypes import meta_bytes
 from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors
-from cbtrace.replay.measure.copies import clone_like, n_copies, table_copies, tensor_bytes
+from cbtrace.replay.measure.copies import (clone_like, copies_of, n_copies, table_copies,
+                                           tensor_bytes)
 from cbtrace.replay.measure.prepare import (CallUnderTest, InputState, call_context,
                                             input_toucher)
 from cbtrace.replay.timer.contract import CallRunner
@@ -176,7 +177,7 @@ class ContextSource:
             self.offers_used += 1
         nbytes = tensor_bytes(inputs)
         n = n_copies(nbytes, self.device, self.max_copies)
-        copies = [inputs] + [clone_like(inputs) for _ in range(n - 1)]
+        copies = [inputs] + copies_of(inputs, n - 1)
         self._cache[rec.call_id] = copies
         self._cached += n * nbytes
         while self._cached > self.keep_bytes and len(self._cache) > 1:

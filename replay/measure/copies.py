@@ -82,7 +82,9 @@ def embedding_copies(module, args, kwargs, device, max_copies: int = 64):
     Rotating copies of the same ids does not cool an embedding lookup: every copy gathers the
     same rows, which stay in L2 and read fast. Copy i
     shifts the ids by i * N / n modulo the table size N: same count, pooling and locality,
-    other rows. Enough copies that their gathered rows overflow the cache twice.
+    other rows. Enough copies that their gathered rows overflow the cache twice. The copies of
+    a contiguous integer tensor (ids, offsets) are slices of one buffer, made by a few kernels
+    for all of them: made one by one, a lookup's 63 copies cost ~250 kernel launches.
     Returns None when the module or its first argument does not fit that pattern.
     """
     if not isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) or not args:
@@ -96,8 +98,44 @@ def embedding_copies(module, args, kwargs, device, max_copies: int = 64):
     cache = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
              if device.type == "cuda" else 32 << 20)
     n = max(1, min(max_copies, -(-2 * cache // max(gathered, 1)), n_rows))
-    copies = [(args, kwargs)]
-    for i in range(1, n):
-        shifted = (ids + (i * n_rows) // n) % n_rows
-        copies.append(((shifted.to(ids.dtype), *clone_like(args[1:])), clone_like(kwargs)))
-    return copies
+    if n == 1:
+        return [(args, kwargs)]
+    with torch.no_grad():
+        if _stackable(ids):
+            # copy i: (ids + i * N // n) % N, for i = 1 .. n-1 at once
+            shifts = torch.arange(1, n, device=ids.device, dtype=torch.int64) * n_rows // n
+            flat = ids.reshape(1, -1).long() + shifts.view(-1, 1)
+            shifted = _slices((flat % n_rows).to(ids.dtype), ids)
+        else:
+            shifted = [((ids + (i * n_rows) // n) % n_rows).to(ids.dtype) for i in range(1, n)]
+    rest = copies_of((args[1:], kwargs), n - 1)
+    return [(args, kwargs)] + [((s, *a), k) for s, (a, k) in zip(shifted, rest)]
+
+
+def _slices(buf: torch.Tensor, like: torch.Tensor) -> list:
+    """Row i of ``buf`` (k rows of ``like``'s elements, contiguous) as a tensor of ``like``'s
+    shape and strides (also those of its size-1 dims, which contiguity leaves free)."""
+    n = like.numel()
+    return [buf.as_strided(like.shape, like.stride(), buf.storage_offset() + i * n)
+            for i in range(buf.shape[0])]
+
+
+def _stackable(t) -> bool:
+    """Whether copies of ``t`` may be slices of one buffer: a plain contiguous tensor outside
+    autograd (its copies then have its shape, strides and autograd shape)."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.numel() > 0
+            and t.is_contiguous() and not t.requires_grad and not t.is_quantized
+            and not t.is_complex() and not t.is_nested and not t.is_conj() and not t.is_neg())
+
+
+def copies_of(x, k: int) -> list:
+    """``k`` deep copies of the nested structure ``x``, as ``clone_like`` makes them, the copies
+    of each plain contiguous tensor made at once as slices of one buffer (two kernels for all,
+    not two each)."""
+    stacked = {}
+    with torch.no_grad():
+        for t in flat_tensors(x):
+            if _stackable(t) and id(t) not in stacked:
+                stacked[id(t)] = _slices(t.reshape(1, -1).expand(k, -1).clone(), t)
+    return [map_tensors(lambda t, i=i: stacked[id(t)][i] if id(t) in stacked else _clone(t), x)
+            for i in range(k)]

@@ -12,7 +12,7 @@ import torch
 
 from cbtrace.cost.dtypes import torch_dtype
 from cbtrace.nested import flat_tensors
-from cbtrace.replay.measure.copies import clone_like, embedding_copies, n_copies, tensor_bytes
+from cbtrace.replay.measure.copies import copies_of, embedding_copies, n_copies, tensor_bytes
 from cbtrace.replay.timer.contract import CallRunner
 
 
@@ -85,7 +85,7 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
     copies = embedding_copies(module, args, kwargs, device)
     if copies is None:
         n = n_copies(tensor_bytes((args, kwargs)), device, cfg.max_copies)
-        copies = [(args, kwargs)] + [clone_like((args, kwargs)) for _ in range(n - 1)]
+        copies = [(args, kwargs)] + copies_of((args, kwargs), n - 1)
     states = [InputState(c) for c in copies]
     # the warm-inputs toucher only where asked for: finding what it may write costs a kernel
     # per large input, and every call is prepared
