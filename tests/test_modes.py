@@ -640,6 +640,10 @@ def test_cold_host_issue_on_cuda_puts_the_compiled_issue_beside_the_eager_one(tm
     ok = df[df["compile_status"] == "ok"]
     assert len(ok) and ok["compile_host_ms"].notna().all() and (ok["compile_host_ms"] >= 0).all()
     assert ok["host_ms"].notna().all()
+    # the back-to-back figure beside it, for both estimates from one run
+    assert ok["compile_host_steady_ms"].notna().all() and (ok["compile_host_steady_ms"] > 0).all()
+    plain = cbtrace.replay(tmp_path / "r", modes=("compile",), **FAST_REPLAY)
+    assert plain["compile_host_steady_ms"].isna().all()
 
 
 def test_a_graph_out_of_memory_hands_the_cache_back_and_tries_once_more(monkeypatch):

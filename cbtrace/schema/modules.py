@@ -160,6 +160,9 @@ class ModuleRecord:
     compile_host_ms: float | None = column(REPLAY, "ms", "host time to issue the compiled call "
                                                          "(guards and launches; None on CPU)",
                                            default=None)
+    compile_host_steady_ms: float | None = column(
+        REPLAY, "ms", "with cold_host_issue: the compiled call's issue time back to back, what "
+                      "compile_host_ms is without it (A/B of the two in one run)", default=None)
     cudagraph_ms: float | None = column(REPLAY, "ms", "the eager call replayed from a one-call "
                                                       "CUDA graph, launch included", default=None)
     cudagraph_status: str | None = column(REPLAY, doc="ok, or why it was not timed", default=None)

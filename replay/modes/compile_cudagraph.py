@@ -329,7 +329,7 @@ class Compiled:
                 in_context(cc, cc.context)
                 cc.context = None  # no embedding table copies: they would run the eager module
             timed = self.timed.run(cc)
-            host = self._host_ms(c, run) if c.device.type == "cuda" else None
+            host, steady = self._host_ms(c, run) if c.device.type == "cuda" else (None, None)
         except CallTimeout:
             raise
         except Exception as e:  # noqa: BLE001
@@ -341,25 +341,28 @@ class Compiled:
         alone = ("compile timed without the eager call's in-step cache state"
                  if c.timed is not None and cc.timed is None else None)
         return dict(compile_ms=timed["isolated_ms"], compile_status="ok", compile_s=seconds,
-                    compile_graphs=graphs, compile_host_ms=host,
+                    compile_graphs=graphs, compile_host_ms=host, compile_host_steady_ms=steady,
                     timer_notes=join_notes(c.row.get("timer_notes"), alone,
                                            *self._notes(c, timed, first, later, host))), timed
 
-    def _host_ms(self, c: CallUnderTest, run) -> float:
-        """compile_host_ms: the compiled call's issue time back to back (``steady_issue_ms``);
-        with ``cold_host_issue``, the eager call's host_ms plus what compiling adds to the issue
-        time when both are issued right after the step's root run eagerly (before the root is
-        replayed: after a large write; ``cold_issue_ms``), so that the opportunity's host
-        saving, host_ms - compile_host_ms, is a difference of figures taken as in a step."""
+    def _host_ms(self, c: CallUnderTest, run) -> tuple[float, float | None]:
+        """(compile_host_ms, compile_host_steady_ms). compile_host_ms: the compiled call's
+        issue time back to back (``steady_issue_ms``); with ``cold_host_issue``, the eager
+        call's host_ms plus what compiling adds to the issue time when both are issued right
+        after the step's root run eagerly (before the root is replayed: after a large write;
+        ``cold_issue_ms``), so that the opportunity's host saving, host_ms - compile_host_ms,
+        is a difference of figures taken as in a step; the back-to-back figure is then kept
+        beside it (compile_host_steady_ms, else None)."""
         eager = c.row.get("host_ms")
+        steady = steady_issue_ms(run, c.n_copies, c.device)
         if self.evict is None or eager is None:
-            return steady_issue_ms(run, c.n_copies, c.device)
+            return steady, None
         if self.step is None and c.rec.parent_call_id == -1:
             self.step = c.run  # the root, replayed first: its eager run is the step's host work
         evict = self.evict if self.step is None else self._after_step
         added = (cold_issue_ms(run, c.n_copies, c.device, evict)
                  - cold_issue_ms(c.run, c.n_copies, c.device, evict))
-        return max(eager + added, 0.0)
+        return max(eager + added, 0.0), steady
 
     def _after_step(self) -> None:
         out = self.step(0)
@@ -400,7 +403,8 @@ class AsInStep:
         if not c.rec.step_compiled or c.row.get("isolated_ms") is None:
             return {}
         fields, timed = self.compiled.measure(c)
-        counts = {k: fields[k] for k in ("compile_s", "compile_graphs", "compile_host_ms")
+        counts = {k: fields[k] for k in ("compile_s", "compile_graphs", "compile_host_ms",
+                                         "compile_host_steady_ms")
                   if k in fields}
         if timed is None:
             return dict(counts, timer_notes=join_notes(
