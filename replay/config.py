@@ -23,6 +23,11 @@ class ReplayConfig:
     converge_spread: float = TimingConfig.converge_spread
     """Stop timing a call early once p10..p90 of its samples is within this share of their
     median (its median would not move); 0: always spend the budget. Not in cold mode."""
+    converge_ci: float = TimingConfig.converge_ci
+    """Also stop timing a call once its median's 95 % confidence interval is within +- this
+    share of the median (0: off): a call whose runs never agree to ``converge_spread`` then
+    stops when more runs would not move its median, not at the end of its budget. Not in cold
+    mode."""
     warmup_runs: int = TimingConfig.warmup_runs
     """Untimed calls before timing (graph timer: on its capture stream, what capture needs made
     outside it: lazy init, per-stream workspaces; a warm replay of the graph follows before any
@@ -150,5 +155,5 @@ class ReplayConfig:
         mode = (dict(budget_s=self.cold_budget_s, graph_k=1, warmup_s=self.cold_warmup_s,
                      settle_tol=self.cold_settle_tol, converge_spread=0.0) if self.cold
                 else dict(budget_s=self.budget_s, graph_k=self.graph_k,
-                          converge_spread=self.converge_spread))
+                          converge_spread=self.converge_spread, converge_ci=self.converge_ci))
         return TimingConfig(min_runs=self.min_runs, warmup_runs=self.warmup_runs, **mode)

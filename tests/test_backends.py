@@ -299,6 +299,44 @@ def test_collect_stops_at_min_runs_once_converged_else_spends_the_budget(clock):
     assert len(collect(jittery(empty, log), off, floor_ms=1.0)) > 10      # converge off: budget
 
 
+def test_median_ci_hand_worked():
+    xs = [float(v) for v in range(20, 0, -1)]  # 1..20, any order
+    # n = 20: ranks floor(10 - 1.96 * sqrt(20) / 2) = 5 and ceil(1 + 10 + 4.38) = 16
+    assert stats.median_ci(xs) == (5.0, 16.0)
+    assert stats.median_ci([3.0]) == (3.0, 3.0)
+    assert stats.median_ci([1.0, 2.0, 3.0]) == (1.0, 3.0)  # few samples: the extremes
+    with pytest.raises(ValueError):
+        stats.median_ci([])
+
+
+def test_converged_once_the_median_is_known_though_the_runs_disagree():
+    wide = [96 + 8 * ((37 * i) % 100) / 99 for i in range(100)]  # +-4 %, evenly spread
+    assert not stats.converged(wide, 0.01)                         # p10..p90: 6.4 %
+    assert stats.converged(wide, 0.01, ci=0.01)                    # median within ~0.9 %
+    assert not stats.converged(wide[:20], 0.01, ci=0.01)           # 20 runs: not yet
+    assert not stats.converged(wide, 0.01, ci=0.002)
+
+
+def test_collect_with_converge_ci_stops_before_the_budget(clock):
+    wide = [96 + 8 * ((37 * i) % 100) / 99 for i in range(100)]
+
+    def sample(first, n):  # 0.1 ms a run on the fake clock
+        clock.sleep(1e-4 * n)
+        return [wide[(first + i) % len(wide)] for i in range(n)]
+
+    def runs(**kw):
+        cfg = TimingConfig(budget_s=0.5, min_runs=10, converge_spread=0.01, max_runs=10_000,
+                           **kw)
+        return len(collect(sample, cfg))
+
+    spent = runs()                     # never within 1 %: the whole budget, ~5,000 runs
+    known = runs(converge_ci=0.01)     # stops once the median is known to 1 %
+    assert spent > 4000 and 20 < known < 400
+    assert stats.converged([wide[i % 100] for i in range(known)], 0.01, ci=0.01)
+    with pytest.raises(ValueError, match="converge_ci"):
+        TimingConfig(converge_ci=-0.1)
+
+
 # ---- cpu timer -----------------------------------------------------------------------------
 
 def test_cpu_timer_rotates_copies_and_summarises():

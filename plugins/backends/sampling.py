@@ -21,7 +21,10 @@ def collect(sample: Callable[[int, int], list[float]], cfg: TimingConfig,
     replay of most modules; the replay wall is then set by the call, not the budget). A spread
     under ``floor_ms`` (the timer's own jitter per sample) also counts as converged: an empty
     call's replays (a Dropout at p = 0) never come within 1 % of their sub-microsecond median,
-    and took the whole budget.
+    and took the whole budget. With ``cfg.converge_ci``, it also ends once the median's 95 %
+    confidence interval is within that share of it: a call whose runs never agree to 1 % (an
+    embedding lookup rotating over table and id copies) stops when its median is known; its
+    rounds then at most double the runs taken, so that the check comes often enough to matter.
     """
     samples: list[float] = []
     t0 = time.perf_counter()
@@ -30,11 +33,14 @@ def collect(sample: Callable[[int, int], list[float]], cfg: TimingConfig,
         got = sample(len(samples), n)
         assert len(got) == n, f"sample returned {len(got)} values for {n} runs"
         samples.extend(got)
-        if cfg.converge_spread and converged(samples, cfg.converge_spread, floor_ms):
+        if (cfg.converge_spread or cfg.converge_ci) and converged(
+                samples, cfg.converge_spread, floor_ms, cfg.converge_ci):
             break
         elapsed = time.perf_counter() - t0
         n = plan_runs(per_run_s=elapsed / len(samples), left_s=cfg.budget_s - elapsed,
                       done=len(samples), min_runs=cfg.min_runs, max_runs=cfg.max_runs)
+        if cfg.converge_ci:  # rounds at most double the runs: the interval is checked often
+            n = min(n, max(len(samples), cfg.min_runs))
     return samples
 
 
@@ -89,4 +95,3 @@ def timing_from_samples(samples_ms: list[float], timer: str, notes: str | None =
     return Timing(median_ms=median, p10_ms=p10, p90_ms=p90, runs=len(samples_ms), timer=timer,
                   samples_ms=list(samples_ms), notes=notes,
                   timed_ms=sum(samples_ms) * calls_per_run)
-

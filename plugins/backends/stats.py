@@ -42,11 +42,33 @@ def plan_runs(*, per_run_s: float, left_s: float, done: int, min_runs: int, max_
 EVENT_JITTER_MS = 2e-3
 
 
-def converged(samples_ms: list[float], spread: float, floor_ms: float = 0.0) -> bool:
+def converged(samples_ms: list[float], spread: float, floor_ms: float = 0.0,
+              ci: float = 0.0) -> bool:
     """Whether p10 and p90 of the samples lie within ``spread`` (relative) of their median, or
-    within ``floor_ms`` of each other (the timer's own jitter per sample)."""
+    within ``floor_ms`` of each other (the timer's own jitter per sample), or (``ci`` > 0) the
+    median's 95 % confidence interval lies within +-``ci`` of it (``median_ci``): a call whose
+    runs differ by more than ``spread`` then stops once more runs would not move its median."""
     median, p10, p90 = summarize(samples_ms)
-    return (median > 0 and (p90 - p10) <= spread * median) or (p90 - p10) < floor_ms
+    if (median > 0 and (p90 - p10) <= spread * median) or (p90 - p10) < floor_ms:
+        return True
+    if ci <= 0 or median <= 0:
+        return False
+    lo, hi = median_ci(samples_ms)
+    return (hi - lo) / 2 <= ci * median
+
+
+def median_ci(samples: list[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median (95 % for z = 1.96): the order
+    statistics n/2 -+ z * sqrt(n) / 2 of the n samples (the binomial's normal approximation;
+    no assumption on the samples' distribution, which for timings is skewed and often
+    bimodal). Few samples give the extremes."""
+    if not samples:
+        raise ValueError("median_ci: samples is empty")
+    xs, n = sorted(samples), len(samples)
+    half = z * math.sqrt(n) / 2
+    lo = max(math.floor(n / 2 - half), 1)  # 1-based ranks
+    hi = min(math.ceil(n / 2 + half) + 1, n)
+    return xs[lo - 1], xs[hi - 1]
 
 
 def graph_calls(*, per_call_ms: float, k_max: int, max_replay_ms: float) -> int:

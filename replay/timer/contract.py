@@ -42,6 +42,8 @@ class TimingConfig:
     """Timed runs taken even when they overrun the budget."""
     converge_spread: float = 0.01
     """Stop sampling once p10..p90 is within this share of the median (0: use the budget)."""
+    converge_ci: float = 0.0
+    """Also stop once the median's 95 % CI is within +- this share of it (0: off)."""
     max_runs: int = 10_000
     """Timed runs never exceeded, whatever the budget."""
     warmup_runs: int = 1
@@ -85,6 +87,9 @@ class TimingConfig:
                              "settle_lag >= 1 and settle_max_s >= warmup_s, got "
                              f"{self.warmup_s}, {self.settle_tol}, {self.settle_window_s}, "
                              f"{self.settle_lag}, {self.settle_max_s}")
+        if self.converge_spread < 0 or self.converge_ci < 0:
+            raise ValueError(f"need converge_spread >= 0 and converge_ci >= 0, got "
+                             f"{self.converge_spread}, {self.converge_ci}")
         if self.warmup_runs < 0:
             raise ValueError(f"warmup_runs must be >= 0, got {self.warmup_runs}")
         if self.graph_k < 1:
