@@ -9,7 +9,7 @@
 # nproc: bench_nproc.py (torchrun --nproc 1 against in-process replay);
 # probe-backward: probes/probe_backward.py (a train step's backward kernels in situ vs replayed, three
 # backward timing methods); overhead: probes/probe_replay_overhead.py (replay wall in laps; cProfile too
-# with OVERHEAD_CPROFILE=1); capture-probe: probes/probe_capture_step.py (a captured step's cost above
+# with OVERHEAD_CPROFILE=1; OVERHEAD_VARIANTS as FIDELITY_VARIANTS, e.g. "ci:converge_ci=0.01"); capture-probe: probes/probe_capture_step.py (a captured step's cost above
 # the floor, by variant; PROBE_CASE); plan-call: probes/bench_plan_call.py (capture's planning alone, with
 # and without another thread profiled); pinned: probes/bench_pinned_ring.py (the read-ahead ring's first
 # pinned allocation, by way of allocating); digest: bench_state_digest.py on the GPU (whole
@@ -72,7 +72,7 @@ capture-probe)
   CBTRACE_BENCH_DIR=/tmp timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_capture_step.py ${PROBE_CASE:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_capture_step.log | tail -10 ;;
 overhead)
   for M in ${OVERHEAD_MODELS:-nanogpt}; do
-    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probes/probe_replay_overhead.py /tmp/overhead $M --top 40 ${OVERHEAD_CPROFILE:+--cprofile} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_$M.log
+    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probes/probe_replay_overhead.py /tmp/overhead $M --top 40 ${OVERHEAD_CPROFILE:+--cprofile} $(for V in ${OVERHEAD_VARIANTS:-}; do printf -- '--variant %s ' "$V"; done) 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_$M.log
     head -${OVERHEAD_LINES:-30} $OUT/overhead_$M.log
   done ;;
 fidelity)

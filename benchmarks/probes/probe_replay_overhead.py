@@ -8,7 +8,12 @@ Captures SPEC once, then replays it twice with the capture's model (no rebuild):
    ``manifest.replay.timings_s``; per module class, the wall outside the timed work;
 2. under cProfile (``--cprofile``): the functions with the most own and cumulative time.
 
+``--variant NAME:KEY=VALUE[,KEY=VALUE]`` (repeatable) replays the same capture again with those
+``ReplayConfig`` fields, with laps, and prints its wall and phases beside the first replay's, and
+how far its isolated times moved from the first's (per call, the calls both timed ok).
+
 Usage: python benchmarks/probes/probe_replay_overhead.py OUT_DIR [SPEC] [--cprofile] [--top N]
+       [--variant NAME:KEY=VALUE[,...]]
 """
 import argparse
 import cProfile
@@ -16,11 +21,15 @@ import functools
 import importlib
 import io
 import pstats
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fidelity_zoo import parse_variant  # noqa: E402 - one grammar for --variant
 
 OPTIONS = {"nanogpt": {"batch_size": 8}, "dlrm": {"batch_size": 8192}}
 
@@ -112,6 +121,18 @@ def by_class(df, wall_s: float) -> str:
     return g.sort_values("other_s", ascending=False).round(3).to_string()
 
 
+def moved(a, b) -> str:
+    """How far the isolated times of replay ``b`` sit from replay ``a``'s, per call timed ok in
+    both (|change| median, p90, max), and the runs each took per call (mean)."""
+    both = a[["call_id", "status", "isolated_ms", "runs"]].merge(
+        b[["call_id", "status", "isolated_ms", "runs"]], on="call_id", suffixes=("_a", "_b"))
+    ok = both[(both.status_a == "ok") & (both.status_b == "ok")]
+    change = (100 * (ok.isolated_ms_b / ok.isolated_ms_a - 1)).abs()
+    return (f"isolated time against the first replay, {len(ok)} calls: |change| median "
+            f"{change.median():.2f} %, p90 {change.quantile(0.9):.2f} %, max {change.max():.1f} %; "
+            f"runs per call {ok.runs_a.mean():.1f} -> {ok.runs_b.mean():.1f}")
+
+
 def device_costs() -> str:
     """Device time of what the graph timer queues around each replay: the L2 flush (memset of
     256 and 128 MB) and the shortest spin, each the median of 50 between events."""
@@ -142,7 +163,12 @@ def main():
     ap.add_argument("spec", nargs="?", default="nanogpt")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,...]")
     a = ap.parse_args()
+    try:
+        variants = [parse_variant(v) for v in a.variant]
+    except ValueError as e:
+        ap.error(f"--variant: {e}")
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.replay.engine import replay
     from cbtrace.rundir.read import read_manifest
@@ -169,6 +195,19 @@ def main():
     print(f"\n-- per module class: replay_wall_s less timed work\n{by_class(df, wall)}")
     if gpu:
         print(f"\n-- device time of the timer's own work per replay\n{device_costs()}")
+    for name, overrides in variants:
+        again = Laps()
+        for module, path in LAPS:
+            again.wrap(module, path)
+        t0 = time.perf_counter()
+        dv = replay(run, model=cap.model, progress=False, **overrides)
+        wall_v = time.perf_counter() - t0
+        again.undo()
+        timed_v = dv["timed_ms"].fillna(0).sum() / 1e3
+        print(f"\n== variant {name} ({overrides}): replay wall {wall_v:.2f} s (first replay "
+              f"{wall:.2f} s), timed work {timed_v:.3f} s (duty {100 * timed_v / wall_v:.1f} %)")
+        print(f"phases (s): {read_manifest(run).replay.timings_s}")
+        print(f"{moved(df, dv)}\n-- laps\n" + "\n".join(again.lines()))
     if not a.cprofile:
         return
     prof = cProfile.Profile()
