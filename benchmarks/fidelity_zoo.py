@@ -208,6 +208,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
             raise ValueError(f"{text!r}: {key!r} is not a ReplayConfig field" if eq
                              else f"{text!r}: {item!r} is not KEY=VALUE")
         out[key] = _value(value)
+    try:  # a bad value fails here, not after the base replay of the first model
+        ReplayConfig(**out)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{text!r}: {e}") from None
     return name, out
 
 

@@ -115,6 +115,7 @@ def test_a_variant_is_compared_call_by_call_with_the_base(tmp_path):
     ("few", "expected NAME:KEY=VALUE"),
     ("few:nosuch=1", "'nosuch' is not a ReplayConfig field"),
     ("few:min_runs", "'min_runs' is not KEY=VALUE"),
+    ("odd:context_rewrite=twice", "context_rewrite: 'twice' is not one of off, self, sum"),
 ])
 def test_a_malformed_variant_is_one_line_error(variant, says):
     out = python(SCRIPT, "--out", "unused", "--models", "nanogpt", "--variant", variant)
