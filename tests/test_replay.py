@@ -203,10 +203,19 @@ def test_copies_are_independent_and_keep_shape_strides_and_autograd_shape():
             assert mine.data_ptr() != theirs.data_ptr()
         assert a[2].requires_grad and a[2].is_leaf
         assert a[0] is a[4] and k["k"] is a[1] and k["n"] == 3  # aliases stay aliases
+    versions = [c[0][0]._version for c in copies]
     copies[1][0][0].fill_(0)
     copies[2][0][1].fill_(0)
     assert torch.equal(copies[0][0][0], x) and torch.equal(copies[3][0][1], ids)  # independent
+    assert [c[0][0]._version for c in copies] == [v + (i == 1) for i, v in enumerate(versions)]
+    starts = [c[0][1].data_ptr() for c in copies]  # 6 int64 each, padded to a block's start
+    assert all((p - starts[0]) % 512 == 0 for p in starts) and len(set(starts)) == 5
     assert copies_of(inputs, 0) == []
+    # a module may write a copy in place under grad mode, with a parameter (not a view's case)
+    w = torch.ones(6, requires_grad=True)
+    with torch.enable_grad():
+        for c in copies_of((torch.randn(6),), 3):
+            assert c[0].mul_(w).grad_fn is not None
 
 
 def test_reassigned_buffers_and_swapped_parameters_are_restored(tmp_path):

@@ -105,37 +105,53 @@ def embedding_copies(module, args, kwargs, device, max_copies: int = 64):
             # copy i: (ids + i * N // n) % N, for i = 1 .. n-1 at once
             shifts = torch.arange(1, n, device=ids.device, dtype=torch.int64) * n_rows // n
             flat = ids.reshape(1, -1).long() + shifts.view(-1, 1)
-            shifted = _slices((flat % n_rows).to(ids.dtype), ids)
+            shifted = _rows((flat % n_rows).to(ids.dtype), ids)
         else:
             shifted = [((ids + (i * n_rows) // n) % n_rows).to(ids.dtype) for i in range(1, n)]
     rest = copies_of((args[1:], kwargs), n - 1)
     return [(args, kwargs)] + [((s, *a), k) for s, (a, k) in zip(shifted, rest)]
 
 
-def _slices(buf: torch.Tensor, like: torch.Tensor) -> list:
-    """Row i of ``buf`` (k rows of ``like``'s elements, contiguous) as a tensor of ``like``'s
-    shape and strides (also those of its size-1 dims, which contiguity leaves free)."""
-    n = like.numel()
-    return [buf.as_strided(like.shape, like.stride(), buf.storage_offset() + i * n)
-            for i in range(buf.shape[0])]
+ALIGN = 512  # bytes: each copy starts where the caching allocator starts a block
+
+
+def _rows(rows: torch.Tensor, like: torch.Tensor) -> list:
+    """The k rows of ``rows`` (k x like.numel(), expanded or not) as k tensors of ``like``'s
+    shape and strides (also those of its size-1 dims, which contiguity leaves free), written
+    by one kernel into one buffer, each ALIGN-aligned (a compiled call assumes the alignment
+    its first inputs had). Each is a tensor of its own over that buffer, not a view: its own
+    version counter, and a module may write it in place under grad mode."""
+    k, numel, isz = rows.shape[0], like.numel(), like.element_size()
+    row = -(-numel * isz // ALIGN) * ALIGN // isz  # elements a copy takes, padding included
+    buf = torch.empty(k, row, dtype=like.dtype, device=like.device)
+    buf[:, :numel].copy_(rows)
+    storage, out = buf.untyped_storage(), []
+    for i in range(k):
+        y = torch.empty(0, dtype=like.dtype, device=like.device)
+        y.set_(storage, i * row, like.shape, like.stride())
+        out.append(y)
+    return out
 
 
 def _stackable(t) -> bool:
-    """Whether copies of ``t`` may be slices of one buffer: a plain contiguous tensor outside
-    autograd (its copies then have its shape, strides and autograd shape)."""
+    """Whether copies of ``t`` may be rows of one buffer: a plain contiguous tensor outside
+    autograd (a copy made so has its shape, strides and, not requiring grad, autograd shape)."""
     return (type(t) is torch.Tensor and t.layout == torch.strided and t.numel() > 0
             and t.is_contiguous() and not t.requires_grad and not t.is_quantized
             and not t.is_complex() and not t.is_nested and not t.is_conj() and not t.is_neg())
 
 
 def copies_of(x, k: int) -> list:
-    """``k`` deep copies of the nested structure ``x``, as ``clone_like`` makes them, the copies
-    of each plain contiguous tensor made at once as slices of one buffer (two kernels for all,
-    not two each)."""
+    """``k`` deep copies of the nested structure ``x``: what ``clone_like`` copies, except that
+    the copies of each plain contiguous tensor are made at once (one buffer, one kernel for
+    all; ``_rows``) and a tensor that ``x`` holds twice is one tensor in each copy, as in
+    ``x``."""
+    found: list = []
+    map_tensors(lambda t: found.append(t) or t, x)  # the tensors clone_like would copy
     stacked = {}
     with torch.no_grad():
-        for t in flat_tensors(x):
+        for t in found:
             if _stackable(t) and id(t) not in stacked:
-                stacked[id(t)] = _slices(t.reshape(1, -1).expand(k, -1).clone(), t)
+                stacked[id(t)] = _rows(t.reshape(1, -1).expand(k, -1), t)
     return [map_tensors(lambda t, i=i: stacked[id(t)][i] if id(t) in stacked else _clone(t), x)
             for i in range(k)]
