@@ -139,9 +139,10 @@ def replay_options(args) -> dict:
 
 
 def profiled(name, spec, options, args, run_dir):
-    """Yield (variant, modules table, wall seconds) for the base settings ("" ) and then each
+    """Yield (variant, modules table, wall seconds) for the base settings ("") and then each
     ``--variant``: the model captured once, its run replayed with each and joined with the same
-    in-situ times (``cbtrace profile``'s steps, the replay on the model the capture ran)."""
+    in-situ times (``cbtrace profile``'s steps, the replay on the model the capture ran). A
+    variant whose replay fails yields "FAILED ..." for its table; the base's failure raises."""
     from cbtrace.attribution.join import join_insitu
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.replay.engine import replay
@@ -157,8 +158,14 @@ def profiled(name, spec, options, args, run_dir):
     base = dict(replay_options(args), model_spec=spec, device=args.device)
     for variant, overrides in [("", {})] + args.variant:
         t1 = time.perf_counter()
-        replay(run, model=model, **{**base, **overrides})
-        df = join_insitu(run)
+        try:
+            replay(run, model=model, **{**base, **overrides})
+            df = join_insitu(run)
+        except Exception as e:  # noqa: BLE001 - a failing variant leaves the others their turn
+            if not variant:
+                raise  # without the base replay there is nothing to compare with
+            yield variant, f"FAILED {type(e).__name__}: {str(e)[:300]}", 0.0
+            continue
         yield variant, df, time.perf_counter() - t1 + (captured if not variant else 0.0)
 
 
@@ -319,6 +326,10 @@ def main(argv=None) -> int:
         try:
             for variant, df, wall in profiled(name, spec, options, args, runs / name):
                 label = f"{name}@{variant}" if variant else name
+                if isinstance(df, str):  # that variant's replay failed
+                    notes.append(f"{label}: {df}")
+                    print(notes[-1], flush=True)
+                    continue
                 rows += summarize(label, df, wall, spec, options, args, out, variant)
                 if not variant:
                     base = df

@@ -118,7 +118,8 @@ def setup(run: Path, model, device, cfg: ReplayConfig) -> ReplayLoop:
         ahead=ReadAhead(run, [c for c in order if c not in done], by_id, cfg.backward,
                         enabled=device.type == "cuda", pin=device.type == "cuda",
                         device=device),
-        context=context_source(cfg, records, model, run, device, flags),
+        context=context_source(cfg, records, model, run, device, flags,
+                               pending={c for c in order if c not in done}),
         outside=outside, t_start=t_start, compile_ahead=ahead_note)
     outside["setup"] = (time.perf_counter() - t_setup - outside["state_copy"]
                         - outside["compile_ahead"])
@@ -190,6 +191,8 @@ class ReplayLoop:
             read = self.ahead.take(cid)  # waits only when the read-ahead is slower than timing
         row = self.replay_one(rec, read=read)
         self.ahead.issued(cid)  # its input copies are queued: their pinned bytes reused once done
+        if self.context is not None:  # what was kept for its context goes
+            self.context.finished(cid)
         row["call_id"] = cid
         row["settings"] = self.settings
         row["rank"] = 0 if self.world is None else self.world.rank
@@ -239,6 +242,8 @@ class ReplayLoop:
             _free(device)
             return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")
         except torch.OutOfMemoryError as e:
+            if self.context is not None:  # the predecessors' copies kept for later contexts
+                self.context.release()
             _free(device)
             return dict(status="skipped", status_reason=f"OOM: {one_line(e, with_type=False)}")
         except Exception as e:  # the module (or its inputs) failed: record and go on
@@ -435,14 +440,15 @@ def uses_context(cfg, device) -> bool:
     return bool(on) and not cfg.cold
 
 
-def context_source(cfg, records, model, run, device, flags):
-    """Where each call's context comes from (``replay.measure.context``); None when off."""
+def context_source(cfg, records, model, run, device, flags, pending=None):
+    """Where each call's context comes from (``replay.measure.context``); None when off.
+    ``pending``: the call_ids this replay measures (None: all)."""
     if not uses_context(cfg, device):
         return None
     return ContextSource(records, model, device,
                          lambda r: load.load_call_inputs(run, r.inputs_ref, device=device),
                          flags, max_calls=cfg.context_calls,
-                         rewrite=cfg.context_rewrite != "off")
+                         rewrite=cfg.context_rewrite != "off", pending=pending)
 
 
 def footprint_bytes(rec) -> int:

@@ -315,6 +315,10 @@ def test_converged_once_the_median_is_known_though_the_runs_disagree():
     assert stats.converged(wide, 0.01, ci=0.01)                    # median within ~0.9 %
     assert not stats.converged(wide[:20], 0.01, ci=0.01)           # 20 runs: not yet
     assert not stats.converged(wide, 0.01, ci=0.002)
+    # spread 0 is off: neither the spread nor the jitter floor stops it, the interval may
+    assert not stats.converged([5.0] * 10, 0.0, floor_ms=1.0)
+    assert not stats.converged(wide, 0.0, floor_ms=100.0, ci=0.002)
+    assert stats.converged([5.0] * 10, 0.0, ci=0.01)
 
 
 def test_collect_with_converge_ci_stops_before_the_budget(clock):

@@ -92,6 +92,35 @@ def test_inputs_are_loaded_only_where_an_output_may_feed_the_call():
     assert [c.rec.call_id for c in src.calls(2)] == [1] and loaded == [1]
 
 
+def test_offered_inputs_serve_a_context_and_go_when_its_calls_are_done():
+    out = '[{"shape": [4, 8], "dtype": "float32", "stride": [8, 1]}]'
+    recs = [_rec(0, -1), dataclasses.replace(_rec(1, 0), output_meta=out),
+            dataclasses.replace(_rec(2, 0), output_meta=out, input_meta=out),
+            dataclasses.replace(_rec(3, 0), input_meta=out)]
+    model = nn.Module()
+    for i in (1, 2, 3):
+        model.add_module(f"m{i}", nn.Identity())
+    loaded = []
+    src = ContextSource(recs, model, "cpu", pending={1, 2, 3},
+                        load=lambda r: loaded.append(r.call_id) or ((torch.zeros(4, 8),), {}))
+    x = torch.ones(4, 8)
+    src.offer(recs[1], ((x,), {}))  # as the replay loads call 1, before it runs
+    x.add_(1)                       # call 1 writes its input: the offered copy is as loaded
+    [c1] = src.calls(2)
+    assert loaded == [] and torch.equal(c1.copies[0][0][0], torch.ones(4, 8))
+    src.offer(recs[2], ((x,), {}))
+    assert [c.rec.call_id for c in src.calls(3)] == [1, 2] and loaded == []
+    src.finished(2)
+    assert [c.rec.call_id for c in src.calls(3)] == [1, 2] and loaded == []  # 3 still to come
+    src.finished(3)  # no call left needs them: dropped, a later context reads the run again
+    src.calls(3)
+    assert loaded == [1, 2]
+    src.release()
+    src.offer(recs[1], ((x,), {}))  # nothing wanted after a release
+    src.calls(2)
+    assert loaded == [1, 2, 1]
+
+
 def test_chained_positions_match_equal_outputs_only():
     out = torch.arange(6.0).reshape(2, 3)
     other = torch.ones(2, 3)

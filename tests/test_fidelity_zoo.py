@@ -38,6 +38,19 @@ sys.exit(script["main"](sys.argv[2:]))
 """
 
 
+# main() with a replay that fails whenever min_runs is 2 (a variant's replay failing)
+FAILING_VARIANT = """import runpy, sys
+from cbtrace.replay import engine
+real = engine.replay
+def replay(run, **kw):
+    if kw.get("min_runs") == 2:
+        raise RuntimeError("this variant cannot replay")
+    return real(run, **kw)
+engine.replay = replay
+sys.exit(runpy.run_path(sys.argv[1])["main"](sys.argv[2:]))
+"""
+
+
 def python(*args, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
@@ -122,6 +135,17 @@ def test_a_malformed_variant_is_one_line_error(variant, says):
     error = out.stderr.splitlines()[-1]  # argparse's usage, then the one-line error
     assert out.returncode == 2 and error.startswith("fidelity_zoo.py: error: --variant: ")
     assert says in error
+
+
+def test_a_failing_variant_leaves_the_base_and_the_other_variants(tmp_path):
+    proc = python("-c", FAILING_VARIANT, SCRIPT, "--out", tmp_path, "--models", "nanogpt",
+                  "--device", "cpu", "--budget-s", "0.002", "--variant", "bad:min_runs=2",
+                  "--variant", "few:min_runs=3", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "nanogpt@bad: FAILED RuntimeError: this variant cannot replay" in out
+    with open(tmp_path / "fidelity.csv") as f:
+        assert [r["model"] for r in csv.DictReader(f)] == ["nanogpt", "nanogpt@few"]
 
 
 def test_unknown_model_is_one_line_error():

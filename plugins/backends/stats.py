@@ -44,12 +44,13 @@ EVENT_JITTER_MS = 2e-3
 
 def converged(samples_ms: list[float], spread: float, floor_ms: float = 0.0,
               ci: float = 0.0) -> bool:
-    """Whether p10 and p90 of the samples lie within ``spread`` (relative) of their median, or
-    within ``floor_ms`` of each other (the timer's own jitter per sample), or (``ci`` > 0) the
-    median's 95 % confidence interval lies within +-``ci`` of it (``median_ci``): a call whose
-    runs differ by more than ``spread`` then stops once more runs would not move its median."""
+    """Whether (``spread`` > 0) p10 and p90 of the samples lie within ``spread`` (relative) of
+    their median, or within ``floor_ms`` of each other (the timer's own jitter per sample), or
+    (``ci`` > 0) the median's 95 % confidence interval lies within +-``ci`` of it
+    (``median_ci``): a call whose runs differ by more than ``spread`` then stops once more runs
+    would not move its median."""
     median, p10, p90 = summarize(samples_ms)
-    if (median > 0 and (p90 - p10) <= spread * median) or (p90 - p10) < floor_ms:
+    if spread > 0 and ((median > 0 and (p90 - p10) <= spread * median) or (p90 - p10) < floor_ms):
         return True
     if ci <= 0 or median <= 0:
         return False
@@ -59,7 +60,8 @@ def converged(samples_ms: list[float], spread: float, floor_ms: float = 0.0,
 
 def median_ci(samples: list[float], z: float = 1.96) -> tuple[float, float]:
     """A distribution-free confidence interval of the median (95 % for z = 1.96): the order
-    statistics n/2 -+ z * sqrt(n) / 2 of the n samples (the binomial's normal approximation;
+    statistics of ranks floor(n/2 - z * sqrt(n) / 2) and ceil(1 + n/2 + z * sqrt(n) / 2) of the n
+    samples, at least 1 and at most n (the binomial's normal approximation, rounded outward;
     no assumption on the samples' distribution, which for timings is skewed and often
     bimodal). Few samples give the extremes."""
     if not samples:

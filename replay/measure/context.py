@@ -102,7 +102,7 @@ class ContextSource:
 
     def __init__(self, records, model, device, load, flags=None, *, max_calls: int = 4,
                  max_bytes: int | None = None, keep_bytes: int = 1 << 30, max_copies: int = 8,
-                 rewrite: bool = False):
+                 rewrite: bool = False, pending=None):
         self.device, self.rewrite = torch.device(device), rewrite
         self.by_id = {r.call_id: r for r in records}
         self.model, self.load, self.flags = model, load, flags
@@ -111,9 +111,14 @@ class ContextSource:
         self.keep_bytes, self.max_copies = keep_bytes, max_copies
         self._cache: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._cached = 0
-        # the predecessors whose inputs a context load would read: offered copies are kept
-        self.wanted = {p for cid, before in self.before.items() if self._loads(cid, before)
-                       for p in before}
+        # predecessor -> the calls still to replay whose context load would read its inputs
+        # (``pending``: the call_ids this replay will measure; None: all): an offered copy is
+        # kept while one of them is left (``finished``)
+        self.wanted: dict[int, set] = collections.defaultdict(set)
+        for cid, before in self.before.items():
+            if (pending is None or cid in pending) and self._loads(cid, before):
+                for p in before:
+                    self.wanted[p].add(cid)
         self._offered: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._offered_bytes = 0
         # a context is about a cache's worth of traffic: an input larger is not worth a copy
@@ -131,7 +136,7 @@ class ContextSource:
         yet: copies of inputs up to a context's byte budget, at most eight budgets of them, the
         oldest dropped."""
         cid = rec.call_id
-        if cid not in self.wanted or cid in self._cache or cid in self._offered:
+        if not self.wanted.get(cid) or cid in self._cache or cid in self._offered:
             return
         nbytes = tensor_bytes(inputs)
         if nbytes > self.offer_max_bytes:
@@ -141,6 +146,32 @@ class ContextSource:
         while self._offered_bytes > self.offered_max_bytes:
             _, old = self._offered.popitem(last=False)
             self._offered_bytes -= tensor_bytes(old)
+
+    def finished(self, call_id: int) -> None:
+        """``call_id`` is measured: what was kept only for its context is dropped."""
+        for p in self.before.get(call_id, ()):
+            left = self.wanted.get(p)
+            if left is None:
+                continue
+            left.discard(call_id)
+            if not left:
+                del self.wanted[p]
+                self._drop(p)
+
+    def release(self) -> None:
+        """Drop every copy kept (the device ran out of memory); later contexts read the run."""
+        self.wanted.clear()
+        self._cache.clear()
+        self._offered.clear()
+        self._cached = self._offered_bytes = 0
+
+    def _drop(self, cid: int) -> None:
+        old = self._offered.pop(cid, None)
+        if old is not None:
+            self._offered_bytes -= tensor_bytes(old)
+        old = self._cache.pop(cid, None)
+        if old is not None:
+            self._cached -= len(old) * tensor_bytes(old[0])
 
     def calls(self, call_id: int) -> list[ContextCall]:
         """The context of ``call_id``, loaded; [] when it has none, or when none of its inputs
