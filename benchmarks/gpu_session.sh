@@ -27,6 +27,7 @@
 # AHEAD_MODELS, AHEAD_WORKERS);
 # context-loads: probes/probe_context_loads.py (contexts' reads of the run, offered copies off vs on;
 # CTX_SPECS);
+# copies: probes/probe_input_copies.py (a call's rotating input copies made one by one vs at once);
 # fresh: bench_replay_fresh.py (a plain `cbtrace replay` beside the replay inside `profile`; FRESH_MODELS,
 # FRESH_REPEATS, FRESH_DTYPE).
 R=$PWD
@@ -85,6 +86,8 @@ compile-ahead)
   for M in ${AHEAD_MODELS:-efficientnet_b0}; do
     timeout ${AHEAD_TIMEOUT:-580} python3 $R/benchmarks/bench_compile_ahead.py --model $M --workers ${AHEAD_WORKERS:-0,8} --out /tmp/ahead_$M 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_compile_ahead_$M.log | tail -12
   done ;;
+copies)
+  timeout 120 python3 $R/benchmarks/probes/probe_input_copies.py --device cuda 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_input_copies.log | tail -8 ;;
 context-loads)
   timeout ${CTX_TIMEOUT:-300} python3 $R/benchmarks/probes/probe_context_loads.py /tmp/ctxloads ${CTX_SPECS:-dlrm:large nanogpt} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_context_loads.log | tail -8 ;;
 fresh)

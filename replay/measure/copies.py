@@ -133,10 +133,18 @@ def _rows(rows: torch.Tensor, like: torch.Tensor) -> list:
     return out
 
 
+STACK_MAX_BYTES = 1 << 20  # larger tensors: a clone each (see _stackable)
+
+
 def _stackable(t) -> bool:
-    """Whether copies of ``t`` may be rows of one buffer: a plain contiguous tensor outside
-    autograd (a copy made so has its shape, strides and, not requiring grad, autograd shape)."""
+    """Whether copies of ``t`` are made as rows of one buffer: a plain contiguous tensor outside
+    autograd (a copy made so has its shape, strides and, not requiring grad, autograd shape) of
+    at most STACK_MAX_BYTES. What making them at once saves is launches, which only small
+    tensors' copies are made of; a large tensor's copies in one buffer cost a CPU replay page
+    faults on every call (a buffer that size is mapped afresh each time, where a clone's
+    memory is reused: benchmarks/probes/probe_input_copies.py)."""
     return (type(t) is torch.Tensor and t.layout == torch.strided and t.numel() > 0
+            and t.numel() * t.element_size() <= STACK_MAX_BYTES
             and t.is_contiguous() and not t.requires_grad and not t.is_quantized
             and not t.is_complex() and not t.is_nested and not t.is_conj() and not t.is_neg())
 
