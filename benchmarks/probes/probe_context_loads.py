@@ -46,7 +46,7 @@ def main() -> None:
 
     def init(self, *args, **kw):
         real_init(self, *args, **kw)
-        sources.append(self)
+        sources.append((self, len(self.wanted)))  # wanted drains as calls finish
 
     context.ContextSource.__init__, context.ContextSource._inputs = init, timed_inputs
     print(f"{'spec':<16} {'offers':<7} {'calls':>6} {'wanted':>7} {'reads':>6} {'offered':>8} "
@@ -63,8 +63,8 @@ def main() -> None:
             t0 = time.perf_counter()
             df = replay(run, model=cap.model, device=a.device, context=True, **FAST)
             wall = time.perf_counter() - t0
-            s = sources[-1]
-            print(f"{text:<16} {'on' if offers else 'off':<7} {len(df):>6} {len(s.wanted):>7} "
+            s, wanted = sources[-1]
+            print(f"{text:<16} {'on' if offers else 'off':<7} {len(df):>6} {wanted:>7} "
                   f"{s.loads:>6} {s.offers_used:>8} {seconds[0]:>9.2f} {wall:>7.1f}", flush=True)
             if a.device == "cuda":
                 torch.cuda.synchronize()
