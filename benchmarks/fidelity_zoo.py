@@ -14,7 +14,7 @@ and fidelity.csv (all rows): summaries only, the run directories go to a tempora
 A/B in one run (``--variant``, repeatable): each model is captured once and its run replayed
 once per setting, the base settings first, then each variant's (``ReplayConfig`` fields over
 the base's), every replay compared with the same captured step. Each variant gets its rows in
-the table (model@NAME) and files (model@NAME_rows.csv.gz, ...), and one paired line per model
+the table (model@NAME) and files (model.NAME_rows.csv.gz, ...), and one paired line per model
 and phase: of the calls >= 10 us timed in both, how many each reads within +-5 %, how many
 the variant moved in and out of it, and the median change of the isolated time. Two runs of
 one setting differ by how their hosts and steps differ; two replays of one capture do not.
@@ -370,7 +370,8 @@ def summarize(label, df, wall, spec, options, args, out, variant) -> list[dict]:
     """One replay's rows of the table (a row per phase); its files written and its figures
     printed."""
     keep = [c for c in ROW_COLUMNS if c in df.columns]
-    df[keep].to_csv(out / f"{label}_rows.csv.gz", index=False)
+    stem = label.replace("@", ".")  # "@" is no character for a file name every tool carries
+    df[keep].to_csv(out / f"{stem}_rows.csv.gz", index=False)
     model_rows, classes = [], []
     for phase in phases(args):
         row, cls = fidelity(df, phase)
@@ -383,8 +384,8 @@ def summarize(label, df, wall, spec, options, args, out, variant) -> list[dict]:
                "variant": dict(args.variant).get(variant, {}),
                "profile_wall_s": wall, "rows": model_rows, "classes": classes,
                "timer_notes": df["timer_notes"].value_counts().head(5).to_dict()}
-    (out / f"{label}.json").write_text(json.dumps(summary, indent=1, default=str))
-    _write_csv(out / f"{label}_classes.csv", classes,
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=str))
+    _write_csv(out / f"{stem}_classes.csv", classes,
                ("phase", "module_type", "count", "median_err%", "insitu_ms_median", "within5%",
                 "timer_notes"))
     causes = "".join(f"\n  {label} {r['phase']} misses (>= 10 us) by cause: {r['causes']}"

@@ -177,15 +177,15 @@ def test_a_cpu_run_on_nanogpt_tiny(tmp_path):
     assert "nanogpt@few: replayed again in" in out and "; @few: min_runs=3)" in out
     paired = next(ln for ln in out.splitlines() if "against the base, paired" in ln)
     assert paired.startswith("  nanogpt@few fwd against the base, paired (")
-    few = json.loads((tmp_path / "nanogpt@few.json").read_text())
+    few = json.loads((tmp_path / "nanogpt.few.json").read_text())
     assert few["variant"] == {"min_runs": 3} and few["rows"][0]["calls"] == cells_calls(cells)
-    again = pd.read_csv(tmp_path / "nanogpt@few_rows.csv.gz")
+    again = pd.read_csv(tmp_path / "nanogpt.few_rows.csv.gz")
     base = pd.read_csv(tmp_path / "nanogpt_rows.csv.gz")
     assert list(again["call_id"]) == list(base["call_id"])
     assert list(again["insitu_ms"]) == list(base["insitu_ms"])  # one step, both replays
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "fidelity.csv", "nanogpt.json", "nanogpt@few.json", "nanogpt@few_classes.csv",
-        "nanogpt@few_rows.csv.gz", "nanogpt_classes.csv", "nanogpt_rows.csv.gz"]  # no run
+        "fidelity.csv", "nanogpt.few.json", "nanogpt.few_classes.csv", "nanogpt.few_rows.csv.gz",
+        "nanogpt.json", "nanogpt_classes.csv", "nanogpt_rows.csv.gz"]  # no run
 
 
 def cells_calls(cells) -> int:
