@@ -46,6 +46,13 @@ def saved_copies(tensors: list) -> list:
     return out
 
 
+def _same_data(t: torch.Tensor, data: torch.Tensor) -> bool:
+    """Whether ``t`` still shows ``data``: the same address, shape and strides (a .data swap
+    to a transposed view of the same bytes keeps the address)."""
+    return (t.data_ptr() == data.data_ptr() and t.shape == data.shape
+            and t.stride() == data.stride())
+
+
 def _slot(table, name):
     """``table.get(name)`` that a TorchScript module's parameter/buffer table (no ``get``) takes."""
     return table[name] if name in table else None
@@ -56,10 +63,12 @@ class StateGuard:
         self.model = model
         owned = [(m, n, p) for m in model.modules() for n, p in m._parameters.items()
                  if p is not None]
-        # (owner module, name, original object, its copy, data_ptr, version) per parameter;
-        # the device it lives on, by id (a .data swap may move it)
+        # (owner module, name, original object, its copy, its data, version) per parameter;
+        # the device it lives on, by id (a .data swap may move it). Its data is held (an alias,
+        # no copy) so that a .data swap cannot land on the freed original's address and pass
+        # for no swap: .data = ... moves no version counter
         self._devices = {id(p): p.device for _, _, p in owned}
-        self.params = [(m, n, p, saved, p.data_ptr(), p._version)
+        self.params = [(m, n, p, saved, p.detach(), p._version)
                        for (m, n, p), saved in zip(owned, saved_copies([p for _, _, p in owned]))]
         self.buffers = [(m, n, b, b.detach().clone())
                         for m in model.modules() for n, b in m._buffers.items() if b is not None]
@@ -96,13 +105,13 @@ class StateGuard:
                     self.restored.append(name)
                 orig.copy_(saved)
             done = set()  # a tied weight (two entries, one tensor) is restored once
-            for m, name, orig, saved, ptr, version in self.params:
+            for m, name, orig, saved, data, version in self.params:
                 if _slot(m._parameters, name) is not orig:  # a new Parameter was assigned
                     m._parameters[name] = orig
                     self.restored.append(name)
                 if id(orig) in done:
                     continue
-                if orig.data_ptr() != ptr:  # .data swapped for another tensor
+                if not _same_data(orig, data):  # .data swapped for another tensor (or view)
                     orig.data = saved.to(self._devices[id(orig)], copy=True)
                     self.restored.append(name)
                     done.add(id(orig))
@@ -110,8 +119,8 @@ class StateGuard:
                     orig.copy_(saved)
                     self.restored.append(name)
                     done.add(id(orig))
-            if done:  # every entry of a restored tensor takes its new pointer and version
-                self.params = [(m, n, o, sv, o.data_ptr(), o._version)
+            if done:  # every entry of a restored tensor takes its new data and version
+                self.params = [(m, n, o, sv, o.detach(), o._version)
                                for m, n, o, sv, _, _ in self.params]
 
 

@@ -264,6 +264,26 @@ def test_a_tied_weight_written_in_place_is_restored_once_then_left_alone():
     assert guard.restored == ["weight"]
 
 
+def test_a_data_swap_that_keeps_the_address_is_restored():
+    """A .data swap moves no version counter; one whose new tensor shows the old address (a
+    transposed view of the same bytes, or the freed original's block handed out again) must
+    still be seen. The guard holds the original's bytes, so only a view can share them."""
+    from cbtrace.state import StateGuard
+
+    lin = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(lin)
+    before = state_fingerprint(model)
+    guard = StateGuard(model)
+    with guard.call():
+        lin.weight.data = lin.weight.data.t()              # same address, other strides
+    assert state_fingerprint(model) == before and guard.restored == ["weight"]
+    ptr = lin.weight.data_ptr()
+    with guard.call():
+        lin.weight.data = lin.weight.data * 2              # the model lets go of its bytes,
+        assert guard.params[0][4].data_ptr() == ptr != lin.weight.data_ptr()  # the guard not
+    assert state_fingerprint(model) == before and guard.restored == ["weight", "weight"]
+
+
 def test_replay_again_clears_stale_figures_and_refuses_corrupt_inputs(tmp_path):
     from cbtrace.errors import ReplayError
 
