@@ -17,7 +17,7 @@
 # and writer count, SHARD_CASES, SHARD_CONFIGS); memory: probes/probe_memory.py (GPU memory call by call in a train replay);
 # fidelity: fidelity_zoo.py bf16 (per model: share of calls >= 10 us within 5 %, class medians, root,
 # < 10 us median |error|; FIDELITY_MODELS comma-separated, FIDELITY_ARGS e.g. "--step train", "--no-context";
-# FIDELITY_OUT names the output folder and log, for two variants in one call; FIDELITY_VARIANTS,
+# FIDELITY_OUT names the output folder (brought back as FIDELITY_OUT.tgz) and log, for two runs in one call; FIDELITY_VARIANTS,
 # space-separated NAME:KEY=VALUE[,KEY=VALUE], replays each capture again with those settings and
 # compares call by call, e.g. "sum:context_rewrite=sum again:context_rewrite=off");
 # opportunity: bench_opportunity.py per model (the root and top 5 modules compiled in place, estimated vs
@@ -77,7 +77,9 @@ overhead)
     head -${OVERHEAD_LINES:-30} $OUT/overhead_$M.log
   done ;;
 fidelity)
-  timeout ${FIDELITY_TIMEOUT:-580} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/${FIDELITY_OUT:-fidelity} --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models ${FIDELITY_MODELS:-nanogpt,dlrm,dcn,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base} ${FIDELITY_ARGS:-} $(for V in ${FIDELITY_VARIANTS:-}; do printf -- '--variant %s ' "$V"; done) 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/${FIDELITY_OUT:-fidelity}_zoo.log | tail -${FIDELITY_LINES:-60} ;;
+  timeout ${FIDELITY_TIMEOUT:-580} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/${FIDELITY_OUT:-fidelity} --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models ${FIDELITY_MODELS:-nanogpt,dlrm,dcn,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base} ${FIDELITY_ARGS:-} $(for V in ${FIDELITY_VARIANTS:-}; do printf -- '--variant %s ' "$V"; done) 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/${FIDELITY_OUT:-fidelity}_zoo.log | tail -${FIDELITY_LINES:-60}
+  # one archive: the device tool brings back only a few files a call
+  tar czf $OUT/${FIDELITY_OUT:-fidelity}.tgz -C $OUT ${FIDELITY_OUT:-fidelity} && rm -rf $OUT/${FIDELITY_OUT:-fidelity} ;;
 opportunity)
   for M in ${OPP_MODELS:-efficientnet_b0 nanogpt dlrm}; do
     timeout ${OPP_TIMEOUT:-580} python3 $R/benchmarks/bench_opportunity.py --model $M --top 5 --modes ${OPP_MODES:-compile,cudagraph} ${OPP_ARGS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_opportunity_$M.log | tail -16
