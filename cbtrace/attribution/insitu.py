@@ -370,8 +370,8 @@ def _lead_of(forest: Forest):
     step = np.where(la >= 0, forest.step_of_host[np.maximum(la, 0)] if len(forest) else -1,
                     forest.step_at(forest.d_ts))
     lead = leads(forest.d_ts, forest.d_dur, step, forest.d_pid, forest.d_tid)
-    by_step = np.argsort(step, kind="stable")
-    for at in np.split(by_step, np.flatnonzero(np.diff(step[by_step])) + 1):
+    for s in np.unique(step):
+        at = step == s
         typical = np.nanmedian(lead[at]) if np.isfinite(lead[at]).any() else 0.0
         lead[at] = np.minimum(np.nan_to_num(lead[at], nan=0.0), typical)
     order = np.argsort(forest.d_ts, kind="stable")
