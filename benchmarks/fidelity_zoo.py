@@ -76,10 +76,10 @@ ROW_COLUMNS = ("call_id", "parent_call_id", "fqn", "module_type", "status", "sta
                "insitu_ms", "isolated_ms", "error_pct", "device_ms", "host_ms", "bound",
                "kernel_count",
                "bwd_status", "bwd_status_reason", "bwd_insitu_ms", "bwd_ms", "bwd_error_pct",
-               "bwd_timer_notes", "host_syncs", "insitu_span_ms", "insitu_occupancy_ms",
-               "error_basis", "step_compiled", "eager_ms", "insitu_kernel_count", "kernel_error_pct", "miss_cause")
+               "bwd_timer_notes", "host_syncs", "insitu_span_ms", "error_basis", "step_compiled",
+               "eager_ms", "insitu_kernel_count", "kernel_error_pct", "miss_cause")
 COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
-           "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named", "occ_within5%")
+           "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named")
 
 
 def _pct(x) -> float:
@@ -105,7 +105,6 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
         row["<10us_|kern|_med%"] = _pct(kern.median()) if len(kern) else float("nan")
         miss = big[big[err].abs() > WITHIN_PCT]
         row["misses_named"] = f"{int(miss['miss_cause'].notna().sum())}/{len(miss)}"
-        row["occ_within5%"] = occupancy_within(big, err)
         row["causes"] = (miss["miss_cause"].dropna().str.split(":| \\(| \\d").str[0]
                          .value_counts().to_dict())
     g = big.groupby("module_type")
@@ -117,17 +116,6 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
                for t, d in g]
     classes.sort(key=lambda c: -c["insitu_ms_median"])
     return row, classes
-
-
-def occupancy_within(big, err) -> float:
-    """Share (%) of ``big``'s calls within 5 % if the calls compared with their in-situ busy
-    time were compared with their occupancy (span and the launch gap before it) instead."""
-    if "insitu_occupancy_ms" not in big or not len(big):
-        return float("nan")
-    occ = big["insitu_occupancy_ms"]
-    alt = 100 * (big["isolated_ms"] / occ - 1)
-    use = (big["error_basis"] == "busy") & occ.notna() & (occ > 0)
-    return 100 * float((alt.where(use, big[err]).abs() <= WITHIN_PCT).mean())
 
 
 def _most_common(notes) -> str:

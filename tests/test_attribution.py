@@ -98,7 +98,7 @@ def test_insitu_for_run(tmp_path):
     shutil.copy(TRACE, tmp_path / TRACE.name)
     out = insitu_for_run(tmp_path, manifest(trace=TRACE.name))
     assert list(out.columns) == ["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms",
-                                 "gpu_occupancy_ms", "kernel_count", "insitu_ms"]
+                                 "kernel_count", "insitu_ms"]
     assert len(out) == 15  # 14 modules, head called twice; the first step only
     assert (out.insitu_ms == out.cpu_ms).all()  # CPU trace: no device events
 
@@ -290,41 +290,6 @@ def test_loader_memory_is_columns_not_objects(tmp_path):
     assert len(c) == n
     assert kept < 72 * n + (1 << 20)  # ~64 bytes of arrays per event, no Python objects
     assert peak < 2 * kept + 24 * (256 << 10)  # + a few chunks' worth of transient objects
-
-
-def test_occupancy_is_the_span_and_the_launch_gap_before_it(tmp_path):
-    # one stream: k0 outside any module, then module a's two kernels 2 and 1 us after the one
-    # before, then module b's kernel after a 100 us bubble (the host fell behind). The step's
-    # median gap is 2 us: a's occupancy is its span (18 us) and 2 us, b's its 10 us and 2 us
-    # (the bubble counted only up to the typical gap), in the second step as in the first.
-    def x(name, ts, dur, cat="user_annotation", pid=1, tid=1, corr=None):
-        e = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
-        if corr is not None:
-            e["args"] = {"correlation": corr}
-        return e
-
-    events = []
-    for step, t in ((1, 0), (2, 1000)):
-        c = 10 * step
-        events += [x(f"ProfilerStep#{step}", t, 1000),
-                   x("cudaLaunchKernel", t + 1, 2, cat="cuda_runtime", corr=c),
-                   x("k0", t + 10, 10, cat="kernel", pid=0, tid=7, corr=c),
-                   x("cbtrace::a", t + 3, 10),
-                   x("cudaLaunchKernel", t + 4, 2, cat="cuda_runtime", corr=c + 1),
-                   x("k1", t + 22, 8, cat="kernel", pid=0, tid=7, corr=c + 1),
-                   x("cudaLaunchKernel", t + 7, 2, cat="cuda_runtime", corr=c + 2),
-                   x("k2", t + 31, 9, cat="kernel", pid=0, tid=7, corr=c + 2),
-                   x("cbtrace::b", t + 130, 5),
-                   x("cudaLaunchKernel", t + 131, 2, cat="cuda_runtime", corr=c + 3),
-                   x("k3", t + 140, 10, cat="kernel", pid=0, tid=7, corr=c + 3)]
-    p = tmp_path / "gaps.json"
-    p.write_text(json.dumps({"traceEvents": events}))
-    df = attribute(p, aggregate=False)
-    for step in (1, 2):
-        a, b = _row(df, step, "a"), _row(df, step, "b")
-        assert (a.gpu_ms, a.gpu_span_ms, a.gpu_occupancy_ms) == pytest.approx((0.017, 0.018, 0.020))
-        assert (b.gpu_ms, b.gpu_span_ms, b.gpu_occupancy_ms) == pytest.approx((0.010, 0.010, 0.012))
-    _same_rows(df, attribute(p, aggregate=False, steps_per_window=1))
 
 
 def _same_rows(a, b):

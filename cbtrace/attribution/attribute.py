@@ -11,10 +11,7 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
   excluded); for bwd rows, the autograd ops mapped to the module (self) and its subtree.
 - ``gpu_ms`` / ``gpu_self_ms``: sum of device event durations (kernels, memcpy, memset)
   launched inside; ``gpu_span_ms``: first device event start to last end (inclusive);
-  ``gpu_occupancy_ms``: the span and the idle time its stream had just before its first device
-  event, that gap counted up to the trace's median such gap (the launch gap a device-bound
-  stream pays; a longer one is the host falling behind): what the call held the device's
-  timeline for, as a back-to-back timer sees it; ``kernel_count`` (inclusive).
+  ``kernel_count`` (inclusive).
 - ``comm_ms``: device time of communication (NCCL) kernels launched inside (inclusive; part of
   gpu_ms); ``comm_exposed_ms``: the part of it that no non-communication kernel on another
   stream of the same device overlaps (comm.py).
@@ -36,7 +33,7 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
 
 Aggregation over steps (``aggregate=True``): every row also carries ``<col>_median``,
 ``<col>_min``, ``<col>_max`` for cpu_ms, cpu_self_ms, gpu_ms, gpu_self_ms, gpu_span_ms,
-gpu_occupancy_ms, comm_ms, comm_exposed_ms over the steps >= 0 of its (rank, fqn, call_index, phase);
+comm_ms, comm_exposed_ms over the steps >= 0 of its (rank, fqn, call_index, phase);
 ``summarize(df)`` keeps one row per group.
 
 Many ranks (ranks.py): files are attributed in worker processes (``workers=``, default one per

@@ -54,7 +54,7 @@ class Forest:
     ``step_of_host`` (N of the enclosing ProfilerStep#N window, -1). Per device event (file
     order): ``d_ts``, ``d_dur``, ``d_idx``, ``launcher`` (host index of the launching op, -1),
     ``d_comm`` (a communication kernel), ``d_exposed`` (µs of it no compute kernel overlaps;
-    comm.py), ``d_pid`` / ``d_tid`` (the stream, as trace codes).
+    comm.py).
     """
 
     def __init__(self, cols: Columns, host: np.ndarray, device: np.ndarray, norm: list):
@@ -62,7 +62,6 @@ class Forest:
         self.d_ts, self.d_dur, self.d_idx = cols.ts[device], cols.dur[device], cols.idx[device]
         d_corr, d_pid, d_tid = cols.corr[device], cols.pid[device], cols.tid[device]
         self.d_comm, self.d_exposed = _comm(cols, device, d_pid, d_tid)
-        self.d_pid, self.d_tid = d_pid, d_tid
         self.host = host
         for k in ("ts", "dur", "idx", "name", "cat", "seq", "hier", "cost", "corr", "pid",
                   "tid"):
@@ -83,7 +82,6 @@ class Forest:
         """Drop the device events where ``mask`` is False (another window counts them)."""
         self.d_ts, self.d_dur, self.d_idx = self.d_ts[mask], self.d_dur[mask], self.d_idx[mask]
         self.d_comm, self.d_exposed = self.d_comm[mask], self.d_exposed[mask]
-        self.d_pid, self.d_tid = self.d_pid[mask], self.d_tid[mask]
         self.launcher = self.launcher[mask]
 
     def step_at(self, ts: np.ndarray) -> np.ndarray:
@@ -135,23 +133,6 @@ def _comm(cols: Columns, device: np.ndarray, d_pid, d_tid) -> tuple[np.ndarray, 
     compute = string_mask(cols.strings, comm.COMPUTE_CATS.__contains__)[cols.cat[device]]
     return is_comm, comm.exposed(cols.ts[device], cols.dur[device], is_comm, compute, d_pid,
                                  d_tid)
-
-
-def leads(ts: np.ndarray, dur: np.ndarray, *groups: np.ndarray) -> np.ndarray:
-    """Per event: how long its group (a stream, of one step) sat idle just before it, from the
-    latest end of the group's earlier events (0 where one still ran); NaN for a group's first."""
-    out = np.full(len(ts), np.nan)
-    if not len(ts):
-        return out
-    order = np.lexsort((ts,) + groups[::-1])
-    t0 = ts.min()
-    s_ts, s_end = ts[order] - t0, ts[order] + dur[order] - t0
-    new = np.r_[True, np.any([g[order][1:] != g[order][:-1] for g in groups], axis=0)]
-    group = np.cumsum(new) - 1
-    lift = group * (s_end.max() + 1.0)  # a running max that restarts at each stream
-    prev = np.r_[-np.inf, np.maximum.accumulate(s_end + lift)[:-1]] - lift
-    out[order] = np.where(new, np.nan, np.maximum(s_ts - prev, 0.0))
-    return out
 
 
 def by_level(depth: np.ndarray) -> list[np.ndarray]:

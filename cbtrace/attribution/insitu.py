@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from cbtrace.attribution import backward_ops, identity
-from cbtrace.attribution.forest import Forest, by_level, leads, string_mask
+from cbtrace.attribution.forest import Forest, by_level, string_mask
 from cbtrace.cost import metrics
 from cbtrace.cost.compute_dtype import dominant_dtype
 from cbtrace.cost.peaks import PeakLookup
@@ -89,8 +89,7 @@ def rows(forest: Forest, *, costs: list | None = None, class_map: dict | None = 
                  rcp, rcp_root)
     m_cols, m_figs = _module_rows(forest, b, calls, lab, labels, module_of, copy_root)
     u_cols, u_figs = _unattributed_rows(forest, b, every_step)
-    return _finish(m_cols, m_figs, u_cols, u_figs, b.dtypes, device_name, with_shapes,
-                   _lead_of(forest))
+    return _finish(m_cols, m_figs, u_cols, u_figs, b.dtypes, device_name, with_shapes)
 
 
 def working_ops(forest: Forest, op_flops: np.ndarray, op_bytes: np.ndarray) -> np.ndarray:
@@ -360,32 +359,7 @@ def _call_index(ts, step, fqn) -> np.ndarray:
     return out
 
 
-def _lead_of(forest: Forest):
-    """first kernel's start (µs) -> the idle time its stream had just before it in its step,
-    counted up to the step's typical such gap (the median over the step's device events): the
-    launch gap a device-bound stream pays per kernel, not a bubble where the host fell behind.
-    A device event's step is its launcher's (else the step its start falls in), so a window of
-    whole steps (windows.py) finds the same figures as the whole trace."""
-    la = forest.launcher
-    step = np.where(la >= 0, forest.step_of_host[np.maximum(la, 0)] if len(forest) else -1,
-                    forest.step_at(forest.d_ts))
-    lead = leads(forest.d_ts, forest.d_dur, step, forest.d_pid, forest.d_tid)
-    for s in np.unique(step):
-        at = step == s
-        typical = np.nanmedian(lead[at]) if np.isfinite(lead[at]).any() else 0.0
-        lead[at] = np.minimum(np.nan_to_num(lead[at], nan=0.0), typical)
-    order = np.argsort(forest.d_ts, kind="stable")
-    ts, lead = forest.d_ts[order], lead[order]
-
-    def at(first: np.ndarray) -> np.ndarray:
-        if not len(ts):
-            return np.zeros(len(first))
-        pos = np.minimum(np.searchsorted(ts, first), len(ts) - 1)
-        return np.where(ts[pos] == first, lead[pos], 0.0)
-    return at
-
-
-def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes, lead_at) -> dict:
+def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes) -> dict:
     """Both row sets -> the final columns (ms, spans, dtype, mfu / mbu)."""
     out = {}
     for k in cols:
@@ -408,8 +382,6 @@ def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes, lead_at) 
                phase=out["phase"], cpu_ms=out["cpu"] / 1e3, cpu_self_ms=out["cpu_self"] / 1e3,
                gpu_ms=gpu_ms, gpu_self_ms=out["gpu_self"] / 1e3,
                gpu_span_ms=np.where(kernels > 0, (f["last"] - f["first"]) / 1e3, 0.0),
-               gpu_occupancy_ms=np.where(
-                   kernels > 0, (f["last"] - f["first"] + lead_at(f["first"])) / 1e3, 0.0),
                comm_ms=f["comm"] / 1e3, comm_exposed_ms=f["comm_exp"] / 1e3,
                kernel_count=kernels, flops=flops,
                flops_executed=f["flops_x"] if with_shapes else np.full(len(gpu_ms), nan),

@@ -22,7 +22,7 @@ from cbtrace.schema.modules import INSITU
 
 
 def insitu_columns(run, manifest, df) -> dict[int, dict]:
-    """call_id -> {insitu_ms, insitu_span_ms, insitu_occupancy_ms, error_basis, error_pct, insitu_kernel_count,
+    """call_id -> {insitu_ms, insitu_span_ms, error_basis, error_pct, insitu_kernel_count,
     kernel_error_pct, miss_cause, bwd_insitu_ms, bwd_error_pct, recompute_insitu_ms} for every
     row of the modules table ``df`` (the backward's only where replay measured it); miss_cause
     from ``attribution.miss``. error_pct compares the isolated figure with the in-situ figure
@@ -33,11 +33,10 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     on_gpu = manifest.device.startswith("cuda")
     if not on_gpu and df["insitu_host_ms"].notna().all():
         insitu = dict(zip(df["call_id"], df["insitu_host_ms"]))  # CPU: unprofiled repeats
-        span, occupancy, kernels = {}, {}, {}
+        span, kernels = {}, {}
     else:
         table = insitu_for_run(run, manifest)
         insitu, span = _by_call(df, table), _by_call(df, table, "gpu_span_ms")
-        occupancy = _by_call(df, table, "gpu_occupancy_ms")
         kernels = _by_call(df, table, "kernel_count")
     bwd = (_by_call(df, insitu_for_run(run, manifest, phase="bwd",
                                        grad_sums=own_grad_sums(df)))
@@ -60,7 +59,6 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis},
                                 kernels.get(cid), kerr)
         out[int(cid)] = {"insitu_ms": ins, "insitu_span_ms": spn,
-                         "insitu_occupancy_ms": _number(occupancy.get(cid)) or None,
                          "error_basis": basis if err is not None else None, "error_pct": err,
                          "insitu_kernel_count": _int(kernels.get(cid)), "kernel_error_pct": kerr,
                          "miss_cause": cause,
@@ -124,8 +122,7 @@ def _by_call(df, ins, column: str = "insitu_ms") -> dict:
 def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None = None):
     """In-situ time per captured call from the run's own capture trace.
 
-    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, gpu_occupancy_ms,
-    kernel_count, insitu_ms]
+    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, kernel_count, insitu_ms]
     of the module rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps to each call
     by sequence number); ``insitu_ms`` is gpu_ms (device time of the call's own kernels,
     cbtrace's input copies excluded) when the trace has device events, else cpu_ms. Not the
@@ -142,8 +139,7 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None
     if (df["step"] >= 0).any():
         df = df[df["step"] == df.loc[df["step"] >= 0, "step"].min()]
     has_device = df["kernel_count"].sum() > 0
-    out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms", "gpu_occupancy_ms",
-              "kernel_count"]].copy()
+    out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms", "kernel_count"]].copy()
     out["insitu_ms"] = out["gpu_ms"] if has_device else out["cpu_ms"]
     return out.reset_index(drop=True)
 

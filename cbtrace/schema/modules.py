@@ -214,10 +214,6 @@ class ModuleRecord:
     insitu_span_ms: float | None = column(INSITU, "ms", "the call's span in the step: its first "
                                           "kernel's start to its last's end, gaps included",
                                           default=None)
-    insitu_occupancy_ms: float | None = column(
-        INSITU, "ms", "the span and the launch gap before it (up to the step's median such "
-        "gap): the call's hold on the device timeline, what a back-to-back timer sees",
-        default=None)
     error_basis: str | None = column(INSITU, doc="busy | span | step | eager: the in-situ figure "
                                                  "error_pct compares with (docs/timers.md)",
                                      default=None)
