@@ -2,8 +2,11 @@
 error ``error_pct`` = 100 * (isolated / in-situ - 1); for a train step replayed with
 ``--backward``, the same for its backward (``bwd_insitu_ms``, ``bwd_error_pct``).
 
-GPU runs: the call's own device time in the capture trace (and, for a call timed back to back,
-its host issue time in an unprofiled repeat of the step, ``insitu_host_ms``). CPU runs: its host
+GPU runs: the call's own device time in the run's plain step (``capture.plain_step``: a range per
+call and nothing else) where capture profiled one, else in the capture trace, whose input copies
+and hooks change the cache state and the host's pace around each call (the capture trace's
+figure stays beside it: ``insitu_hooked_ms``); and, for a call timed back to back, its host issue
+time in an unprofiled repeat of the step, ``insitu_host_ms``. CPU runs: its host
 time in an unprofiled repeat of the step (``insitu_host_ms``), when capture recorded one.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ from cbtrace.attribution.attribute import attribute_file
 from cbtrace.cost import metrics
 from cbtrace.errors import RunDirError
 from cbtrace.rundir.lock import locked
+from cbtrace.rundir.layout import PLAIN_TRACE
 from cbtrace.rundir.read import find_trace, load_run
 from cbtrace.rundir.writer import write_stage
 from cbtrace.schema.modules import INSITU
@@ -31,6 +35,8 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     a call the step ran compiled, for a call timed back to back the larger of its host issue time
     and its busy time (else its span), else the busy time."""
     on_gpu = manifest.device.startswith("cuda")
+    plain = plain_trace(run) if on_gpu else None
+    hooked, bwd_hooked = {}, {}
     if not on_gpu and df["insitu_host_ms"].notna().all():
         insitu = dict(zip(df["call_id"], df["insitu_host_ms"]))  # CPU: unprofiled repeats
         span, kernels = {}, {}
@@ -38,9 +44,19 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         table = insitu_for_run(run, manifest)
         insitu, span = _by_call(df, table), _by_call(df, table, "gpu_span_ms")
         kernels = _by_call(df, table, "kernel_count")
-    bwd = (_by_call(df, insitu_for_run(run, manifest, phase="bwd",
-                                       grad_sums=own_grad_sums(df)))
-           if df["bwd_ms"].notna().any() else {})
+        if plain is not None:  # the plain step's figures, the captured step's where it has none
+            hooked = insitu
+            ptable = insitu_for_run(run, manifest, trace=plain)
+            insitu, span, kernels = (_fill(_by_call(df, ptable, c), d) for c, d in (
+                ("insitu_ms", insitu), ("gpu_span_ms", span), ("kernel_count", kernels)))
+    bwd = {}
+    if df["bwd_ms"].notna().any():
+        bwd = _by_call(df, insitu_for_run(run, manifest, phase="bwd",
+                                          grad_sums=own_grad_sums(df)))
+        if plain is not None:
+            bwd_hooked = bwd
+            bwd = _fill(_by_call(df, insitu_for_run(run, manifest, phase="bwd", trace=plain,
+                                                    grad_sums=own_grad_sums(df))), bwd)
     recompute = _recompute(run, manifest, df)
     out = {}
     for row in df.reindex(columns=["call_id", "timer", "timer_fallback", "isolated_ms", "bwd_ms",
@@ -59,6 +75,8 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis},
                                 kernels.get(cid), kerr)
         out[int(cid)] = {"insitu_ms": ins, "insitu_span_ms": spn,
+                         "insitu_hooked_ms": _number(hooked.get(cid)),
+                         "bwd_insitu_hooked_ms": _number(bwd_hooked.get(cid)),
                          "error_basis": basis if err is not None else None, "error_pct": err,
                          "insitu_kernel_count": _int(kernels.get(cid)), "kernel_error_pct": kerr,
                          "miss_cause": cause,
@@ -66,6 +84,17 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
                          "bwd_error_pct": metrics.error_pct(_number(row["bwd_ms"]), bwd_ins),
                          "recompute_insitu_ms": _number(recompute.get(cid))}
     return out
+
+
+def plain_trace(run) -> Path | None:
+    """The run's plain step trace (``capture.plain_step``), if capture profiled one."""
+    path = Path(run) / PLAIN_TRACE
+    return path if path.is_file() and not path.is_symlink() else None
+
+
+def _fill(first: dict, then: dict) -> dict:
+    """``first``'s figure per call, ``then``'s where ``first`` has none."""
+    return {cid: v if _number(v) is not None else then.get(cid) for cid, v in first.items()}
 
 
 def own_grad_sums(df) -> dict:
@@ -119,8 +148,10 @@ def _by_call(df, ins, column: str = "insitu_ms") -> dict:
             zip(df["call_id"], df["fqn"], df["call_index"])}
 
 
-def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None = None):
-    """In-situ time per captured call from the run's own capture trace.
+def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None = None,
+                   trace: Path | None = None):
+    """In-situ time per captured call from the run's own capture trace (or ``trace``, another
+    trace of the run: its plain step).
 
     Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, kernel_count, insitu_ms]
     of the module rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps to each call
@@ -131,7 +162,7 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None
     for reasons that are cbtrace's, not the model's. ``grad_sums``: (fqn, call_index) -> the
     gradient sums that are the call's own (``own_grad_sums``).
     """
-    trace = find_trace(run_dir, manifest)
+    trace = trace or find_trace(run_dir, manifest)
     if trace is None:
         raise RunDirError(f"{run_dir}: no capture trace (*.pt.trace.json*) in the run")
     df = attribute_file(trace, grad_sums=grad_sums)

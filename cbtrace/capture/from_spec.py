@@ -7,6 +7,7 @@ import torch
 
 from cbtrace import module_tree
 from cbtrace.capture.host_times import host_times
+from cbtrace.capture.plain_step import plain_trace
 from cbtrace.capture.recorder import CaptureConfig, capture
 from cbtrace.console import announce
 from cbtrace.cost.dtypes import CLI_DTYPES, torch_dtype
@@ -17,7 +18,8 @@ from cbtrace.model.spec import resolve
 from cbtrace.nested import flat_tensors
 from cbtrace.rundir.layout import prepare_new_run
 from cbtrace.rundir.lock import RunLock
-from cbtrace.rundir.writer import write_stage
+from cbtrace.rundir.writer import write_manifest, write_stage
+from cbtrace.rundir.read import read_manifest
 from cbtrace.schema.manifest import ModelSource, StepSettings
 from cbtrace.state import StateGuard
 
@@ -68,7 +70,8 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     forward call's host time in unprofiled repeats of the forward (the CPU in-situ times; on a
     GPU, host issue times); of a step with one root, time its forward as the user runs it, in a
     loop (``insitu_step_ms``; of a train step with grad, its activations freed each time as a
-    training loop's are).
+    training loop's are); on a GPU, profile one more step with only a range per call, the
+    in-situ times' step (``plain_step``).
 
     Returns the capture (``cap.out``: the run; ``cap.model``: the model, its parameters,
     buffers, gradients and RNG state as they were when the run's state digest was taken, so
@@ -125,6 +128,17 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
             except Exception as e:  # noqa: BLE001 - the capture stands without this figure
                 announce(f"{cap.out}: the plain repeat of the step failed ({one_line(e)}); "
                          "its root is compared with the captured step")
+        plain = None
+        if device.type == "cuda" and cap.trace_path is not None:
+            try:  # the in-situ times' step: no input copies, no hooks but a range per call
+                with guard.call():
+                    plain = plain_trace(model, [r.fqn for r in cap.records],
+                                        lambda: run_step(provider, model, batch, step), cap.out)
+            except Exception as e:  # noqa: BLE001 - the capture trace's times stand instead
+                announce(f"{cap.out}: the plain profiled step failed ({one_line(e)}); in-situ "
+                         "times come from the captured step")
         if by_call:
             write_stage(cap.out, "host_insitu", by_call)
+        elif plain is not None:
+            write_manifest(cap.out, read_manifest(cap.out))
     return cap

@@ -4,6 +4,7 @@
     modules.parquet               one row per captured call (cbtrace.schema.modules)
     inputs/tensors-NNNNN.parquet  captured input tensors (cbtrace.store)
     <worker>.<ms>.pt.trace.json.gz  Kineto trace of the captured step
+    plain_step.json.gz            Kineto trace of one more step, ranges only (capture/plain_step.py)
     replay.progress.jsonl         rows of a replay in progress (cbtrace.replay.run_io.progress)
     .cbtrace.lock                 the writer at work, or one that died (cbtrace.rundir.lock)
 """
@@ -16,6 +17,7 @@ from cbtrace.errors import RunDirError
 MANIFEST = "manifest.json"
 MODULES = "modules.parquet"
 INPUTS = "inputs"
+PLAIN_TRACE = "plain_step.json.gz"
 
 
 def prepare_new_run(out_dir, *, overwrite: bool = False) -> Path:

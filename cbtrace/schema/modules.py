@@ -214,6 +214,9 @@ class ModuleRecord:
     insitu_span_ms: float | None = column(INSITU, "ms", "the call's span in the step: its first "
                                           "kernel's start to its last's end, gaps included",
                                           default=None)
+    insitu_hooked_ms: float | None = column(
+        INSITU, "ms", "the call's busy time in the captured step itself (input copies and hooks "
+        "around it), where insitu_ms comes from the plain step", default=None)
     error_basis: str | None = column(INSITU, doc="busy | span | step | eager: the in-situ figure "
                                                  "error_pct compares with (docs/timers.md)",
                                      default=None)
@@ -229,6 +232,9 @@ class ModuleRecord:
                                          default=None)
     bwd_error_pct: float | None = column(INSITU, "%", "100 * (bwd_ms / bwd_insitu_ms - 1)",
                                          default=None)
+    bwd_insitu_hooked_ms: float | None = column(
+        INSITU, "ms", "the call's backward in the captured step itself, where bwd_insitu_ms "
+        "comes from the plain step", default=None)
     recompute_insitu_ms: float | None = column(
         INSITU, "ms", "activation checkpointing: the call recomputed in the step's backward "
         "(backward work, not in insitu_ms)", default=None)

@@ -1,0 +1,70 @@
+"""The in-situ figures' own step: one more profiled step with a range per call and nothing else.
+
+The captured step copies each call's inputs on the device just before the call and runs
+cbtrace's hooks around it: the copies read the inputs through the L2 and write as much again,
+and the hooks slow the host, so the kernels there run in another cache state, and wait on
+another host, than in the user's step. This step runs the same calls with only a
+``cbtrace::<fqn>`` range around each (no copies, no gradient hooks, no shapes or stacks
+recorded); attribution reads it like the capture trace, and ``cbtrace profile`` compares the
+isolated figures with its times (``attribution.join``).
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from cbtrace import module_tree
+from cbtrace.capture import boundaries
+from cbtrace.capture.recorder import RANGE_ENTER, RANGE_EXIT, profiler_activities
+from cbtrace.console import quiet_kineto
+from cbtrace.rundir.files import atomic_path
+from cbtrace.rundir.layout import PLAIN_TRACE
+from cbtrace.trace_io import gzip_trace
+
+
+def ranged_calls(model, fqns: list[str]) -> list:
+    """Hooks opening a ``cbtrace::<fqn>`` range around each call of the modules ``fqns``
+    (a checkpoint's recomputation in the backward gets none); returns the handles."""
+    open_ranges: list = []
+
+    def hooks(fqn):
+        def pre(mod, args, kwargs):
+            if not boundaries.in_backward():
+                open_ranges.append(RANGE_ENTER(f"cbtrace::{fqn}", None))
+
+        def post(mod, args, kwargs, out):
+            if not boundaries.in_backward() and open_ranges:
+                RANGE_EXIT(open_ranges.pop())
+        return pre, post
+
+    handles = []
+    for fqn in dict.fromkeys(fqns):
+        m = module_tree.get_submodule(model, fqn)
+        handles += boundaries.hook_calls(m, *hooks(fqn),
+                                         boundary=boundaries.why_boundary(m) is not None)
+    return handles
+
+
+def plain_trace(model, fqns: list[str], run_step, out: Path) -> Path:
+    """Run ``run_step`` once under torch.profiler with only ranges around the calls of
+    ``fqns``; write its trace as the run's ``PLAIN_TRACE``. The caller keeps the model's state
+    (a StateGuard) and runs this after the step is warm."""
+    handles = ranged_calls(model, fqns)
+    try:
+        with quiet_kineto(), torch.profiler.profile(activities=profiler_activities()) as prof:
+            with module_tree.eager(model):  # compiled parts eagerly, as the capture ran them
+                run_step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    path = Path(out) / PLAIN_TRACE
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with atomic_path(path) as dst:
+            gzip_trace(raw, dst)
+    return path

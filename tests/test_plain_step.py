@@ -1,0 +1,110 @@
+"""The plain step: one more profiled step with a range per captured call and nothing else, whose
+times the in-situ columns take on a GPU (capture/plain_step.py, attribution/join.py)."""
+import gzip
+import json
+import types
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import cbtrace
+from cbtrace.attribution import join
+from cbtrace.attribution.attribute import attribute_file
+from cbtrace.capture.plain_step import plain_trace
+from cbtrace.rundir.layout import PLAIN_TRACE
+
+CUDA = torch.cuda.is_available()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)) + self.act(x))  # act called twice
+
+
+def _calls(df) -> list:
+    rows = df[(df["phase"] == "fwd") & (df["depth"] >= 0)]
+    return sorted(zip(rows["fqn"], rows["call_index"]))
+
+
+def test_the_plain_step_has_a_range_per_captured_call_and_nothing_of_capture(tmp_path):
+    model, x = Net(), torch.randn(4, 8)
+    with cbtrace.capture(model, tmp_path / "run") as cap:
+        model(x)
+    fqns = [r.fqn for r in cap.records]
+    path = plain_trace(model, fqns, lambda: model(x), tmp_path / "run")
+    assert path == tmp_path / "run" / PLAIN_TRACE
+    names = {e.get("name", "") for e in json.loads(gzip.decompress(path.read_bytes()))
+             ["traceEvents"]}
+    assert not any(n.startswith("cbtrace.copy::") for n in names)  # no input copies
+    assert _calls(attribute_file(path)) == _calls(attribute_file(cap.trace_path))
+    assert ("act", 1) in _calls(attribute_file(path))  # a module called twice: two calls
+    # hooks gone: the model runs as before, with no range of cbtrace's
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def _join(monkeypatch, tmp_path, with_plain: bool):
+    """insitu_columns over a modules table of three graph-timed calls; the captured step's
+    busy times 1.0 ms each, the plain step's 0.8 ms (none for m2)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if with_plain:
+        (run / PLAIN_TRACE).write_bytes(b"{}")  # read through insitu_for_run, stood in below
+    hooked = pd.DataFrame(dict(fqn=["m0", "m1", "m2"], call_index=0, gpu_ms=1.0,
+                               gpu_span_ms=1.2, kernel_count=1, insitu_ms=1.0))
+    plain = pd.DataFrame(dict(fqn=["m0", "m1"], call_index=0, gpu_ms=0.8, gpu_span_ms=0.9,
+                              kernel_count=1, insitu_ms=0.8))
+
+    def insitu_for_run(run_dir, manifest, phase="fwd", grad_sums=None, trace=None):
+        assert trace is None or trace == run / PLAIN_TRACE
+        return plain if trace is not None else hooked
+
+    monkeypatch.setattr(join, "insitu_for_run", insitu_for_run)
+    df = pd.DataFrame(dict(call_id=[0, 1, 2], fqn=["m0", "m1", "m2"], call_index=0,
+                           timer="graph", timer_fallback=None, isolated_ms=0.84,
+                           device_ms=0.8, kernel_count=1, noisy=False, bwd_ms=None,
+                           insitu_host_ms=None))
+    return join.insitu_columns(run, types.SimpleNamespace(device="cuda:0"), df)
+
+
+def test_the_join_takes_the_plain_steps_times_and_keeps_the_captured_ones(monkeypatch, tmp_path):
+    out = _join(monkeypatch, tmp_path, with_plain=True)
+    assert out[0]["insitu_ms"] == 0.8 and out[0]["insitu_hooked_ms"] == 1.0
+    assert out[0]["error_pct"] == pytest.approx(5.0)  # 0.84 against the plain step's 0.8
+    assert out[0]["insitu_span_ms"] == 0.9
+    # a call the plain step has no figure for keeps the captured step's
+    assert out[2]["insitu_ms"] == 1.0 and out[2]["error_pct"] == pytest.approx(-16.0)
+
+
+def test_without_a_plain_step_the_captured_steps_times_stand(monkeypatch, tmp_path):
+    out = _join(monkeypatch, tmp_path, with_plain=False)
+    assert out[0]["insitu_ms"] == 1.0 and out[0]["insitu_hooked_ms"] is None
+    assert out[0]["error_pct"] == pytest.approx(-16.0)
+
+
+def test_a_cpu_capture_from_a_spec_profiles_no_plain_step(tmp_path):
+    from cbtrace.capture.from_spec import capture_model
+
+    cap = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu")
+    assert not (cap.out / PLAIN_TRACE).exists()  # a CPU's in-situ times are unprofiled repeats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_a_capture_from_a_spec_profiles_the_plain_step_and_signs_it(tmp_path):
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.rundir.read import read_manifest
+
+    cap = capture_model("nanogpt:tiny", tmp_path / "run", device="cuda")
+    assert (cap.out / PLAIN_TRACE).is_file()
+    assert PLAIN_TRACE in read_manifest(cap.out).files  # checksummed with the run's files
+    df = attribute_file(cap.out / PLAIN_TRACE)
+    assert _calls(df) == _calls(attribute_file(cap.trace_path))
+    assert df.loc[df["depth"] >= 0, "kernel_count"].sum() > 0
