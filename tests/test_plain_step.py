@@ -50,6 +50,22 @@ def test_the_plain_step_has_a_range_per_captured_call_and_nothing_of_capture(tmp
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_a_shared_module_gets_no_range_of_its_own(tmp_path):
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = self.a  # one module, two paths
+            self.c = nn.ReLU()
+
+        def forward(self, x):
+            return self.c(self.b(self.a(x)))
+
+    model, x = Shared(), torch.randn(2, 8)
+    path = plain_trace(model, ["", "a", "b", "c"], lambda: model(x), tmp_path)
+    assert _calls(attribute_file(path)) == [("", 0), ("c", 0)]
+
+
 def _join(monkeypatch, tmp_path, with_plain: bool):
     """insitu_columns over a modules table of three graph-timed calls; the captured step's
     busy times 1.0 ms each, the plain step's 0.8 ms (none for m2)."""

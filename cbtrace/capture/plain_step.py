@@ -26,7 +26,9 @@ from cbtrace.trace_io import gzip_trace
 
 def ranged_calls(model, fqns: list[str]) -> list:
     """Hooks opening a ``cbtrace::<fqn>`` range around each call of the modules ``fqns``
-    (a checkpoint's recomputation in the backward gets none); returns the handles."""
+    (a checkpoint's recomputation in the backward gets none); returns the handles. A module
+    reached by several of the paths (shared) gets none: which path a call took is capture's to
+    say, and its calls keep the captured step's figures."""
     open_ranges: list = []
 
     def hooks(fqn):
@@ -39,11 +41,15 @@ def ranged_calls(model, fqns: list[str]) -> list:
                 RANGE_EXIT(open_ranges.pop())
         return pre, post
 
-    handles = []
+    paths: dict[int, list] = {}
     for fqn in dict.fromkeys(fqns):
         m = module_tree.get_submodule(model, fqn)
-        handles += boundaries.hook_calls(m, *hooks(fqn),
-                                         boundary=boundaries.why_boundary(m) is not None)
+        paths.setdefault(id(m), [m]).append(fqn)
+    handles = []
+    for m, *names in paths.values():
+        if len(names) == 1:
+            handles += boundaries.hook_calls(m, *hooks(names[0]),
+                                             boundary=boundaries.why_boundary(m) is not None)
     return handles
 
 
