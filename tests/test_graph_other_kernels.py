@@ -1,0 +1,52 @@
+"""A call whose CUDA graph runs other kernels than the call run eagerly (wav2vec2's grouped,
+weight-normed Conv1d: 1.7 ms in its graph, 11.2 ms of eager kernels, as in the step) is timed by
+the next timer, and the row says why (replay/measure/steps.py)."""
+import types
+
+import pytest
+import torch
+
+from cbtrace.replay.config import ReplayConfig
+from cbtrace.replay.measure import steps
+from cbtrace.replay.timer.contract import CallRunner, Timing
+
+
+class Fixed:
+    """A timer that reads ``ms`` for any call; counts its calls."""
+
+    def __init__(self, name: str, ms: float):
+        self.name, self.ms, self.calls = name, ms, 0
+
+    def unavailable_reason(self, device):
+        return None
+
+    def measure(self, call, n_copies, device, cfg):
+        self.calls += 1
+        return Timing(median_ms=self.ms, p10_ms=self.ms, p90_ms=self.ms, runs=10,
+                      timer=self.name)
+
+
+def _timed(monkeypatch, graph_ms: float, device_ms: float | None):
+    monkeypatch.setattr(steps, "in_step_cache_state", lambda c: None)
+    backends = {"graph": Fixed("graph", graph_ms), "stream": Fixed("stream", 11.0)}
+    step = steps.Timed(["graph", "stream"], backends, ReplayConfig())
+    call = types.SimpleNamespace(row={"device_ms": device_ms}, timed=CallRunner(run=lambda i: None),
+                                 n_copies=1, device=torch.device("cpu"), context_note=None,
+                                 rec=types.SimpleNamespace(fqn="pos_conv"), value_free=False)
+    return step.run(call), backends
+
+
+def test_a_graph_far_faster_than_its_eager_kernels_is_timed_eagerly(monkeypatch):
+    out, backends = _timed(monkeypatch, graph_ms=1.7, device_ms=11.2)
+    assert out["timer"] == "stream" and out["isolated_ms"] == 11.0
+    assert "other kernels" in out["timer_fallback"] and "11.2 ms" in out["timer_fallback"]
+    assert backends["graph"].calls == backends["stream"].calls == 1
+
+
+@pytest.mark.parametrize("graph_ms, device_ms", [(9.0, 11.2), (1.7, None), (1.7, 0.0)])
+def test_a_graph_near_its_kernels_or_without_a_profiled_figure_stands(monkeypatch, graph_ms,
+                                                                      device_ms):
+    # kernels alone in another cache state differ by tens of percent, not by half
+    out, backends = _timed(monkeypatch, graph_ms=graph_ms, device_ms=device_ms)
+    assert out["timer"] == "graph" and out["timer_fallback"] is None
+    assert backends["stream"].calls == 0
