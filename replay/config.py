@@ -153,7 +153,8 @@ class ReplayConfig:
         """The timers' settings; cold: do_bench's convention, one call per graph for its warm-up
         and run durations, never stopped early."""
         mode = (dict(budget_s=self.cold_budget_s, graph_k=1, warmup_s=self.cold_warmup_s,
-                     settle_tol=self.cold_settle_tol, converge_spread=0.0) if self.cold
+                     settle_tol=self.cold_settle_tol, converge_spread=0.0, converge_ci=0.0)
+                if self.cold
                 else dict(budget_s=self.budget_s, graph_k=self.graph_k,
                           converge_spread=self.converge_spread, converge_ci=self.converge_ci))
         return TimingConfig(min_runs=self.min_runs, warmup_runs=self.warmup_runs, **mode)

@@ -177,7 +177,7 @@ def sleeper(per_s, log, clock):
 
 def test_collect_fills_the_budget_then_stops(clock):
     log = []
-    cfg = TimingConfig(budget_s=0.1, min_runs=5, converge_spread=0.0)
+    cfg = TimingConfig(budget_s=0.1, min_runs=5, converge_spread=0.0, converge_ci=0.0)
     t0 = clock.perf_counter()
     got = collect(sleeper(0.002, log, clock), cfg)
     assert log[0] == (0, 5)                                # min_runs first
@@ -333,7 +333,7 @@ def test_collect_with_converge_ci_stops_before_the_budget(clock):
                            **kw)
         return len(collect(sample, cfg))
 
-    spent = runs()                     # never within 1 %: the whole budget, ~5,000 runs
+    spent = runs(converge_ci=0.0)      # never within 1 %: the whole budget, ~5,000 runs
     known = runs(converge_ci=0.01)     # stops once the median is known to 1 %
     assert spent > 4000 and 20 < known < 400
     assert stats.converged([wide[i % 100] for i in range(known)], 0.01, ci=0.01)

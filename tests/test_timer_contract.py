@@ -60,6 +60,7 @@ def test_replay_config_shares_the_timing_defaults_and_derives_the_timing_setting
     assert {f: getattr(cfg.timing(), f) for f in shared} == {f: getattr(cfg, f) for f in shared}
     cold = ReplayConfig(cold=True, graph_k=4, converge_spread=0.05).timing()
     assert (cold.budget_s, cold.graph_k, cold.converge_spread) == (default.cold_budget_s, 1, 0.0)
+    assert cold.converge_ci == 0.0 < default.converge_ci  # cold mode is never stopped early
     assert (cold.warmup_s, cold.settle_tol) == (default.cold_warmup_s, default.cold_settle_tol)
     assert set(f.name for f in dataclasses.fields(TimingConfig)) >= set(shared)
 
