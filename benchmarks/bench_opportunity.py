@@ -8,9 +8,10 @@ model (the root: the whole model compiled) and the whole step measured with and 
 (``replay.modes.opportunity.verify_in_place``: K steps back to back between CUDA events, median of
 repeats, ``torch._dynamo.reset()`` between modules). Prints one row per module: estimated and
 measured saving per step, their difference, and whether it is within the issue's bound
-(+-15 % or 0.1 ms). With ``--cold-host-issue`` the run gives both estimates, the cold one
-(``compile_host_ms``) and the back-to-back one (``compile_host_steady_ms``), each module picked
-by either measured once and compared with both. Usage:
+(+-15 % or 0.1 ms). The run gives both estimates, the cold one (``compile_host_ms``, the
+default) and the back-to-back one (``compile_host_steady_ms``), each module picked by either
+measured once and compared with both; ``--back-to-back-host-issue`` replays with
+``cold_host_issue`` off and gives the back-to-back one alone. Usage:
 
     python benchmarks/bench_opportunity.py --model efficientnet_b0 --top 5     # on an H200
     python benchmarks/bench_opportunity.py --model nanogpt --modes compile,cudagraph
@@ -68,7 +69,7 @@ def cnn(name: str):
 
 def table(rows, types: dict, calls: dict, steady: dict | None = None) -> str:
     """One line per module checked; ``steady``: the back-to-back estimates (fqn -> ms) of a
-    --cold-host-issue run, in two more columns."""
+    cold_host_issue run (the default), in two more columns."""
     from cbtrace.plugins.reporters.opportunities import within
 
     head = ("module", "type", "calls", "estimated ms", "measured ms", "+- ms", "error ms",
@@ -120,9 +121,9 @@ def main(argv=None) -> None:
     p.add_argument("--k", type=int, default=STEPS_K)
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a temp dir)")
-    p.add_argument("--cold-host-issue", action="store_true",
-                   help="ReplayConfig.cold_host_issue (compiled issue time against the eager "
-                        "one, the CPU's caches evicted before each call)")
+    p.add_argument("--back-to-back-host-issue", dest="cold_host_issue", action="store_false",
+                   help="ReplayConfig.cold_host_issue off (compiled issue time back to back, "
+                        "not after the CPU's caches were evicted)")
     a = p.parse_args(argv)
     dtype_name = a.dtype or ("bf16" if a.device == "cuda" else None)
     dtype = torch_dtype(dtype_name) if dtype_name and dtype_name != "fp32" else None

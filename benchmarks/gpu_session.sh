@@ -22,7 +22,7 @@
 # compares call by call, e.g. "sum:context_rewrite=sum again:context_rewrite=off");
 # opportunity: bench_opportunity.py per model (the root and top 5 modules compiled in place, estimated vs
 # measured saving; the replay's modes wall and out-of-memory rows; OPP_MODELS, OPP_MODES, OPP_ARGS
-# e.g. --cold-host-issue);
+# e.g. --back-to-back-host-issue);
 # compile-ahead: bench_compile_ahead.py (modes wall with compile workers 0 vs N, fresh caches each;
 # AHEAD_MODELS, AHEAD_WORKERS);
 # context-loads: probes/probe_context_loads.py (contexts' reads of the run, offered copies off vs on;

@@ -346,9 +346,12 @@ def test_cold_host_issue_is_a_setting_that_tells_its_rows_apart():
     from cbtrace.replay.config import ReplayConfig
     from cbtrace.replay.engine import timing_settings
 
-    assert ReplayConfig().cold_host_issue is False
-    assert "cold_host_issue" not in timing_settings(ReplayConfig())
-    assert timing_settings(ReplayConfig(cold_host_issue=True))["cold_host_issue"] is True
+    assert ReplayConfig().cold_host_issue is True
+    assert "cold_host_issue" not in timing_settings(ReplayConfig())  # no compile mode: moot
+    compiled = ReplayConfig(modes=("compile",))
+    assert timing_settings(compiled)["cold_host_issue"] is True
+    off = ReplayConfig(modes=("compile",), cold_host_issue=False)
+    assert timing_settings(off)["cold_host_issue"] is False
 
 
 class CountsEager(nn.Module):
@@ -635,14 +638,14 @@ def test_cold_host_issue_on_cuda_puts_the_compiled_issue_beside_the_eager_one(tm
 
     capture_model("nanogpt:tiny", tmp_path / "r", device="cuda", dtype="bf16", trace=False,
                   max_depth=1)
-    df = cbtrace.replay(tmp_path / "r", modes=("compile",), cold_host_issue=True,
-                        **FAST_REPLAY)
+    df = cbtrace.replay(tmp_path / "r", modes=("compile",), **FAST_REPLAY)  # cold: the default
     ok = df[df["compile_status"] == "ok"]
     assert len(ok) and ok["compile_host_ms"].notna().all() and (ok["compile_host_ms"] >= 0).all()
     assert ok["host_ms"].notna().all()
     # the back-to-back figure beside it, for both estimates from one run
     assert ok["compile_host_steady_ms"].notna().all() and (ok["compile_host_steady_ms"] > 0).all()
-    plain = cbtrace.replay(tmp_path / "r", modes=("compile",), **FAST_REPLAY)
+    plain = cbtrace.replay(tmp_path / "r", modes=("compile",), cold_host_issue=False,
+                           **FAST_REPLAY)
     assert plain["compile_host_steady_ms"].isna().all()
 
 
