@@ -43,10 +43,12 @@ def test_a_graph_far_faster_than_its_eager_kernels_is_timed_eagerly(monkeypatch)
     assert backends["graph"].calls == backends["stream"].calls == 1
 
 
-@pytest.mark.parametrize("graph_ms, device_ms", [(9.0, 11.2), (1.7, None), (1.7, 0.0)])
+@pytest.mark.parametrize("graph_ms, device_ms", [(9.0, 11.2), (1.7, None), (1.7, 0.0),
+                                                 (0.0008, 0.0019)])
 def test_a_graph_near_its_kernels_or_without_a_profiled_figure_stands(monkeypatch, graph_ms,
                                                                       device_ms):
-    # kernels alone in another cache state differ by tens of percent, not by half
+    # kernels alone in another cache state differ by tens of percent, not by half; a call of a
+    # microsecond or two reads its kernels' profiled time doubled by the profiler's own cost
     out, backends = _timed(monkeypatch, graph_ms=graph_ms, device_ms=device_ms)
     assert out["timer"] == "graph" and out["timer_fallback"] is None
     assert backends["stream"].calls == 0
