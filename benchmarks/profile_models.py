@@ -44,7 +44,7 @@ MODELS = {
 VARIANTS = {"warm": {"warm_inputs": True},        # inputs rewritten in place before each call
             "reuse": {"reuse_timing": True},       # --reuse-timing
             "every": {"reuse_counts": False},      # --count-every-call: no count/profile reuse
-            "full": {"converge_spread": 0.0},      # no early stop: every call spends its budget
+            "full": {"converge_spread": 0.0, "converge_ci": 0.0},  # no early stop: the budget
             "again": {},                           # the default again: run-to-run noise
             "host10": {"host_runs": 10},           # host issue: the median of 10 runs, not 5
             "spin": {},                            # graph timer: a spin after the flush too

@@ -22,7 +22,8 @@ class ReplayConfig:
     """At least this many timed calls, whatever the budget."""
     converge_spread: float = TimingConfig.converge_spread
     """Stop timing a call early once p10..p90 of its samples is within this share of their
-    median (its median would not move); 0: always spend the budget. Not in cold mode."""
+    median (its median would not move); 0: not on this ground (``converge_ci`` too off: always
+    spend the budget). Not in cold mode."""
     converge_ci: float = TimingConfig.converge_ci
     """Also stop timing a call once its median's 95 % confidence interval is within +- this
     share of the median (0: off): a call whose runs never agree to ``converge_spread`` then

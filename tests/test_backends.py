@@ -295,7 +295,8 @@ def test_collect_stops_at_min_runs_once_converged_else_spends_the_budget(clock):
     log = []
     assert len(collect(jittery(empty, log), cfg)) > 10 and len(log) > 1   # no floor: budget
     log = []
-    off = TimingConfig(budget_s=0.05, min_runs=10, converge_spread=0.0, max_runs=10_000)
+    off = TimingConfig(budget_s=0.05, min_runs=10, converge_spread=0.0, converge_ci=0.0,
+                       max_runs=10_000)
     assert len(collect(jittery(empty, log), off, floor_ms=1.0)) > 10      # converge off: budget
 
 

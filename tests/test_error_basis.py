@@ -41,7 +41,7 @@ def test_the_join_compares_each_call_with_the_figure_its_basis_names(monkeypatch
         device_ms=[4.0, 1.0, 1.0, 1.0, 1.0, 1.0], kernel_count=[5, 1, 1, 1, 1, 1],
         noisy=[False] * n, bwd_ms=[None] * n,
         insitu_host_ms=[0.5, None, 0.5, None, 2.0, 0.5]))
-    out = join.insitu_columns("run", types.SimpleNamespace(device="cuda:0"), df)
+    out = join.insitu_columns("run", types.SimpleNamespace(device="cuda:0", files={}), df)
     # the compiled root: what it costs a loop of steps (its host issue, 3.3 ms, over its device
     # time, 2.0 ms) against the step run compiled, plainly, in a loop
     assert out[0]["error_basis"] == "step" and out[0]["error_pct"] == pytest.approx(10.0)

@@ -120,7 +120,7 @@ def _insitu(monkeypatch, timers_, isolated, gpu_ms, span_ms):
                            timer=timers_, timer_fallback=[None] * n, isolated_ms=isolated,
                            device_ms=gpu_ms, kernel_count=[1] * n, noisy=[False] * n,
                            bwd_ms=[None] * n, insitu_host_ms=[None] * n))
-    return join.insitu_columns("run", types.SimpleNamespace(device="cuda:0"), df)
+    return join.insitu_columns("run", types.SimpleNamespace(device="cuda:0", files={}), df)
 
 
 def test_a_call_timed_back_to_back_is_compared_with_its_span(monkeypatch):

@@ -62,21 +62,27 @@ def test_a_shared_module_gets_no_range_of_its_own(tmp_path):
             return self.c(self.b(self.a(x)))
 
     model, x = Shared(), torch.randn(2, 8)
-    path = plain_trace(model, ["", "a", "b", "c"], lambda: model(x), tmp_path)
+    (tmp_path / "all").mkdir()
+    (tmp_path / "some").mkdir()
+    path = plain_trace(model, ["", "a", "b", "c"], lambda: model(x), tmp_path / "all")
+    assert _calls(attribute_file(path)) == [("", 0), ("c", 0)]
+    # one of its paths left out of the capture: still shared, still no range of its own
+    path = plain_trace(model, ["", "a", "c"], lambda: model(x), tmp_path / "some")
     assert _calls(attribute_file(path)) == [("", 0), ("c", 0)]
 
 
-def _join(monkeypatch, tmp_path, with_plain: bool):
+def _join(monkeypatch, tmp_path, with_plain: bool, listed: bool = True, plain_kernels: int = 1,
+          recomputed: bool = False, bwd: bool = False):
     """insitu_columns over a modules table of three graph-timed calls; the captured step's
     busy times 1.0 ms each, the plain step's 0.8 ms (none for m2)."""
     run = tmp_path / "run"
-    run.mkdir()
+    run.mkdir(parents=True)
     if with_plain:
         (run / PLAIN_TRACE).write_bytes(b"{}")  # read through insitu_for_run, stood in below
     hooked = pd.DataFrame(dict(fqn=["m0", "m1", "m2"], call_index=0, gpu_ms=1.0,
                                gpu_span_ms=1.2, kernel_count=1, insitu_ms=1.0))
     plain = pd.DataFrame(dict(fqn=["m0", "m1"], call_index=0, gpu_ms=0.8, gpu_span_ms=0.9,
-                              kernel_count=1, insitu_ms=0.8))
+                              kernel_count=plain_kernels, insitu_ms=0.8))
 
     def insitu_for_run(run_dir, manifest, phase="fwd", grad_sums=None, trace=None):
         assert trace is None or trace == run / PLAIN_TRACE
@@ -85,9 +91,11 @@ def _join(monkeypatch, tmp_path, with_plain: bool):
     monkeypatch.setattr(join, "insitu_for_run", insitu_for_run)
     df = pd.DataFrame(dict(call_id=[0, 1, 2], fqn=["m0", "m1", "m2"], call_index=0,
                            timer="graph", timer_fallback=None, isolated_ms=0.84,
-                           device_ms=0.8, kernel_count=1, noisy=False, bwd_ms=None,
-                           insitu_host_ms=None))
-    return join.insitu_columns(run, types.SimpleNamespace(device="cuda:0"), df)
+                           device_ms=0.8, kernel_count=1, noisy=False,
+                           bwd_ms=0.84 if bwd else None, insitu_host_ms=None,
+                           recomputed=recomputed))
+    files = {PLAIN_TRACE: "sha256"} if listed else {}
+    return join.insitu_columns(run, types.SimpleNamespace(device="cuda:0", files=files), df)
 
 
 def test_the_join_takes_the_plain_steps_times_and_keeps_the_captured_ones(monkeypatch, tmp_path):
@@ -99,10 +107,34 @@ def test_the_join_takes_the_plain_steps_times_and_keeps_the_captured_ones(monkey
     assert out[2]["insitu_ms"] == 1.0 and out[2]["error_pct"] == pytest.approx(-16.0)
 
 
-def test_without_a_plain_step_the_captured_steps_times_stand(monkeypatch, tmp_path):
-    out = _join(monkeypatch, tmp_path, with_plain=False)
+@pytest.mark.parametrize("case", [dict(with_plain=False),      # none profiled
+                                  dict(with_plain=True, listed=False),  # not this capture's
+                                  dict(with_plain=True, plain_kernels=0)])  # no device events
+def test_without_a_plain_step_to_trust_the_captured_steps_times_stand(monkeypatch, tmp_path,
+                                                                      case):
+    out = _join(monkeypatch, tmp_path, **case)
     assert out[0]["insitu_ms"] == 1.0 and out[0]["insitu_hooked_ms"] is None
     assert out[0]["error_pct"] == pytest.approx(-16.0)
+
+
+def test_the_backward_comes_from_the_plain_step_unless_the_step_recomputed(monkeypatch,
+                                                                          tmp_path):
+    out = _join(monkeypatch, tmp_path, with_plain=True, bwd=True)
+    assert out[0]["bwd_insitu_ms"] == 0.8 and out[0]["bwd_insitu_hooked_ms"] == 1.0
+    assert out[2]["bwd_insitu_ms"] == 1.0  # none in the plain step: the captured step's
+    # activation checkpointing: the recomputation has ranges only in the captured step
+    again = _join(monkeypatch, tmp_path / "ckpt", with_plain=True, bwd=True, recomputed=True)
+    assert again[0]["bwd_insitu_ms"] == 1.0 and again[0]["bwd_insitu_hooked_ms"] is None
+
+
+def test_a_capture_over_a_run_drops_the_plain_step_it_left(tmp_path):
+    model, x = Net(), torch.randn(4, 8)
+    with cbtrace.capture(model, tmp_path / "run") as cap:
+        model(x)
+    plain_trace(model, [r.fqn for r in cap.records], lambda: model(x), tmp_path / "run")
+    with cbtrace.capture(model, tmp_path / "run", overwrite=True):
+        model(x)
+    assert not (tmp_path / "run" / PLAIN_TRACE).exists()  # not this capture's step
 
 
 def test_a_cpu_capture_from_a_spec_profiles_no_plain_step(tmp_path):

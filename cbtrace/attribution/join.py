@@ -17,7 +17,8 @@ from pathlib import Path
 from cbtrace.attribution import miss
 from cbtrace.attribution.attribute import attribute_file
 from cbtrace.cost import metrics
-from cbtrace.errors import RunDirError
+from cbtrace.console import announce
+from cbtrace.errors import CbtraceError, RunDirError, one_line
 from cbtrace.rundir.lock import locked
 from cbtrace.rundir.layout import PLAIN_TRACE
 from cbtrace.rundir.read import find_trace, load_run
@@ -31,11 +32,11 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     row of the modules table ``df`` (the backward's only where replay measured it); miss_cause
     from ``attribution.miss``. error_pct compares the isolated figure with the in-situ figure
     ``error_basis`` names (``metrics.error_basis``): the plain repeat of the step for a root
-    timed back to back or run compiled, the eager figure against the captured (eager) step for
-    a call the step ran compiled, for a call timed back to back the larger of its host issue time
+    timed back to back or run compiled, the eager figure against the step (run eagerly by
+    capture) for a call the step ran compiled, for a call timed back to back the larger of its host issue time
     and its busy time (else its span), else the busy time."""
     on_gpu = manifest.device.startswith("cuda")
-    plain = plain_trace(run) if on_gpu else None
+    plain = plain_trace(run, manifest) if on_gpu else None
     hooked, bwd_hooked = {}, {}
     if not on_gpu and df["insitu_host_ms"].notna().all():
         insitu = dict(zip(df["call_id"], df["insitu_host_ms"]))  # CPU: unprofiled repeats
@@ -44,19 +45,24 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         table = insitu_for_run(run, manifest)
         insitu, span = _by_call(df, table), _by_call(df, table, "gpu_span_ms")
         kernels = _by_call(df, table, "kernel_count")
-        if plain is not None:  # the plain step's figures, the captured step's where it has none
+        ptable = _plain_table(run, manifest, plain, table)
+        if ptable is not None:  # the plain step's figures, the captured step's where it has none
             hooked = insitu
-            ptable = insitu_for_run(run, manifest, trace=plain)
-            insitu, span, kernels = (_fill(_by_call(df, ptable, c), d) for c, d in (
+            use = {cid: _number(v) is not None for cid, v in _by_call(df, ptable).items()}
+            insitu, span, kernels = (_either(use, _by_call(df, ptable, c), d) for c, d in (
                 ("insitu_ms", insitu), ("gpu_span_ms", span), ("kernel_count", kernels)))
     bwd = {}
     if df["bwd_ms"].notna().any():
         bwd = _by_call(df, insitu_for_run(run, manifest, phase="bwd",
                                           grad_sums=own_grad_sums(df)))
-        if plain is not None:
-            bwd_hooked = bwd
-            bwd = _fill(_by_call(df, insitu_for_run(run, manifest, phase="bwd", trace=plain,
-                                                    grad_sums=own_grad_sums(df))), bwd)
+        # a checkpointed step's recomputation has ranges only in the captured step's trace: the
+        # plain step's would count it in the backward of the call whose node ran it
+        recomputed = "recomputed" in df and df["recomputed"].fillna(False).astype(bool).any()
+        ptable = None if recomputed else _plain_table(run, manifest, plain, None, phase="bwd",
+                                                      grad_sums=own_grad_sums(df))
+        if ptable is not None:
+            bwd_hooked, pb = bwd, _by_call(df, ptable)
+            bwd = _either({cid: _number(v) is not None for cid, v in pb.items()}, pb, bwd)
     recompute = _recompute(run, manifest, df)
     out = {}
     for row in df.reindex(columns=["call_id", "timer", "timer_fallback", "isolated_ms", "bwd_ms",
@@ -86,15 +92,36 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     return out
 
 
-def plain_trace(run) -> Path | None:
-    """The run's plain step trace (``capture.plain_step``), if capture profiled one."""
+def plain_trace(run, manifest) -> Path | None:
+    """The run's plain step trace (``capture.plain_step``), if this capture profiled one: a file
+    of that name the manifest lists (not one another capture left, or one put there since)."""
     path = Path(run) / PLAIN_TRACE
-    return path if path.is_file() and not path.is_symlink() else None
+    ok = PLAIN_TRACE in manifest.files and path.is_file() and not path.is_symlink()
+    return path if ok else None
 
 
-def _fill(first: dict, then: dict) -> dict:
-    """``first``'s figure per call, ``then``'s where ``first`` has none."""
-    return {cid: v if _number(v) is not None else then.get(cid) for cid, v in first.items()}
+def _plain_table(run, manifest, plain, hooked, phase: str = "fwd", grad_sums=None):
+    """The plain step's in-situ table, or None where there is none to trust: no plain step, a
+    trace that cannot be read (said, and the captured step's figures stand), or a forward with
+    no device events where the captured step had some (the profiler's second session missed
+    the GPU)."""
+    if plain is None:
+        return None
+    try:
+        table = insitu_for_run(run, manifest, phase=phase, grad_sums=grad_sums, trace=plain)
+    except (CbtraceError, OSError, ValueError) as e:
+        announce(f"{plain}: not read ({one_line(e)}); in-situ times from the captured step")
+        return None
+    if hooked is not None and table["kernel_count"].sum() == 0 < hooked["kernel_count"].sum():
+        announce(f"{plain}: no device events; in-situ times from the captured step")
+        return None
+    return table
+
+
+def _either(use: dict, first: dict, then: dict) -> dict:
+    """Per call, ``first``'s figure where ``use`` says so, else ``then``'s: each call's figures
+    from one step."""
+    return {cid: first.get(cid) if use.get(cid) else then.get(cid) for cid in then.keys() | use}
 
 
 def own_grad_sums(df) -> dict:

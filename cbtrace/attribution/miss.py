@@ -1,7 +1,7 @@
 """Why a call's isolated figure misses its in-situ one, from what was measured on both sides.
 
 The replay's profiled pass gives the call's kernels alone (``kernel_count``, ``device_ms``: the
-sum of their durations); the capture trace gives the same of the step (``insitu_kernel_count``,
+sum of their durations); the step's trace gives the same of the step (``insitu_kernel_count``,
 ``insitu_ms``: device-busy). Comparing those like with like separates a miss in the kernels
 themselves (other kernels, or the same kernels slower or faster: cache or clock state) from a
 miss between them (launch gaps and the timer), which is what a call of a few microseconds
@@ -43,7 +43,7 @@ def miss_cause(row: dict, insitu_kernels, kernel_err: float | None) -> str | Non
         return ("host-paced: timed back to back against its host issue time in an unprofiled "
                 "step (or its device time, if longer)")
     if row.get("error_basis") == "span":
-        return "host-paced: timed back to back against its span in the captured (hooked) step"
+        return "host-paced: timed back to back against its span in the step"
     if row.get("error_basis") == "step":
         return "timed back to back or compiled, against the step repeated as the user runs it"
     timer = row.get("timer")

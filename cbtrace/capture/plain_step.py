@@ -11,6 +11,7 @@ isolated figures with its times (``attribution.join``).
 from __future__ import annotations
 
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -27,8 +28,9 @@ from cbtrace.trace_io import gzip_trace
 def ranged_calls(model, fqns: list[str]) -> list:
     """Hooks opening a ``cbtrace::<fqn>`` range around each call of the modules ``fqns``
     (a checkpoint's recomputation in the backward gets none); returns the handles. A module
-    reached by several of the paths (shared) gets none: which path a call took is capture's to
-    say, and its calls keep the captured step's figures."""
+    reached by several paths of the model (shared, whether or not all were captured) gets none:
+    which path a call took is capture's to say, and its calls keep the captured step's
+    figures."""
     open_ranges: list = []
 
     def hooks(fqn):
@@ -41,14 +43,12 @@ def ranged_calls(model, fqns: list[str]) -> list:
                 RANGE_EXIT(open_ranges.pop())
         return pre, post
 
-    paths: dict[int, list] = {}
+    paths = Counter(id(m) for _, m in module_tree.named_modules(model, remove_duplicate=False))
+    handles = []
     for fqn in dict.fromkeys(fqns):
         m = module_tree.get_submodule(model, fqn)
-        paths.setdefault(id(m), [m]).append(fqn)
-    handles = []
-    for m, *names in paths.values():
-        if len(names) == 1:
-            handles += boundaries.hook_calls(m, *hooks(names[0]),
+        if paths[id(m)] == 1:
+            handles += boundaries.hook_calls(m, *hooks(fqn),
                                              boundary=boundaries.why_boundary(m) is not None)
     return handles
 

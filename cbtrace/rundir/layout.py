@@ -35,4 +35,7 @@ def prepare_new_run(out_dir, *, overwrite: bool = False) -> Path:
                               "directory (an existing run is never overwritten)")
     out.mkdir(parents=True, exist_ok=True)
     (out / INPUTS).mkdir(exist_ok=True)
+    stale = out / PLAIN_TRACE  # an overwritten run's: this capture profiles its own, or none
+    if stale.is_file() or stale.is_symlink():
+        stale.unlink()
     return out

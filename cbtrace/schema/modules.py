@@ -7,7 +7,8 @@ that produces it. Stages, in pipeline order:
 - ``capture``: the call tree and inputs (``cbtrace.capture``), every row at once;
 - ``host_insitu``: CPU runs, each call's host time in an unprofiled repeat of the step;
 - ``replay``: the isolated figures (``cbtrace.replay``);
-- ``insitu``: the in-situ time from the capture trace, and the isolation error.
+- ``insitu``: the in-situ time from the plain step's trace (else the capture trace), and the
+  isolation error.
 
 A stage returns its columns; ``cbtrace.rundir.writer`` merges them and refuses a column that
 is not declared for that stage.
@@ -209,7 +210,8 @@ class ModuleRecord:
     rank: int | None = column(REPLAY, doc="the rank that replayed it (sharded replay; else 0)",
                               default=None)
 
-    insitu_ms: float | None = column(INSITU, "ms", "the call's own time in the captured step",
+    insitu_ms: float | None = column(INSITU, "ms", "the call's own time in the step (on a GPU: "
+                                     "the plain step's, else the captured step's)",
                                      default=None)
     insitu_span_ms: float | None = column(INSITU, "ms", "the call's span in the step: its first "
                                           "kernel's start to its last's end, gaps included",
@@ -228,7 +230,8 @@ class ModuleRecord:
                                             "device-busy", default=None)
     miss_cause: str | None = column(INSITU, doc="outside +-5 % of in situ: what the "
                                                 "measurements say it comes from", default=None)
-    bwd_insitu_ms: float | None = column(INSITU, "ms", "the call's backward in the captured step",
+    bwd_insitu_ms: float | None = column(INSITU, "ms", "the call's backward in the step (the "
+                                         "plain step's, else the captured step's)",
                                          default=None)
     bwd_error_pct: float | None = column(INSITU, "%", "100 * (bwd_ms / bwd_insitu_ms - 1)",
                                          default=None)

@@ -275,7 +275,8 @@ class Compiled:
 
     def __init__(self, cfg, chain: list[str], backends: dict):
         self.mode = cfg.compile_mode
-        self.timed = Timed(chain, backends, cfg)
+        # the row's device_ms is the eager call's, not the compiled one's
+        self.timed = Timed(chain, backends, cfg, eager_kernels=False)
         self.evict = HostEvictor() if cfg.cold_host_issue else None
         self.step = None  # the step's root call (its first), run as the eviction once replayed
         self.cache = EntryCache(self.mode)
@@ -294,9 +295,11 @@ class Compiled:
             return dict(compile_status=f"{SKIPPED}{NOTHING_TO_FUSE}")
         return self.measure(c)[0]
 
-    def measure(self, c: CallUnderTest) -> tuple[dict, dict | None]:
+    def measure(self, c: CallUnderTest, cold: bool = True) -> tuple[dict, dict | None]:
         """The row's compile fields, and the Timed step's figures of the compiled call (None
-        where it was not timed compiled)."""
+        where it was not timed compiled); ``cold``: compile_host_ms by ``cold_host_issue`` where
+        it is on (the compile mode's estimate), else back to back (a call the step ran
+        compiled, timed as in the step)."""
         with stance("default"):  # a step_compiled row's plan runs eagerly
             return self._measure(c)
 
@@ -329,7 +332,8 @@ class Compiled:
                 in_context(cc, cc.context)
                 cc.context = None  # no embedding table copies: they would run the eager module
             timed = self.timed.run(cc)
-            host, steady = self._host_ms(c, run) if c.device.type == "cuda" else (None, None)
+            host, steady = (self._host_ms(c, run, cold) if c.device.type == "cuda"
+                            else (None, None))
         except CallTimeout:
             raise
         except Exception as e:  # noqa: BLE001
@@ -345,7 +349,7 @@ class Compiled:
                     timer_notes=join_notes(c.row.get("timer_notes"), alone,
                                            *self._notes(c, timed, first, later, host))), timed
 
-    def _host_ms(self, c: CallUnderTest, run) -> tuple[float, float | None]:
+    def _host_ms(self, c: CallUnderTest, run, cold: bool = True) -> tuple[float, float | None]:
         """(compile_host_ms, compile_host_steady_ms). compile_host_ms: the compiled call's
         issue time back to back (``steady_issue_ms``); with ``cold_host_issue``, the eager
         call's host_ms plus what compiling adds to the issue time when both are issued right
@@ -355,10 +359,10 @@ class Compiled:
         beside it (compile_host_steady_ms, else None)."""
         eager = c.row.get("host_ms")
         steady = steady_issue_ms(run, c.n_copies, c.device)
-        if self.evict is None or eager is None:
-            return steady, None
         if self.step is None and c.rec.parent_call_id == -1:
             self.step = c.run  # the root, replayed first: its eager run is the step's host work
+        if not cold or self.evict is None or eager is None:
+            return steady, None
         evict = self.evict if self.step is None else self._after_step
         added = (cold_issue_ms(run, c.n_copies, c.device, evict)
                  - cold_issue_ms(c.run, c.n_copies, c.device, evict))
@@ -402,7 +406,7 @@ class AsInStep:
     def run(self, c: CallUnderTest) -> dict:
         if not c.rec.step_compiled or c.row.get("isolated_ms") is None:
             return {}
-        fields, timed = self.compiled.measure(c)
+        fields, timed = self.compiled.measure(c, cold=False)  # its host figure as in the step
         counts = {k: fields[k] for k in ("compile_s", "compile_graphs", "compile_host_ms",
                                          "compile_host_steady_ms")
                   if k in fields}

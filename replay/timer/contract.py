@@ -41,7 +41,7 @@ class TimingConfig:
     min_runs: int = 10
     """Timed runs taken even when they overrun the budget."""
     converge_spread: float = 0.01
-    """Stop sampling once p10..p90 is within this share of the median (0: use the budget)."""
+    """Stop sampling once p10..p90 is within this share of the median (0: off)."""
     converge_ci: float = 0.01
     """Also stop once the median's 95 % CI is within +- this share of it (0: off; RESULTS.md)."""
     max_runs: int = 10_000
