@@ -3,6 +3,7 @@
 CPU tests use a tiny nn.Sequential and real torch.profiler runs; GPU tests carry @pytest.mark.gpu.
 """
 import ast
+import dataclasses
 import inspect
 import json
 import subprocess
@@ -357,6 +358,22 @@ def test_cpu_timer_rotates_copies_and_summarises():
     assert 0 < t.p10_ms <= t.median_ms <= t.p90_ms
     assert sum(seen.values()) >= t.runs + FAST.warmup_runs  # warm-up also lasts warmup_min_s
     assert set(seen) == {0, 1, 2} and max(seen.values()) - min(seen.values()) <= 1
+
+
+def test_cpu_timer_spends_its_budget_whatever_converge_ci_says(monkeypatch):
+    from cbtrace.plugins.backends import cpu
+
+    seen = []
+
+    def collect(sample, cfg, *a, **kw):
+        seen.append(cfg)
+        return [1.0] * cfg.min_runs
+
+    monkeypatch.setattr(cpu, "collect", collect)
+    cfg = dataclasses.replace(FAST, converge_ci=0.01)
+    CpuTimer().measure(lambda i: None, 1, torch.device("cpu"), cfg)
+    assert seen and all(c.converge_ci == 0.0 for c in seen)
+    assert seen[0].converge_spread == cfg.converge_spread  # the rest as asked
 
 
 def test_cpu_timer_measures_real_time():
