@@ -33,8 +33,8 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     from ``attribution.miss``. error_pct compares the isolated figure with the in-situ figure
     ``error_basis`` names (``metrics.error_basis``): the plain repeat of the step for a root
     timed back to back or run compiled, the eager figure against the step (run eagerly by
-    capture) for a call the step ran compiled, for a call timed back to back the larger of its host issue time
-    and its busy time (else its span), else the busy time."""
+    capture) for a call the step ran compiled, for a call timed back to back the larger of its
+    host issue time and its busy time (else its span), else the busy time."""
     on_gpu = manifest.device.startswith("cuda")
     plain = plain_trace(run, manifest) if on_gpu else None
     hooked, bwd_hooked = {}, {}

@@ -18,8 +18,8 @@ from cbtrace.model.spec import resolve
 from cbtrace.nested import flat_tensors
 from cbtrace.rundir.layout import prepare_new_run
 from cbtrace.rundir.lock import RunLock
-from cbtrace.rundir.writer import write_manifest, write_stage
 from cbtrace.rundir.read import read_manifest
+from cbtrace.rundir.writer import write_manifest, write_stage
 from cbtrace.schema.manifest import ModelSource, StepSettings
 from cbtrace.state import StateGuard
 

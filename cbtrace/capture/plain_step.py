@@ -10,7 +10,6 @@ isolated figures with its times (``attribution.join``).
 """
 from __future__ import annotations
 
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -18,11 +17,9 @@ import torch
 
 from cbtrace import module_tree
 from cbtrace.capture import boundaries
-from cbtrace.capture.recorder import RANGE_ENTER, RANGE_EXIT, profiler_activities
+from cbtrace.capture.recorder import RANGE_ENTER, RANGE_EXIT, export_trace, profiler_activities
 from cbtrace.console import quiet_kineto
-from cbtrace.rundir.files import atomic_path
 from cbtrace.rundir.layout import PLAIN_TRACE
-from cbtrace.trace_io import gzip_trace
 
 
 def ranged_calls(model, fqns: list[str]) -> list:
@@ -67,10 +64,4 @@ def plain_trace(model, fqns: list[str], run_step, out: Path) -> Path:
     finally:
         for h in handles:
             h.remove()
-    path = Path(out) / PLAIN_TRACE
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
-        raw = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        with atomic_path(path) as dst:
-            gzip_trace(raw, dst)
-    return path
+    return export_trace(prof, Path(out) / PLAIN_TRACE)

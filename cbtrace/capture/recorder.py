@@ -547,13 +547,19 @@ class capture:
         worker = self.cfg.worker_name or f"{socket.gethostname()}_{os.getpid()}"
         if self.rank is not None:
             worker = f"rank-{self.rank[0]}_{worker}"  # torch-tb-profiler and attribute: per rank
-        path = self.out / f"{worker}.{time.time_ns() // 1_000_000}.pt.trace.json.gz"
-        with tempfile.TemporaryDirectory(dir=self.out) as tmp:
-            raw = Path(tmp) / "trace.json"
-            self._prof.export_chrome_trace(str(raw))
-            with atomic_path(path) as out:
-                gzip_trace(raw, out)
-        return path
+        return export_trace(self._prof,
+                            self.out / f"{worker}.{time.time_ns() // 1_000_000}.pt.trace.json.gz")
+
+
+def export_trace(prof, path: Path) -> Path:
+    """A stopped profiler's Kineto trace, gzipped into ``path`` (atomic; raw JSON in a temporary
+    directory beside it)."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with atomic_path(path) as out:
+            gzip_trace(raw, out)
+    return path
 
 
 def _set_output_meta(rec: ModuleRecord, output) -> None:

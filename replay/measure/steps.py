@@ -7,8 +7,8 @@ plan (``cbtrace.replay.measure.plan``) runs them in order on one prepared call. 
 from __future__ import annotations
 
 import contextlib
-import math
 import dataclasses
+import math
 import time
 import warnings
 
