@@ -29,7 +29,9 @@
 # CTX_SPECS);
 # copies: probes/probe_input_copies.py (a call's rotating input copies made one by one vs at once);
 # fresh: bench_replay_fresh.py (a plain `cbtrace replay` beside the replay inside `profile`; FRESH_MODELS,
-# FRESH_REPEATS, FRESH_DTYPE).
+# FRESH_REPEATS, FRESH_DTYPE);
+# step-clock: probes/probe_step_clock.py (NanoGPT's GELU kernels and the SM clock: a step after idle, a
+# steady step, the GELU alone, after its producer, after a flush).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -96,5 +98,7 @@ fresh)
   for M in ${FRESH_MODELS:-nanogpt dlrm:large}; do
     timeout ${FRESH_TIMEOUT:-300} python3 $R/benchmarks/bench_replay_fresh.py --model $M --device cuda ${FRESH_DTYPE:+--dtype $FRESH_DTYPE} --repeats ${FRESH_REPEATS:-2} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_replay_fresh_${M/:/_}.log | tail -30
   done ;;
+step-clock)
+  timeout ${CLOCK_TIMEOUT:-120} python3 $R/benchmarks/probes/probe_step_clock.py 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_step_clock.log | tail -12 ;;
 esac
 done
