@@ -10,6 +10,9 @@ in a thread) in situations that differ in one thing each:
 - ``c_fc then gelu``: block 0's c_fc and GELU in turn, 50 times (its producer just before it);
 - ``gelu after a flush``: a 256 MB write, then the GELU, 50 times (its input out of the L2).
 
+The SM clock at the end of each comes from a spin kernel of known cycles queued right after it
+(cycles over its duration), and from NVML (which averages over 1/6 to 1 s).
+
 Run: python benchmarks/probes/probe_step_clock.py [SPEC]   (GPU; default nanogpt, batch 8, bf16)
 """
 import statistics
@@ -21,15 +24,20 @@ import torch
 
 
 class ClockSampler:
-    """SM and memory clocks (MHz) every ~1 ms, tagged with the phase set at the time."""
+    """The SM clock (MHz, NVML) every ~1 ms, tagged with the phase set at the time; nothing
+    where NVML is missing."""
 
     def __init__(self):
-        import pynvml
+        self.phase, self.samples, self.stop = "", [], False
+        try:
+            import pynvml
 
-        pynvml.nvmlInit()
+            pynvml.nvmlInit()
+        except Exception as e:  # noqa: BLE001 - the spin kernel's clock stands alone
+            print(f"no NVML ({e})")
+            return
         self.nv = pynvml
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        self.phase, self.samples, self.stop = "", [], False
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
@@ -45,18 +53,24 @@ class ClockSampler:
         return (statistics.median(got), min(got), len(got)) if got else (float("nan"),) * 2 + (0,)
 
 
+SPIN_CYCLES = 100_000  # ~50 us at 2 GHz: the clock from a spin kernel's cycles over its time
+
+
 def kernels(fn, names=("gelu",)):
-    """Device µs of the kernels whose name holds one of ``names``, running ``fn`` under the
-    profiler."""
+    """(device µs of the kernels whose name holds one of ``names``, SM MHz at the end) running
+    ``fn`` under the profiler; the clock from a spin kernel of SPIN_CYCLES queued right after
+    ``fn``'s work (its cycles over its duration: the clock the SMs ran at then, to ~1 %)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
+        torch.cuda._sleep(SPIN_CYCLES)
         torch.cuda.synchronize()
-    return [e.device_time for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA
-            and any(n in e.name.lower() for n in names)]
+    dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spins = [e.device_time for e in dev if "spin" in e.name.lower()]
+    mhz = SPIN_CYCLES / spins[-1] if spins else float("nan")
+    return [e.device_time for e in dev if any(n in e.name.lower() for n in names)], mhz
 
 
 def busy(step, seconds):
@@ -89,10 +103,10 @@ def main(argv):
     def phase(name, before, fn):
         before()
         clocks.phase = name
-        got = kernels(fn)
+        got, spin_mhz = kernels(fn)
         clocks.phase = ""
         mhz, low, n = clocks.median(name)
-        rows.append((name, statistics.median(got), len(got), mhz, low, n))
+        rows.append((name, statistics.median(got), len(got), spin_mhz, mhz, low, n))
 
     idle = lambda: (torch.cuda.synchronize(), time.sleep(1.0))  # noqa: E731
     with torch.no_grad():
@@ -113,9 +127,12 @@ def main(argv):
         phase("step after idle (again)", idle, step)
     clocks.stop = True
     print(f"{spec} bf16 batch 8 on {torch.cuda.get_device_name()}: GELU kernels and the SM clock")
-    print(f"{'situation':<26}{'GELU med us':>12}{'n':>5}{'SM MHz med':>11}{'min':>6}{'samples':>8}")
-    for name, us, n, mhz, low, ns in rows:
-        print(f"{name:<26}{us:>12.2f}{n:>5}{mhz:>11.0f}{low:>6.0f}{ns:>8}")
+    print("SM MHz after: a spin kernel queued right after the phase; NVML: its sampled clock "
+          "(averaged over 1/6-1 s by the driver)")
+    print(f"{'situation':<26}{'GELU med us':>12}{'n':>5}{'SM MHz after':>13}{'NVML med':>9}"
+          f"{'min':>6}{'samples':>8}")
+    for name, us, n, spin_mhz, mhz, low, ns in rows:
+        print(f"{name:<26}{us:>12.2f}{n:>5}{spin_mhz:>13.0f}{mhz:>9.0f}{low:>6.0f}{ns:>8}")
 
 
 if __name__ == "__main__":
