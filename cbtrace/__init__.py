@@ -14,7 +14,7 @@ Public API (each implementation is imported on first use, so that ``import cbtra
 # which would otherwise replace the function on first use of the package.
 import cbtrace.annotate
 import cbtrace.capture
-import cbtrace.replay
+import cbtrace.replay  # noqa: F401 - bound before the function of the same name
 from cbtrace.api import annotate, capture, replay
 from cbtrace._version import __version__
 from cbtrace.errors import CbtraceError

@@ -118,7 +118,7 @@ def main(out_dir, spec=SPEC, fqns=None):
         c = prepare(module, rec, args, kwargs, device, cfg, grads)
         g, source = _gradients(c, _grad_outputs(c.run(0)))  # no graph kept (see BackwardStep)
         backward = _FreshBackward(c, g)
-        rk = replay_kernels(lambda o: backward(o), lambda: _grad_outputs(c.run(0)))
+        rk = replay_kernels(backward, lambda c=c: _grad_outputs(c.run(0)))
         own_ms, own_kernels = ins.get(fqn, (float("nan"), 0))
         m = methods(c, backward, backends, tcfg)
         rows.append(dict(fqn=fqn, grads=source, insitu_own_us=own_ms * 1e3,

@@ -301,9 +301,9 @@ class Compiled:
         it is on (the compile mode's estimate), else back to back (a call the step ran
         compiled, timed as in the step)."""
         with stance("default"):  # a step_compiled row's plan runs eagerly
-            return self._measure(c)
+            return self._measure(c, cold)
 
-    def _measure(self, c: CallUnderTest) -> tuple[dict, dict | None]:
+    def _measure(self, c: CallUnderTest, cold: bool) -> tuple[dict, dict | None]:
         before = _counters()
         key = self.cache.key(c.module, c.rec)
         try:
