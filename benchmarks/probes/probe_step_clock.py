@@ -95,7 +95,10 @@ def main(argv):
     gelu = dict(model.named_modules())["transformer.h.0.mlp.gelu"]
     c_fc = dict(model.named_modules())["transformer.h.0.mlp.c_fc"]
     seen = {}
-    h = c_fc.register_forward_hook(lambda m, a, out: seen.setdefault("x", a[0].detach().clone()))
+    def keep_input(m, a, out):  # returns None: a forward hook's value would replace the output
+        seen.setdefault("x", a[0].detach().clone())
+
+    h = c_fc.register_forward_hook(keep_input)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     clocks = ClockSampler()
     rows = []
