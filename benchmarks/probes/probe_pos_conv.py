@@ -1,0 +1,87 @@
+"""Device probe: why wav2vec2's positional Conv1d (kernel 128, 16 groups, weight norm) reads
+11 ms of kernels run once and 1.7 ms a call run back to back (graph and stream timers alike).
+
+Feeds ``encoder.pos_conv_embed`` (bf16, wav2vec2-base, batch 8 of 1 s) its input from one forward,
+then: each of 6 calls under the profiler, one at a time with a sync between (its kernels' total
+and its slowest kernel); 6 calls back to back under the profiler; and CUDA events around one call
+(synced) against around 10 calls back to back, eager and with ``torch.backends.cudnn.benchmark``.
+
+Run: python benchmarks/probes/probe_pos_conv.py   (GPU; transformers)
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from zoo import hf_wav2vec2  # noqa: E402
+
+
+def kernels(fn):
+    """[(name, µs)] of the device kernels ``fn`` ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [(e.name, e.device_time) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def events_ms(fn, n):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / n
+
+
+def main():
+    model, batch = hf_wav2vec2("real")
+    model = model.to("cuda", torch.bfloat16)
+    x = batch["input_values"].to("cuda", torch.bfloat16)
+    pos = model.encoder.pos_conv_embed
+    seen = {}
+
+    def keep(m, a, out):
+        seen.setdefault("x", a[0].detach().clone())
+
+    h = pos.register_forward_hook(keep)
+    with torch.no_grad():
+        model(x)
+        h.remove()
+        inp = seen["x"]
+        call = lambda: pos(inp)  # noqa: E731
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        print(f"pos_conv_embed input {tuple(inp.shape)} {inp.dtype}; conv {pos.conv}")
+        for i in range(6):
+            ks = kernels(call)
+            top = max(ks, key=lambda k: k[1])
+            print(f"alone, call {i}: {len(ks)} kernels, {sum(d for _, d in ks) / 1e3:.3f} ms; "
+                  f"slowest {top[1] / 1e3:.3f} ms {top[0][:90]}")
+        ks = kernels(lambda: [call() for _ in range(6)])
+        print(f"6 back to back: {len(ks)} kernels, {sum(d for _, d in ks) / 6e3:.3f} ms a call")
+        by = {}
+        for n, d in ks:
+            by.setdefault(n[:90], []).append(d)
+        for n, ds in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:5]:
+            print(f"   {len(ds):>3} x {n}: " + " ".join(f"{d / 1e3:.2f}" for d in ds[:8]))
+        for bench in (False, True):
+            torch.backends.cudnn.benchmark = bench
+            for _ in range(3):
+                call()
+            one = [events_ms(call, 1) for _ in range(5)]
+            ten = events_ms(call, 10)
+            print(f"cudnn.benchmark={bench}: events, one call synced: "
+                  + " ".join(f"{m:.3f}" for m in one) + f" ms; 10 back to back {ten:.3f} ms a call")
+        torch.backends.cudnn.benchmark = False
+
+
+if __name__ == "__main__":
+    main()
