@@ -76,8 +76,8 @@ capture-probe)
   CBTRACE_BENCH_DIR=/tmp timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_capture_step.py ${PROBE_CASE:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_capture_step.log | tail -10 ;;
 overhead)
   for M in ${OVERHEAD_MODELS:-nanogpt}; do
-    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probes/probe_replay_overhead.py /tmp/overhead $M --top 40 ${OVERHEAD_CPROFILE:+--cprofile} $(for V in ${OVERHEAD_VARIANTS:-}; do printf -- '--variant %s ' "$V"; done) 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_$M.log
-    head -${OVERHEAD_LINES:-30} $OUT/overhead_$M.log
+    timeout ${OVERHEAD_TIMEOUT:-150} python3 $R/benchmarks/probes/probe_replay_overhead.py /tmp/overhead $M --top 40 ${OVERHEAD_CPROFILE:+--cprofile} $(for V in ${OVERHEAD_VARIANTS:-}; do printf -- '--variant %s ' "$V"; done) 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " > $OUT/overhead_${M/:/_}.log
+    head -${OVERHEAD_LINES:-30} $OUT/overhead_${M/:/_}.log
   done ;;
 fidelity)
   timeout ${FIDELITY_TIMEOUT:-580} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/${FIDELITY_OUT:-fidelity} --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models ${FIDELITY_MODELS:-nanogpt,dlrm,dcn,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base} ${FIDELITY_ARGS:-} $(for V in ${FIDELITY_VARIANTS:-}; do printf -- '--variant %s ' "$V"; done) 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/${FIDELITY_OUT:-fidelity}_zoo.log | tail -${FIDELITY_LINES:-60}
