@@ -150,7 +150,7 @@ def replay_options(args) -> dict:
         options["context"] = False
     if args.context_max_ms is not None:
         options["context_max_ms"] = args.context_max_ms
-    if args.context_rewrite != "off":
+    if args.context_rewrite is not None:
         options["context_rewrite"] = args.context_rewrite
     if args.budget_s is not None:
         options["budget_s"] = args.budget_s
@@ -296,9 +296,9 @@ def parse(argv):
                    help="replay each call on its own (ReplayConfig.context=False)")
     p.add_argument("--context-max-ms", type=float, default=None,
                    help="ReplayConfig.context_max_ms (calls timed in context: under this)")
-    p.add_argument("--context-rewrite", choices=CONTEXT_REWRITES, default="off",
+    p.add_argument("--context-rewrite", choices=CONTEXT_REWRITES, default=None,
                    help="ReplayConfig.context_rewrite (inputs no context call wrote, rewritten "
-                        "as x * 1: self, or x + 0 * y: sum)")
+                        "as x * 1: self, the default, or x + 0 * y: sum; off: neither)")
     p.add_argument("--budget-s", type=float, default=None, help="ReplayConfig.budget_s")
     p.add_argument("--top", type=int, default=8, help="classes printed per model and phase")
     p.add_argument("--keep-runs", action="store_true", help="keep the run directories in OUT/runs")
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     print(f"\n== fidelity ({args.device}, {args.dtype or 'model dtype'}, {args.size}, "
           f"{args.step}{', cold' if args.cold else ''}{', no context' if args.no_context else ''}"
           f"{f', context under {args.context_max_ms} ms' if args.context_max_ms else ''}"
-          f"{'' if args.context_rewrite == 'off' else f', rewrite {args.context_rewrite}'}"
+          f"{'' if args.context_rewrite is None else f', rewrite {args.context_rewrite}'}"
           f"{variants})")
     print(table(rows))
     for n in notes:
