@@ -72,11 +72,13 @@ def test_inputs_are_loaded_only_where_an_output_may_feed_the_call():
     # call 2's ids (int64) cannot be call 1's output; call 3's input has its metadata
     out = '[{"shape": [4, 8], "dtype": "float32", "stride": [8, 1]}]'
     ids = '[{"shape": [4], "dtype": "int64", "stride": [1]}]'
+    big = '[{"shape": [512, 256], "dtype": "float32", "stride": [256, 1]}]'  # no output's
     recs = [_rec(0, -1), dataclasses.replace(_rec(1, 0), output_meta=out),
             dataclasses.replace(_rec(2, 0), input_meta=ids),
-            dataclasses.replace(_rec(3, 0), input_meta=out)]
+            dataclasses.replace(_rec(3, 0), input_meta=out),
+            dataclasses.replace(_rec(4, 0), input_meta=big)]
     model = nn.Module()
-    for i in (1, 2, 3):
+    for i in (1, 2, 3, 4):
         model.add_module(f"m{i}", nn.Identity())
 
     def source(rewrite=False):
@@ -88,8 +90,12 @@ def test_inputs_are_loaded_only_where_an_output_may_feed_the_call():
     loaded, src = source()
     assert src.calls(2) == [] and loaded == []  # nothing read for a lookup's ids
     assert [c.rec.call_id for c in src.calls(3)] == [1, 2] and loaded == [1, 2]
-    loaded, src = source(rewrite=True)  # a rewrite needs the context whatever it produced
-    assert [c.rec.call_id for c in src.calls(2)] == [1] and loaded == [1]
+    assert src.calls(4) == [] and loaded == [1, 2]  # a residual's output: no producer
+    # a rewrite needs the context whatever it produced, for an activation it may rewrite; an
+    # embedding lookup's ids are data, never rewritten: still nothing read for them
+    loaded, src = source(rewrite=True)
+    assert src.calls(2) == [] and loaded == []
+    assert [c.rec.call_id for c in src.calls(4)] == [1, 2, 3] and loaded == [1, 2, 3]
 
 
 def test_offered_inputs_serve_a_context_and_go_when_its_calls_are_done():
@@ -245,6 +251,56 @@ def test_an_input_no_module_wrote_is_rewritten_after_the_context_when_asked(tmp_
         assert f"context: 1 call before (a); its inputs rewritten after them ({how})" in note
     else:
         assert "context" not in note
+
+
+def test_the_rewrite_is_the_default_for_a_residual_output(tmp_path):
+    torch.manual_seed(0)
+    model = Residual().eval()
+    with cbtrace.capture(model, tmp_path / "run"):
+        model(torch.randn(512, 256))
+    df = cbtrace.replay(tmp_path / "run", model=model, device="cpu", **FAST).set_index("fqn")
+    assert "its inputs rewritten after them (x * 1)" in str(df.loc["act", "timer_notes"])
+
+
+class Lookups(nn.Module):
+    """Two embedding bags over one batch of ids: the second's inputs are the batch's data, which
+    no predecessor wrote (and a rewrite must not make it a context call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.e1 = nn.EmbeddingBag(50_000, 64, mode="sum")
+        self.e2 = nn.EmbeddingBag(50_000, 64, mode="sum")
+
+    def forward(self, ids, offsets):
+        return self.e1(ids, offsets) + self.e2(ids, offsets)
+
+
+def test_an_embedding_lookups_ids_are_never_rewritten_nor_its_context_loaded(tmp_path):
+    from cbtrace.replay.measure.context import may_be_rewritten
+    from cbtrace.rundir.read import read_records
+
+    torch.manual_seed(0)
+    model = Lookups().eval()
+    ids = torch.randint(0, 50_000, (65_536,))  # 512 KiB of int64: above the rewrite's floor
+    offsets = torch.arange(0, 65_536, 64)
+    with cbtrace.capture(model, tmp_path / "run"):
+        model(ids, offsets)
+    recs = {r.fqn: r for r in read_records(tmp_path / "run")}
+    assert not may_be_rewritten(recs["e2"])
+    src = ContextSource(list(recs.values()), model, "cpu", load=None, rewrite=True)
+    assert not src._loads(recs["e2"].call_id, src.before[recs["e2"].call_id])
+    df = cbtrace.replay(tmp_path / "run", model=model, device="cpu", **FAST).set_index("fqn")
+    assert "context" not in str(df.loc["e2", "timer_notes"])
+
+
+def test_a_large_floating_input_may_be_rewritten_a_small_one_not():
+    from cbtrace.replay.measure.context import may_be_rewritten
+
+    big = dataclasses.replace(_rec(1, -1),
+                              input_meta='[{"shape": [512, 256], "dtype": "torch.float32"}]')
+    small = dataclasses.replace(big, input_meta='[{"shape": [8, 8], "dtype": "torch.float32"}]')
+    ids = dataclasses.replace(big, input_meta='[{"shape": [65536], "dtype": "torch.int64"}]')
+    assert may_be_rewritten(big) and not may_be_rewritten(small) and not may_be_rewritten(ids)
 
 
 @pytest.mark.gpu

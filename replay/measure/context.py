@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +25,13 @@ from torch.func import functional_call
 
 from cbtrace import module_tree
 from cbtrace.calltree import CallTree
-from cbtrace.cost.dtypes import meta_bytes
+from cbtrace.cost.dtypes import is_floating, itemsize, meta_bytes
 from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors
 from cbtrace.replay.measure.copies import (clone_like, copies_of, n_copies, table_copies,
                                            tensor_bytes)
-from cbtrace.replay.measure.prepare import (CallUnderTest, InputState, call_context,
-                                            input_toucher)
+from cbtrace.replay.measure.prepare import (WARM_MIN_BYTES, CallUnderTest, InputState,
+                                            call_context, input_toucher)
 from cbtrace.replay.timer.contract import CallRunner
 from cbtrace.schema.modules import COPY_FAILED
 
@@ -126,9 +127,11 @@ class ContextSource:
         self.loads = self.offers_used = 0  # reads of the run, and offered copies taken instead
 
     def _loads(self, call_id: int, before: list[int]) -> bool:
-        """Whether ``calls(call_id)`` loads its context (``before``, its predecessors)."""
-        return bool(before) and (self.rewrite or may_feed(
-            self.by_id[call_id], [self.by_id[c] for c in before]))
+        """Whether ``calls(call_id)`` loads its context (``before``, its predecessors): an input
+        may be a predecessor's output, or (rewriting) one may be rewritten."""
+        rec = self.by_id[call_id]
+        return bool(before) and ((self.rewrite and may_be_rewritten(rec)) or may_feed(
+            rec, [self.by_id[c] for c in before]))
 
     def offer(self, rec, inputs) -> None:
         """The captured inputs of ``rec``'s call, as the replay just loaded them (before it
@@ -227,6 +230,19 @@ def may_feed(rec, context_recs) -> bool:
         return True
 
 
+def may_be_rewritten(rec) -> bool:
+    """Whether ``rec`` has a floating-point input large enough for the context's rewrite
+    (``input_toucher``), by its metadata: an embedding lookup's ids and offsets are not (its
+    table copies keep its table from staying warm instead); True where it does not parse."""
+    try:
+        metas = json.loads(rec.input_meta or "[]")
+        return any(is_floating(m.get("dtype"))
+                   and math.prod(m["shape"]) * itemsize(m["dtype"]) >= WARM_MIN_BYTES
+                   for m in metas if isinstance(m, dict) and "shape" in m)
+    except (ValueError, TypeError, AttributeError):
+        return True
+
+
 def _meta_keys(metas_json: str | None) -> set:
     return {(tuple(m["shape"]), m.get("dtype"), tuple(m.get("stride") or ()))
             for m in json.loads(metas_json or "[]") if isinstance(m, dict) and "shape" in m}
@@ -310,7 +326,8 @@ def in_context(c: CallUnderTest, context) -> None:
         if c.cfg.context_rewrite == "off":
             return
         # as what non-module code wrote just before it left it
-        rewrite = input_toucher(copies, as_a_sum=c.cfg.context_rewrite == "sum")
+        rewrite = input_toucher(copies, as_a_sum=c.cfg.context_rewrite == "sum",
+                                floating_only=True)
         if rewrite is None:
             return
     slots: dict = {}

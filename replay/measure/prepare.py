@@ -97,7 +97,7 @@ def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest
 WARM_MIN_BYTES = 64 << 10  # smaller inputs stay cached whatever happens; not worth a kernel
 
 
-def input_toucher(copies, *, as_a_sum: bool = False):
+def input_toucher(copies, *, as_a_sum: bool = False, floating_only: bool = False):
     """touch(i) rewrites copy i's larger input tensors in place with their own values (x * 1),
     as the op that produced them would have: in the real step a module reads an input its
     producer has just written, often still in L2 (an activation after its producer reads slow
@@ -110,8 +110,12 @@ def input_toucher(copies, *, as_a_sum: bool = False):
 
     ``as_a_sum``: rewrite copy i's tensors as x + 0 * y, y the same tensor of the next copy (of
     the same values, so x keeps its own), as an op of two operands of its size (a residual add)
-    leaves its output: that op also read y, which took part of the cache."""
-    per_copy = [[_alias(t) for t in flat_tensors(c) if _touchable(t)] for c in copies]
+    leaves its output: that op also read y, which took part of the cache. ``floating_only``:
+    floating-point tensors alone (activations; indices and masks are the batch's data, which no
+    op wrote just before)."""
+    per_copy = [[_alias(t) for t in flat_tensors(c)
+                 if _touchable(t) and (t.is_floating_point() or not floating_only)]
+                for c in copies]
     if not any(per_copy):
         return None
     n = len(per_copy)
