@@ -2,8 +2,9 @@
 11 ms of kernels run once and 1.7 ms a call run back to back (graph and stream timers alike).
 
 Feeds ``encoder.pos_conv_embed`` (bf16, wav2vec2-base, batch 8 of 1 s) its input from one forward,
-then: each of 6 calls under the profiler, one at a time with a sync between (its kernels' total
-and its slowest kernel); 6 calls back to back under the profiler; and CUDA events around one call
+then: each of 6 calls under the profiler, one at a time with a sync between (its kernels' total,
+its slowest kernel, and the SM clock from a spin kernel of known cycles right after it: an
+idle GPU's clock is several times lower than a busy one's); 6 calls back to back under the profiler; and CUDA events around one call
 (synced) against around 10 calls back to back, eager and with ``torch.backends.cudnn.benchmark``.
 
 Run: python benchmarks/probes/probe_pos_conv.py   (GPU; transformers)
@@ -15,6 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from zoo import hf_wav2vec2  # noqa: E402
+
+
+SPIN_CYCLES = 100_000  # ~50 us at 2 GHz
 
 
 def kernels(fn):
@@ -60,11 +64,14 @@ def main():
             call()
         torch.cuda.synchronize()
         print(f"pos_conv_embed input {tuple(inp.shape)} {inp.dtype}; conv {pos.conv}")
-        for i in range(6):
-            ks = kernels(call)
+        for i in range(6):  # a spin of known cycles right after: the SM clock it ran at
+            ks = kernels(lambda: (call(), torch.cuda._sleep(SPIN_CYCLES)))
+            spin = [d for n, d in ks if "spin" in n.lower()]
+            ks = [(n, d) for n, d in ks if "spin" not in n.lower()]
             top = max(ks, key=lambda k: k[1])
             print(f"alone, call {i}: {len(ks)} kernels, {sum(d for _, d in ks) / 1e3:.3f} ms; "
-                  f"slowest {top[1] / 1e3:.3f} ms {top[0][:90]}")
+                  f"slowest {top[1] / 1e3:.3f} ms {top[0][:70]}; SM clock after "
+                  f"{SPIN_CYCLES / spin[0]:.0f} MHz" if spin else "")
         ks = kernels(lambda: [call() for _ in range(6)])
         print(f"6 back to back: {len(ks)} kernels, {sum(d for _, d in ks) / 6e3:.3f} ms a call")
         by = {}
