@@ -69,9 +69,9 @@ def main():
             spin = [d for n, d in ks if "spin" in n.lower()]
             ks = [(n, d) for n, d in ks if "spin" not in n.lower()]
             top = max(ks, key=lambda k: k[1])
+            mhz = f"{SPIN_CYCLES / spin[0]:.0f}" if spin else "?"
             print(f"alone, call {i}: {len(ks)} kernels, {sum(d for _, d in ks) / 1e3:.3f} ms; "
-                  f"slowest {top[1] / 1e3:.3f} ms {top[0][:70]}; SM clock after "
-                  f"{SPIN_CYCLES / spin[0]:.0f} MHz" if spin else "")
+                  f"slowest {top[1] / 1e3:.3f} ms {top[0][:70]}; SM clock after {mhz} MHz")
         ks = kernels(lambda: [call() for _ in range(6)])
         print(f"6 back to back: {len(ks)} kernels, {sum(d for _, d in ks) / 6e3:.3f} ms a call")
         by = {}
