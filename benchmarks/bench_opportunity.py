@@ -151,6 +151,10 @@ def main(argv=None) -> None:
           f"{int((df['compile_graphs'] > 0).sum())} calls compiled a graph)")
     print(f"statuses: eager {df['status'].value_counts().to_dict()}, {statuses}; "
           f"out-of-memory rows {oom}")
+    for m in modes:  # why, where a mode failed: the three commonest reasons as they read
+        errs = df[f"{m}_status"].dropna()
+        for why, n in errs[errs.str.startswith("error")].value_counts().head(3).items():
+            print(f"  {m}: {n} x {why[:200]}")
 
     rows = record_rows(df)
     est = opp.compile_estimates(rows)
