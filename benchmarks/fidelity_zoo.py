@@ -399,7 +399,9 @@ def summarize(label, df, wall, spec, options, args, out, variant) -> list[dict]:
     summary = {"model": label, "spec": spec, "options": options, "device": args.device,
                "dtype": None if label.split("@")[0] in OWN_DTYPE else args.dtype,
                "step": args.step, "cold": args.cold, "context": not args.no_context,
-               "context_max_ms": args.context_max_ms, "context_rewrite": args.context_rewrite,
+               "context_max_ms": args.context_max_ms,
+               "context_rewrite": {**replay_options(args), **dict(args.variant).get(
+                   variant, {})}.get("context_rewrite", ReplayConfig().context_rewrite),
                "variant": dict(args.variant).get(variant, {}),
                "profile_wall_s": wall, "rows": model_rows, "classes": classes,
                "timer_notes": df["timer_notes"].value_counts().head(5).to_dict()}

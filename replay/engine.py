@@ -402,10 +402,11 @@ def timing_settings(cfg) -> dict:
                 "warm_inputs": cfg.warm_inputs and not cfg.cold, "modes": list(cfg.modes),
                 "reuse_timing": cfg.reuse_timing,
                 "context": cfg.context, "context_calls": cfg.context_calls,
-                "context_max_ms": cfg.context_max_ms, "context_rewrite": cfg.context_rewrite,
                 "compile_mode": cfg.compile_mode, "backward": cfg.backward}
     if cfg.cold:
         settings.update(cold_warmup_s=cfg.cold_warmup_s, cold_settle_tol=cfg.cold_settle_tol)
+    elif cfg.context is not False:  # which calls get a context, and what is rewritten after it
+        settings.update(context_max_ms=cfg.context_max_ms, context_rewrite=cfg.context_rewrite)
     if cfg.eager_only:  # only when set: rows of earlier replays keep their settings
         settings["eager_only"] = True
     if "compile" in cfg.modes:  # what the compile mode's host figure means

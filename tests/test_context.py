@@ -271,8 +271,8 @@ class Lookups(nn.Module):
         self.e1 = nn.EmbeddingBag(50_000, 64, mode="sum")
         self.e2 = nn.EmbeddingBag(50_000, 64, mode="sum")
 
-    def forward(self, ids, offsets):
-        return self.e1(ids, offsets) + self.e2(ids, offsets)
+    def forward(self, ids, offsets, weights):
+        return self.e1(ids, offsets) + self.e2(ids, offsets, per_sample_weights=weights)
 
 
 def test_an_embedding_lookups_ids_are_never_rewritten_nor_its_context_loaded(tmp_path):
@@ -283,10 +283,11 @@ def test_an_embedding_lookups_ids_are_never_rewritten_nor_its_context_loaded(tmp
     model = Lookups().eval()
     ids = torch.randint(0, 50_000, (65_536,))  # 512 KiB of int64: above the rewrite's floor
     offsets = torch.arange(0, 65_536, 64)
+    weights = torch.rand(65_536)  # floating, 256 KiB: a lookup's, never rewritten either
     with cbtrace.capture(model, tmp_path / "run"):
-        model(ids, offsets)
+        model(ids, offsets, weights)
     recs = {r.fqn: r for r in read_records(tmp_path / "run")}
-    assert not may_be_rewritten(recs["e2"])
+    assert not may_be_rewritten(recs["e1"]) and may_be_rewritten(recs["e2"])  # its weights
     src = ContextSource(list(recs.values()), model, "cpu", load=None, rewrite=True)
     assert not src._loads(recs["e2"].call_id, src.before[recs["e2"].call_id])
     df = cbtrace.replay(tmp_path / "run", model=model, device="cpu", **FAST).set_index("fqn")
@@ -300,7 +301,11 @@ def test_a_large_floating_input_may_be_rewritten_a_small_one_not():
                               input_meta='[{"shape": [512, 256], "dtype": "torch.float32"}]')
     small = dataclasses.replace(big, input_meta='[{"shape": [8, 8], "dtype": "torch.float32"}]')
     ids = dataclasses.replace(big, input_meta='[{"shape": [65536], "dtype": "torch.int64"}]')
+    fp8 = dataclasses.replace(big, input_meta='[{"shape": [512, 256], "dtype": "float8_e4m3fn"}]')
+    expanded = dataclasses.replace(big, input_meta='[{"shape": [512, 256], "dtype": "float32", '
+                                                   '"stride": [0, 1]}]')
     assert may_be_rewritten(big) and not may_be_rewritten(small) and not may_be_rewritten(ids)
+    assert not may_be_rewritten(fp8) and not may_be_rewritten(expanded)  # no multiply in place
 
 
 @pytest.mark.gpu

@@ -92,6 +92,10 @@ def test_replay_settings_are_validated_and_cold_warm_up_counts_for_resume():
     # which calls get a context, and how an input no module wrote is left, change the figure
     for other in (dict(context_rewrite="off"), dict(context_max_ms=0.04)):
         assert timing_settings(ReplayConfig()) != timing_settings(ReplayConfig(**other))
+        # ... where a context can apply: rows timed without one keep their settings
+        for alone in (dict(context=False), dict(cold=True)):
+            assert timing_settings(ReplayConfig(**alone)) == timing_settings(
+                ReplayConfig(**alone, **other))
 
 
 def test_resume_redoes_rows_timed_with_other_settings(tmp_path):

@@ -130,8 +130,8 @@ class ContextSource:
         """Whether ``calls(call_id)`` loads its context (``before``, its predecessors): an input
         may be a predecessor's output, or (rewriting) one may be rewritten."""
         rec = self.by_id[call_id]
-        return bool(before) and ((self.rewrite and may_be_rewritten(rec)) or may_feed(
-            rec, [self.by_id[c] for c in before]))
+        rewritten = self.rewrite and rec.module_type not in LOOKUPS and may_be_rewritten(rec)
+        return bool(before) and (rewritten or may_feed(rec, [self.by_id[c] for c in before]))
 
     def offer(self, rec, inputs) -> None:
         """The captured inputs of ``rec``'s call, as the replay just loaded them (before it
@@ -178,9 +178,10 @@ class ContextSource:
 
     def calls(self, call_id: int) -> list[ContextCall]:
         """The context of ``call_id``, loaded; [] when it has none, or when none of its inputs
-        can be one of their outputs (``may_feed``) and inputs are not rewritten: nothing is
-        loaded then (an embedding lookup's ids never are; loading its predecessors' inputs took
-        13 of `dlrm:large`'s 69 s). Raises what loading raises."""
+        can be one of their outputs (``may_feed``) and none may be rewritten
+        (``may_be_rewritten``; never an embedding lookup's): nothing is loaded then (loading
+        the predecessors' inputs of `dlrm:large`'s lookups took 13 of its 69 s). Raises what
+        loading raises."""
         before = self.before.get(call_id, [])
         if not self._loads(call_id, before):
             return []
@@ -230,16 +231,25 @@ def may_feed(rec, context_recs) -> bool:
         return True
 
 
+# module types timed with table copies (``with_table_copies``), never in a context
+LOOKUPS = ("Embedding", "EmbeddingBag")
+
+
 def may_be_rewritten(rec) -> bool:
-    """Whether ``rec`` has a floating-point input large enough for the context's rewrite
-    (``input_toucher``), by its metadata: an embedding lookup's ids and offsets are not (its
-    table copies keep its table from staying warm instead); True where it does not parse."""
+    """Whether ``rec`` has an input the context's rewrite would touch (``input_toucher``), by
+    its metadata: floating-point, of WARM_MIN_BYTES or more, not float8 (no in-place multiply),
+    not expanded (a stride of 0). An embedding lookup's ids and offsets are not; True where the
+    metadata does not parse."""
+    def touched(m) -> bool:
+        shape, stride, dtype = m["shape"], m.get("stride") or (), str(m.get("dtype"))
+        expanded = any(st == 0 and n > 1 for st, n in zip(stride, shape))
+        return (is_floating(dtype) and "float8" not in dtype and not expanded
+                and math.prod(shape) * itemsize(dtype) >= WARM_MIN_BYTES)
+
     try:
         metas = json.loads(rec.input_meta or "[]")
-        return any(is_floating(m.get("dtype"))
-                   and math.prod(m["shape"]) * itemsize(m["dtype"]) >= WARM_MIN_BYTES
-                   for m in metas if isinstance(m, dict) and "shape" in m)
-    except (ValueError, TypeError, AttributeError):
+        return any(touched(m) for m in metas if isinstance(m, dict) and "shape" in m)
+    except (ValueError, TypeError, AttributeError, KeyError):
         return True
 
 
@@ -365,7 +375,8 @@ def in_step_cache_state(c: CallUnderTest) -> None:
     lookup, a table copy per run (``with_table_copies``)."""
     if c.context is None or c.timed is not None:
         return
-    in_context(c, c.context)
+    if not isinstance(c.module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        in_context(c, c.context)  # a lookup's table copies instead (per-sample weights too)
     if c.timed is None:
         with_table_copies(c)
 
