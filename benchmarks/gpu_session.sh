@@ -32,7 +32,8 @@
 # FRESH_REPEATS, FRESH_DTYPE);
 # step-clock: probes/probe_step_clock.py (NanoGPT's GELU kernels and the SM clock: a step after idle, a
 # steady step, the GELU alone, after its producer, after a flush); pos-conv: probes/probe_pos_conv.py
-# (wav2vec2's grouped Conv1d: its kernels call by call, back to back, cudnn.benchmark).
+# (wav2vec2's grouped Conv1d: its kernels call by call, back to back, cudnn.benchmark);
+# bn-train: probes/probe_bn_train_graph.py (a train-mode BatchNorm2d's kernels and gaps inside a graph).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -103,5 +104,7 @@ step-clock)
   timeout ${CLOCK_TIMEOUT:-120} python3 $R/benchmarks/probes/probe_step_clock.py 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_step_clock.log | tail -12 ;;
 pos-conv)
   timeout ${POSCONV_TIMEOUT:-120} python3 $R/benchmarks/probes/probe_pos_conv.py 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_pos_conv.log | tail -20 ;;
+bn-train)
+  timeout ${BN_TIMEOUT:-120} python3 $R/benchmarks/probes/probe_bn_train_graph.py 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_bn_train_graph.log | tail -20 ;;
 esac
 done
