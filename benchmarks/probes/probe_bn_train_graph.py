@@ -2,7 +2,8 @@
 than its kernels add up to (ResNet-50 train on an H100, session 21: layer2's BN 76 us timed,
 48 us of kernels, 53 us in the step; eval-mode BN: timed = kernels + ~1 us).
 
-For a BatchNorm2d in train and in eval mode (bf16, ResNet-50 layer2 shape), on rotating input
+For a BatchNorm2d in train mode (without and with autograd) and in eval mode (bf16, ResNet-50
+layer2 shape), on rotating input
 copies: K calls captured in one CUDA graph, replayed under the profiler; prints each kernel of
 one replay with the gap before it, the replay's span per call, and CUDA events around a replay
 per call. The kernels and gaps inside the graph say what the timer's figure holds that the step
@@ -59,11 +60,14 @@ def events_ms(g, n=20):
 def main():
     torch.manual_seed(0)
     xs = [torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-    for mode in ("train", "eval"):
+    # "train, grad": as a train step's replay runs it (its input an activation needing grad)
+    for mode in ("train", "train, grad", "eval"):
         bn = torch.nn.BatchNorm2d(SHAPE[1]).to("cuda", torch.bfloat16)
-        bn.train(mode == "train")
-        with torch.no_grad():
-            g = graph_of(bn, xs)
+        bn.train(mode != "eval")
+        grad = mode == "train, grad"
+        inputs = [x.detach().requires_grad_(grad) for x in xs]
+        with torch.set_grad_enabled(grad):
+            g = graph_of(bn, inputs)
             ks = replay_kernels(g)
             per_call = events_ms(g) / K
         busy = sum(d for _, _, d in ks) / 1e3 / K
