@@ -103,6 +103,30 @@ def test_insitu_for_run(tmp_path):
     assert (out.insitu_ms == out.cpu_ms).all()  # CPU trace: no device events
 
 
+def test_a_trace_is_attributed_once_until_it_changes(tmp_path, monkeypatch):
+    from helpers.runs import manifest
+
+    from cbtrace.attribution import join
+
+    calls = []
+    real = join.attribute_file
+    monkeypatch.setattr(join, "attribute_file", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(join, "_ATTRIBUTED", {})
+    shutil.copy(TRACE, tmp_path / TRACE.name)
+    m = manifest(trace=TRACE.name)
+    fwd, bwd = insitu_for_run(tmp_path, m), insitu_for_run(tmp_path, m, "bwd")
+    assert len(calls) == 1 and len(fwd) == 15
+    insitu_for_run(tmp_path, m, "fwd", {("head", 0): 1})  # other sums: attributed again
+    assert len(calls) == 2
+    # the file rewritten (another step's trace, fewer events): never the old figures
+    events = json.loads(gzip.decompress(TRACE.read_bytes()))
+    events["traceEvents"] = [e for e in events["traceEvents"]
+                             if "cbtrace::head" not in str(e.get("name"))]
+    (tmp_path / TRACE.name).write_bytes(gzip.compress(json.dumps(events).encode()))
+    again = insitu_for_run(tmp_path, m)
+    assert len(calls) == 3 and "head" not in set(again.fqn) and "head" in set(fwd.fqn)
+
+
 def test_capture_run_names_nn_module_events(tmp_path, shared_traces):
     from helpers.runs import record, write_run
 

@@ -2,6 +2,7 @@
 left by the in-situ attribution with the call they belong to."""
 import math
 
+import pandas as pd
 import pytest
 import torch
 from helpers.settings import FAST_REPLAY
@@ -95,3 +96,6 @@ def test_a_calls_own_adds_stay_with_it_in_situ(tmp_path):
     assert after.loc["block.act", "cpu_ms"] > before.loc["block.act", "cpu_ms"]
     for fqn in ("block", "block.ln", ""):
         assert after.loc[fqn, "cpu_ms"] == pytest.approx(before.loc[fqn, "cpu_ms"])
+    # the forward's rows do not depend on the sums (the in-situ stage reads a trace once for both)
+    pd.testing.assert_frame_equal(insitu_for_run(tmp_path / "run", manifest, "fwd"),
+                                  insitu_for_run(tmp_path / "run", manifest, "fwd", own))

@@ -38,14 +38,17 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     on_gpu = manifest.device.startswith("cuda")
     plain = plain_trace(run, manifest) if on_gpu else None
     hooked, bwd_hooked = {}, {}
+    # the backward's own gradient sums; the forward's rows do not depend on them, so each trace
+    # is attributed once for both phases (``_attributed``)
+    sums = {"grad_sums": own_grad_sums(df)} if df["bwd_ms"].notna().any() else {}
     if not on_gpu and df["insitu_host_ms"].notna().all():
         insitu = dict(zip(df["call_id"], df["insitu_host_ms"]))  # CPU: unprofiled repeats
         span, kernels = {}, {}
     else:
-        table = insitu_for_run(run, manifest)
+        table = insitu_for_run(run, manifest, **sums)
         insitu, span = _by_call(df, table), _by_call(df, table, "gpu_span_ms")
         kernels = _by_call(df, table, "kernel_count")
-        ptable = _plain_table(run, manifest, plain, table)
+        ptable = _plain_table(run, manifest, plain, table, **sums)
         if ptable is not None:  # the plain step's figures, the captured step's where it has none
             hooked = insitu
             use = {cid: _number(v) is not None for cid, v in _by_call(df, ptable).items()}
@@ -53,8 +56,7 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
                 ("insitu_ms", insitu), ("gpu_span_ms", span), ("kernel_count", kernels)))
     bwd = {}
     if df["bwd_ms"].notna().any():
-        bwd = _by_call(df, insitu_for_run(run, manifest, phase="bwd",
-                                          grad_sums=own_grad_sums(df)))
+        bwd = _by_call(df, insitu_for_run(run, manifest, phase="bwd", **sums))
         # a checkpointed step's recomputation has ranges only in the captured step's trace: the
         # plain step's would count it in the backward of the call whose node ran it
         recomputed = "recomputed" in df and df["recomputed"].fillna(False).astype(bool).any()
@@ -192,7 +194,7 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None
     trace = trace or find_trace(run_dir, manifest)
     if trace is None:
         raise RunDirError(f"{run_dir}: no capture trace (*.pt.trace.json*) in the run")
-    df = attribute_file(trace, grad_sums=grad_sums)
+    df = _attributed(Path(trace), grad_sums)
     df = df[(df["phase"] == phase) & (df["depth"] >= 0)]
     if (df["step"] >= 0).any():
         df = df[df["step"] == df.loc[df["step"] >= 0, "step"].min()]
@@ -200,6 +202,25 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None
     out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms", "kernel_count"]].copy()
     out["insitu_ms"] = out["gpu_ms"] if has_device else out["cpu_ms"]
     return out.reset_index(drop=True)
+
+
+def _attributed(trace: Path, grad_sums: dict | None):
+    """``attribute_file(trace, grad_sums=...)``, kept for the next call with the same file (by
+    path, size and mtime) and sums: the in-situ stage reads each trace for the forward and the
+    backward (a GPT-2 train step's traces are tens of MB of JSON). Callers filter, never
+    change, the frame."""
+    st = trace.stat()
+    key = (str(trace), st.st_size, st.st_mtime_ns, tuple(sorted((grad_sums or {}).items())))
+    df = _ATTRIBUTED.pop(key, None)
+    if df is None:
+        df = attribute_file(trace, grad_sums=grad_sums)
+    _ATTRIBUTED[key] = df  # the newest last
+    while len(_ATTRIBUTED) > 2:  # a run's capture trace and its plain step's
+        _ATTRIBUTED.pop(next(iter(_ATTRIBUTED)))
+    return df
+
+
+_ATTRIBUTED: dict = {}  # (path, size, mtime_ns, sums) -> its attribution; the oldest first
 
 
 @locked("attribute", mark=False)  # rewrites modules.parquet: not while a replay writes it
