@@ -29,6 +29,11 @@ class ReplayConfig:
     share of the median (0: off): a call whose runs never agree to ``converge_spread`` then
     stops when more runs would not move its median, not at the end of its budget. Not in cold
     mode."""
+    converge_ci_floor: bool = TimingConfig.converge_ci_floor
+    """The median's interval also counts as converged within +- the timer's own jitter per
+    sample (graph timer: 2 us over K calls), for calls of a few microseconds whose 1 % is finer
+    than that; off until an A/B on a GPU says what it does (dlrm:large's context-timed ReLUs
+    took 21 runs each)."""
     warmup_runs: int = TimingConfig.warmup_runs
     """Untimed calls before timing (graph timer: on its capture stream, what capture needs made
     outside it: lazy init, per-stream workspaces; a warm replay of the graph follows before any
@@ -161,5 +166,6 @@ class ReplayConfig:
                      settle_tol=self.cold_settle_tol, converge_spread=0.0, converge_ci=0.0)
                 if self.cold
                 else dict(budget_s=self.budget_s, graph_k=self.graph_k,
-                          converge_spread=self.converge_spread, converge_ci=self.converge_ci))
+                          converge_spread=self.converge_spread, converge_ci=self.converge_ci,
+                          converge_ci_floor=self.converge_ci_floor))
         return TimingConfig(min_runs=self.min_runs, warmup_runs=self.warmup_runs, **mode)

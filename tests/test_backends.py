@@ -321,6 +321,11 @@ def test_converged_once_the_median_is_known_though_the_runs_disagree():
     assert not stats.converged([5.0] * 10, 0.0, floor_ms=1.0)
     assert not stats.converged(wide, 0.0, floor_ms=100.0, ci=0.002)
     assert stats.converged([5.0] * 10, 0.0, ci=0.01)
+    # the interval within the timer's jitter per sample, when asked: a 5 us call, 0.1 us a sample
+    small = [0.005 + 1e-4 * ((37 * i) % 20) / 19 for i in range(20)]  # 5.0..5.1 us
+    assert not stats.converged(small, 0.0, floor_ms=1e-4, ci=0.001)  # ci_floor off
+    assert stats.converged(small, 0.0, floor_ms=1e-4, ci=0.001, ci_floor=True)
+    assert not stats.converged(small, 0.0, floor_ms=1e-5, ci=0.001, ci_floor=True)
 
 
 def test_collect_with_converge_ci_stops_before_the_budget(clock):

@@ -34,7 +34,7 @@ def collect(sample: Callable[[int, int], list[float]], cfg: TimingConfig,
         assert len(got) == n, f"sample returned {len(got)} values for {n} runs"
         samples.extend(got)
         if (cfg.converge_spread or cfg.converge_ci) and converged(
-                samples, cfg.converge_spread, floor_ms, cfg.converge_ci):
+                samples, cfg.converge_spread, floor_ms, cfg.converge_ci, cfg.converge_ci_floor):
             break
         elapsed = time.perf_counter() - t0
         n = plan_runs(per_run_s=elapsed / len(samples), left_s=cfg.budget_s - elapsed,

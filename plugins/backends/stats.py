@@ -43,19 +43,21 @@ EVENT_JITTER_MS = 2e-3
 
 
 def converged(samples_ms: list[float], spread: float, floor_ms: float = 0.0,
-              ci: float = 0.0) -> bool:
+              ci: float = 0.0, ci_floor: bool = False) -> bool:
     """Whether (``spread`` > 0) p10 and p90 of the samples lie within ``spread`` (relative) of
     their median, or within ``floor_ms`` of each other (the timer's own jitter per sample), or
     (``ci`` > 0) the median's 95 % confidence interval lies within +-``ci`` of it
     (``median_ci``): a call whose runs differ by more than ``spread`` then stops once more runs
-    would not move its median."""
+    would not move its median. ``ci_floor``: the interval's half-width may also be up to
+    ``floor_ms`` (a call of a few microseconds timed in its context: 1 % of it is finer than
+    the events resolve a sample, and its runs went on to the budget)."""
     median, p10, p90 = summarize(samples_ms)
     if spread > 0 and ((median > 0 and (p90 - p10) <= spread * median) or (p90 - p10) < floor_ms):
         return True
     if ci <= 0 or median <= 0:
         return False
     lo, hi = median_ci(samples_ms)
-    return (hi - lo) / 2 <= ci * median
+    return (hi - lo) / 2 <= max(ci * median, floor_ms if ci_floor else 0.0)
 
 
 def median_ci(samples: list[float], z: float = 1.96) -> tuple[float, float]:

@@ -44,6 +44,8 @@ class TimingConfig:
     """Stop sampling once p10..p90 is within this share of the median (0: off)."""
     converge_ci: float = 0.01
     """Also stop once the median's 95 % CI is within +- this share of it (0: off; RESULTS.md)."""
+    converge_ci_floor: bool = False
+    """... or within +- the timer's own jitter per sample (for A/B runs: not yet measured)."""
     max_runs: int = 10_000
     """Timed runs never exceeded, whatever the budget."""
     warmup_runs: int = 1
