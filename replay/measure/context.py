@@ -130,8 +130,10 @@ class ContextSource:
         """Whether ``calls(call_id)`` loads its context (``before``, its predecessors): an input
         may be a predecessor's output, or (rewriting) one may be rewritten."""
         rec = self.by_id[call_id]
-        rewritten = self.rewrite and rec.module_type not in LOOKUPS and may_be_rewritten(rec)
-        return bool(before) and (rewritten or may_feed(rec, [self.by_id[c] for c in before]))
+        if not before or rec.module_type in LOOKUPS:  # a lookup: table copies instead
+            return False
+        return ((self.rewrite and may_be_rewritten(rec))
+                or may_feed(rec, [self.by_id[c] for c in before]))
 
     def offer(self, rec, inputs) -> None:
         """The captured inputs of ``rec``'s call, as the replay just loaded them (before it
@@ -371,8 +373,9 @@ def _small(c: CallUnderTest) -> bool:
 
 def in_step_cache_state(c: CallUnderTest) -> None:
     """Set ``c.timed`` so that the call meets the cache state it had in the step, where that is
-    on (``c.context`` not None): its context before it (``in_context``), else, for an embedding
-    lookup, a table copy per run (``with_table_copies``)."""
+    on (``c.context`` not None): for an embedding lookup, a table copy per run
+    (``with_table_copies``: its ids are the batch's data; in the step its table was read once,
+    after the others'), else its context before it (``in_context``)."""
     if c.context is None or c.timed is not None:
         return
     if not isinstance(c.module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
