@@ -153,7 +153,8 @@ def main(argv=None) -> None:
           f"out-of-memory rows {oom}")
     for m in modes:  # why, where a mode failed: the three commonest reasons as they read
         errs = df[f"{m}_status"].dropna()
-        for why, n in errs[errs.str.startswith("error")].value_counts().head(3).items():
+        stopped = errs.str.startswith("skipped: compile mode stopped")
+        for why, n in errs[errs.str.startswith("error") | stopped].value_counts().head(3).items():
             print(f"  {m}: {n} x {why[:200]}")
 
     rows = record_rows(df)

@@ -265,6 +265,33 @@ def test_a_compile_error_is_one_line_on_every_row(tmp_path):
     assert (df["best_mode"] == "eager").all() and df["compile_ms"].isna().all()
 
 
+def test_calls_failing_alike_stop_compile_mode_with_the_reason(tmp_path):
+    from cbtrace.replay.modes.compile_cudagraph import FAILED_ALIKE
+
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]).eval()
+    df = _replay_small(tmp_path, model, modes=("compile",), compile_mode="no-such-mode")
+    assert (df["status"] == "ok").all()  # eager goes on
+    status = df["compile_status"]
+    failed = status.str.startswith("error: RuntimeError: Unrecognized mode")
+    stopped = status.str.startswith(f"skipped: compile mode stopped: {FAILED_ALIKE} calls in a "
+                                    "row failed alike (RuntimeError: Unrecognized mode")
+    assert failed.sum() == FAILED_ALIKE and stopped.sum() == len(df) - FAILED_ALIKE
+    assert (failed | stopped).all() and df["compile_ms"].isna().all()
+
+
+def test_a_compiled_call_between_failures_keeps_compile_mode_on():
+    from cbtrace.replay.modes.compile_cudagraph import FAILED_ALIKE, Compiled
+
+    c = Compiled.__new__(Compiled)  # its bookkeeping alone
+    c.failures, c.stopped = [], None
+    for status in ["error: a"] * (FAILED_ALIKE - 1) + ["ok", "error: a", "skipped: x", "error: b"]:
+        c._watch(status)
+    assert c.stopped is None and c.failures == ["error: b"]
+    for _ in range(FAILED_ALIKE - 1):
+        c._watch("error: b")
+    assert c.stopped == f"compile mode stopped: {FAILED_ALIKE} calls in a row failed alike (b)"
+
+
 def test_a_module_called_twice_compiles_once(tmp_path):
     lin = nn.Linear(8, 8)
 
