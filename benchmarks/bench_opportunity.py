@@ -20,6 +20,7 @@ measured once and compared with both; ``--back-to-back-host-issue`` replays with
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -101,7 +102,7 @@ def table(rows, types: dict, calls: dict, steady: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     import cbtrace
     from cbtrace.cost.dtypes import torch_dtype
     from cbtrace.plugins.reporters.icicle_tree import record_rows
@@ -203,7 +204,12 @@ def main(argv=None) -> None:
         print(f"{label[name]}within +-{REL_TOL:.0%} or {ABS_TOL_MS} ms: {good} of {len(done)} "
               f"of the {len(mine)} it picked (rows with both figures; "
               f"{len(mine) - len(done)} failed)")
+    if not any(r.error_ms is not None for r in checked):  # a run that measured nothing
+        print(f"bench_opportunity: no module was measured in place ({len(fqns)} picked; the "
+              "compile mode's statuses above say why)", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
