@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from cbtrace.device import window_ms
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from zoo import hf_wav2vec2  # noqa: E402
 
@@ -34,14 +36,9 @@ def kernels(fn):
 
 
 def events_ms(fn, n):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """ms a call of ``n`` back to back between CUDA events, from an idle device."""
     torch.cuda.synchronize()
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / n
+    return window_ms(fn, "cuda", n)
 
 
 def main():

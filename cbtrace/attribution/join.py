@@ -61,7 +61,7 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         # plain step's would count it in the backward of the call whose node ran it
         recomputed = "recomputed" in df and df["recomputed"].fillna(False).astype(bool).any()
         ptable = None if recomputed else _plain_table(run, manifest, plain, None, phase="bwd",
-                                                      grad_sums=own_grad_sums(df))
+                                                      **sums)
         if ptable is not None:
             bwd_hooked, pb = bwd, _by_call(df, ptable)
             bwd = _either({cid: _number(v) is not None for cid, v in pb.items()}, pb, bwd)
