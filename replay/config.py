@@ -112,6 +112,12 @@ class ReplayConfig:
     "skipped: ..." in those modes, their eager figures as usual (None: no limit)."""
     backward: bool = False
     """Also replay each call's backward on its captured (else random) output gradients."""
+    cpu_windows: int = 2
+    """On a CPU, each call timed in this many windows, the later ones after every call's first,
+    the fastest kept: a shared machine's slow stretch must then cover a call each time (on a
+    2-core VM a 1 ms NanoGPT root read 1.09-1.54 ms from one 20-sample window to the next,
+    and the regression gate flagged identical runs). 1: one window (then only the calls
+    ``engine.recheck`` picks, noisy or slower than their parent, get a second). Not on a GPU."""
     max_copies: int = 8
     """Most input copies rotated between timed calls (against L2 warmth)."""
     memory_budget_bytes: int | None = None
@@ -143,9 +149,9 @@ class ReplayConfig:
             raise ValueError(f"modes: unknown {', '.join(unknown)} (modes: eager, "
                              f"{', '.join(MODES)})")
         self.modes = modes
-        if self.host_runs < 1 or self.profile_runs < 1:
-            raise ValueError(f"host_runs and profile_runs must be >= 1, got {self.host_runs}, "
-                             f"{self.profile_runs}")
+        if self.host_runs < 1 or self.profile_runs < 1 or self.cpu_windows < 1:
+            raise ValueError(f"host_runs, profile_runs and cpu_windows must be >= 1, got "
+                             f"{self.host_runs}, {self.profile_runs}, {self.cpu_windows}")
         if self.context_rewrite not in CONTEXT_REWRITES:
             raise ValueError(f"context_rewrite: {self.context_rewrite!r} is not one of "
                              f"{', '.join(CONTEXT_REWRITES)}")

@@ -209,7 +209,7 @@ def test_a_predecessor_replayed_first_hands_its_inputs_to_the_contexts(tmp_path,
         model(torch.randn(512, 64))
     # a loaded CPU times noisy calls once more after the loop, reading their inputs again (and
     # their contexts', whose copies went once the calls were measured): the first pass is counted
-    monkeypatch.setattr(engine, "recheck", lambda done, by_id: [])
+    monkeypatch.setattr(engine, "recheck", lambda done, by_id, every=False: [])
     reads = []
     real = load.load_call_inputs
     monkeypatch.setattr(load, "load_call_inputs",

@@ -30,7 +30,7 @@ def test_repeated_blocks_are_timed_once_and_checked(tmp_path, monkeypatch):
     from cbtrace.replay import engine
 
     # a busy CPU times its slow calls again, and a check row timed again is no check any more
-    monkeypatch.setattr(engine, "recheck", lambda done, by_id: [])
+    monkeypatch.setattr(engine, "recheck", lambda done, by_id, every=False: [])
     cap = capture_model("nanogpt:tiny", tmp_path / "r", device="cpu")
     df = cbtrace.replay(cap.out, model_spec="nanogpt:tiny", reuse_timing=True, **FAST)
     assert (df["status"] == "ok").all()
@@ -140,6 +140,7 @@ def test_recheck_reads_the_column_not_the_note():
             2: dict(row, timing_copied_from="h.0", timer_notes="timed as h.0 (--reuse-timing)"),
             3: dict(row, timer_notes="timed as h.0 (--reuse-timing)")}
     assert recheck(done, by_id) == [3]
+    assert recheck(done, by_id, every=True) == [0, 3]  # cpu_windows > 1: every call timed
 
 
 def test_profile_and_replay_commands_take_the_flag(tmp_path):

@@ -247,6 +247,23 @@ def test_a_folder_is_named_an_unfinished_capture_only_when_it_holds_inputs(tmp_p
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_a_capture_killed_before_its_first_write_is_named_dead(tmp_path, gated):
+    """Killed between taking the lock and making inputs/ (a busy CI machine's timing): the
+    folder holds the lock file alone, and the next capture says whose it was, not "not
+    empty", nor captures over it."""
+    run = tmp_path / "r"
+    run.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run / LOCK).write_text(json.dumps({"pid": dead.pid, "host": "h", "command": "capture",
+                                        "started": time.time(), "state": "running"}))
+    again = cli("capture", "--model", gated, "--device", "cpu", "--out", run)
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 1 and len(errors(err)) == 1, err
+    assert f"a dead capture: capture (pid {dead.pid} on h" in err and f"rm -r {run}" in err
+    assert os.listdir(run) == [LOCK]  # left as it was
+
+
 def test_attribute_into_a_run_waits_for_no_one_and_is_refused_while_replay_writes(tmp_path):
     from cbtrace.attribution.join import join_insitu
 

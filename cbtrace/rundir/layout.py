@@ -26,13 +26,17 @@ def prepare_new_run(out_dir, *, overwrite: bool = False) -> Path:
     if out.exists():
         if not out.is_dir():
             raise RunDirError(f"{out}: exists and is not a directory")
-        if any(p.name != ".cbtrace.lock" for p in out.iterdir()) and not overwrite:
+        names = {p.name for p in out.iterdir()}
+        if names and not overwrite:
             # here: lock reads manifests through rundir.read, which imports this module
-            from cbtrace.rundir.lock import check_new_run
+            from cbtrace.rundir.lock import LOCK, check_new_run
 
-            check_new_run(out)  # a run in use, or left by a command that died: say which
-            raise RunDirError(f"{out}: already exists and is not empty; choose another run "
-                              "directory (an existing run is never overwritten)")
+            # a run in use, or left by a command that died (a lock file alone: a capture
+            # killed before its first write): say which
+            check_new_run(out)
+            if names - {LOCK}:
+                raise RunDirError(f"{out}: already exists and is not empty; choose another run "
+                                  "directory (an existing run is never overwritten)")
     out.mkdir(parents=True, exist_ok=True)
     (out / INPUTS).mkdir(exist_ok=True)
     stale = out / PLAIN_TRACE  # an overwritten run's: this capture profiles its own, or none

@@ -243,21 +243,27 @@ def _band(r: dict) -> float:
 def _check_tree(r: dict, by_b: dict, parent_b: dict, children_b: dict) -> None:
     """Drop a time change that an enclosing call does not show (``regress.contradicts``), or,
     for a call with none timed above it, that its children do not show
-    (``regress.unexplained``); ``time_contradicted_by`` names that call ("(children)")."""
+    (``regress.unexplained``); ``time_contradicted_by`` names that call ("(children)").
+
+    An enclosing call shows what is left of its change once its other children that changed
+    work take theirs: in a diff with a planted wider layer, every call above it is slower by
+    the plant, which must not confirm a sibling that a busy machine slowed in B's replay."""
     r["time_contradicted_by"] = None
     if not r["_changes"].get("time"):
         return
     delta, above = r["_dt"], False
-    c = parent_b.get(r["call_id_b"], -1)
+    via, c = r["call_id_b"], parent_b.get(r["call_id_b"], -1)
     while c in by_b:
         up = by_b[c]
         if _timed(up):
             above = True
-            if regress.contradicts(delta, up["_dt"], _band(up)):
+            explained = sum(k["_dt"] for k in children_b.get(c, [])
+                            if k["call_id_b"] != via and _timed(k) and k["_changes"].get("work"))
+            if regress.contradicts(delta, up["_dt"] - explained, _band(up)):
                 r["_changes"]["time"] = 0
                 r["time_contradicted_by"] = up["fqn"]
                 return
-        c = parent_b.get(c, -1)
+        via, c = c, parent_b.get(c, -1)
     kids = [k for k in children_b.get(r["call_id_b"], []) if _timed(k)]
     if not above and kids and regress.unexplained(delta, sum(k["_dt"] for k in kids)):
         r["_changes"]["time"] = 0

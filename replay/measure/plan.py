@@ -9,6 +9,7 @@ Each step returns the ModuleRecord fields it measures; the row is their union pl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Protocol
 
@@ -46,6 +47,13 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
     if cfg.backward:  # its backward on the output gradients (modes/backward.py)
         steps.append(BackwardStep(cfg, chain, backends))
     return steps
+
+
+def time_plan(cfg, device, backends: dict) -> list[Step]:
+    """The time step alone, every call timed (no ``reuse_timing``): a call timed again
+    (``ReplayLoop._time_again``)."""
+    cfg = dataclasses.replace(cfg, reuse_timing=False)
+    return [Timed(choice.chain(cfg.timer, device, backends), backends, cfg)]
 
 
 def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads=None,
