@@ -4,9 +4,10 @@ feed-forward three times wider, and a repeat of the original, each captured and 
 
 Per pair: calls compared, calls flagged, the planted ones among them, false positives (flagged
 but neither planted nor enclosing a planted call), the time threshold the runs set, and the
-exit code. Usage:
+exit code. On a CPU, side by side in one run: replays that time each call in one window and in
+two (``cpu_windows``, the faster kept; the default 2). Usage:
 
-    python benchmarks/bench_diff_gate.py OUT_DIR [--repeats N]
+    python benchmarks/bench_diff_gate.py OUT_DIR [--repeats N] [--windows 1,2]
 """
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def bert(wide: bool, device: str):
     return model.to(device)
 
 
-def capture_replay(model, out: Path, device: str) -> Path:
+def capture_replay(model, out: Path, device: str, windows: int = 2) -> Path:
     import torch
 
     import cbtrace
@@ -45,7 +46,7 @@ def capture_replay(model, out: Path, device: str) -> Path:
     ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     with cbtrace.capture(model, out, trace=False), torch.no_grad():
         model(ids.to(device))
-    cbtrace.replay(out, model=model, **REPLAY)
+    cbtrace.replay(out, model=model, cpu_windows=windows, **REPLAY)
     return out
 
 
@@ -65,25 +66,36 @@ def gate(a: Path, b: Path, expect: set) -> dict:
             "exit": code, "expected exit": 1 if expect else 0}
 
 
-def main(out_dir: str, repeats: int = 1):
+def main(out_dir: str, repeats: int = 1, windows: tuple = (1, 2)):
     import pandas as pd
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = Path(out_dir)
-    plain = bert(False, device)
-    runs = {"A": capture_replay(plain, out / "A", device),
-            "B": capture_replay(bert(True, device), out / "B", device)}
-    for i in range(repeats):
-        runs[f"A{i + 2}"] = capture_replay(plain, out / f"A{i + 2}", device)
-    rows = [gate(runs["A"], runs["B"], PLANTED)]
-    rows += [gate(runs["A"], runs[f"A{i + 2}"], set()) for i in range(repeats)]
+    rows = []
+    for w in windows if device == "cpu" else (1,):
+        out = Path(out_dir) / f"windows{w}"
+        plain = bert(False, device)
+        runs = {"A": capture_replay(plain, out / "A", device, w),
+                "B": capture_replay(bert(True, device), out / "B", device, w)}
+        for i in range(repeats):
+            runs[f"A{i + 2}"] = capture_replay(plain, out / f"A{i + 2}", device, w)
+        pairs = [gate(runs["A"], runs["B"], PLANTED)]
+        pairs += [gate(runs[a], runs[b], set()) for a, b in identical(list(runs), repeats)]
+        rows += [{"cpu_windows": w if device == "cpu" else "-", **r} for r in pairs]
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
     print(pd.DataFrame(rows).to_string(index=False))
+
+
+def identical(names: list, repeats: int) -> list:
+    """Every ordered pair of the unchanged runs (A, A2, ...): both directions of each."""
+    same = ["A"] + [f"A{i + 2}" for i in range(repeats)]
+    return [(a, b) for a in same for b in same if a != b]
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     n = int(sys.argv[sys.argv.index("--repeats") + 1]) if "--repeats" in sys.argv else 1
-    main(sys.argv[1], n)
+    w = (tuple(int(x) for x in sys.argv[sys.argv.index("--windows") + 1].split(","))
+         if "--windows" in sys.argv else (1, 2))
+    main(sys.argv[1], n, w)

@@ -22,7 +22,8 @@ from cbtrace.workflows.diff import DiffError, diff_runs
 
 transformers = pytest.importorskip("transformers")
 
-REPLAY = {**FAST_REPLAY, "budget_s": 0.02, "min_runs": 20}  # times steady enough to compare
+# times steady enough to compare: two windows a call (the default), the faster kept
+REPLAY = {**FAST_REPLAY, "budget_s": 0.02, "min_runs": 20, "cpu_windows": 2}
 HIDDEN, FF, WIDE = 32, 37, 111
 FFN = "encoder.layer.1"
 # the widened Linears, the GELU between them (its work triples too) and every call up to the root

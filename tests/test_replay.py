@@ -630,8 +630,8 @@ def test_a_cpu_call_is_timed_in_two_windows_and_the_faster_kept(tmp_path, monkey
             for m in model:
                 m.n = 0
     monkeypatch.setattr(engine.ReplayLoop, "_replay_and_log", replay_and_log)
-    df = cbtrace.replay(tmp_path / "r", model=model, cpu_windows=windows,
-                        **{**FAST_REPLAY, "min_runs": 5}).set_index("fqn")
+    df = cbtrace.replay(tmp_path / "r", model=model,
+                        **{**FAST_REPLAY, "min_runs": 5, "cpu_windows": windows}).set_index("fqn")
     for fqn in ("0", "1"):
         row = df.loc[fqn]
         if windows == 1:  # one window: the slow stretch is the figure
