@@ -56,20 +56,29 @@ class ClockSampler:
 SPIN_CYCLES = 100_000  # ~50 us at 2 GHz: the clock from a spin kernel's cycles over its time
 
 
-def kernels(fn, names=("gelu",)):
+def kernels(fn, before, names=("gelu",)):
     """(device µs of the kernels whose name holds one of ``names``, SM MHz at the end) running
-    ``fn`` under the profiler; the clock from a spin kernel of SPIN_CYCLES queued right after
-    ``fn``'s work (its cycles over its duration: the clock the SMs ran at then, to ~1 %)."""
+    ``before`` then ``fn`` under the profiler, counting ``fn``'s kernels alone; the clock from a
+    spin kernel of SPIN_CYCLES queued right after ``fn``'s work (its cycles over its duration:
+    the clock the SMs ran at then, to ~1 %)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # inside: the profiler's start (CUPTI set-up, ms) would idle the GPU between a busy
+        # ``before`` and ``fn``, and no sync: ``fn`` queues straight behind it
+        before()
+        torch.cuda._sleep(1)  # a marker: the kernels after it are fn's
         fn()
         torch.cuda._sleep(SPIN_CYCLES)
         torch.cuda.synchronize()
-    dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    spins = [e.device_time for e in dev if "spin" in e.name.lower()]
-    mhz = SPIN_CYCLES / spins[-1] if spins else float("nan")
+    dev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    spins = [i for i, e in enumerate(dev) if "spin" in e.name.lower()]
+    if len(spins) != 2:
+        print(f"{len(spins)} spin kernels, not 2: fn's kernels not told from before's")
+    mhz = SPIN_CYCLES / dev[spins[-1]].device_time if spins else float("nan")
+    dev = dev[spins[0] + 1:spins[-1]] if len(spins) == 2 else dev
     return [e.device_time for e in dev if any(n in e.name.lower() for n in names)], mhz
 
 
@@ -104,12 +113,11 @@ def main(argv):
     rows = []
 
     def phase(name, before, fn):
-        before()
-        clocks.phase = name
-        got, spin_mhz = kernels(fn)
+        got, spin_mhz = kernels(fn, lambda: (before(), setattr(clocks, "phase", name)))
         clocks.phase = ""
         mhz, low, n = clocks.median(name)
-        rows.append((name, statistics.median(got), len(got), spin_mhz, mhz, low, n))
+        rows.append((name, statistics.median(got) if got else float("nan"), len(got), spin_mhz,
+                     mhz, low, n))
 
     idle = lambda: (torch.cuda.synchronize(), time.sleep(1.0))  # noqa: E731
     with torch.no_grad():
