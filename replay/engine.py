@@ -183,6 +183,7 @@ class ReplayLoop:
             if self.device.type == "cpu":  # a busy machine slows calls at random: retime
                 self._time_again()
         finally:
+            self.guard.undo()  # what a call wrote outside its subtree other than in place
             self.ahead.close()
             self.log.close()
             self.bar.close()
@@ -244,7 +245,8 @@ class ReplayLoop:
             return skipped
         device, cfg, timings = self.device, self.cfg, self.timings
         try:
-            with timed(self.guard.call(), timings, "state_guard"), time_limit(cfg.timeout_s):
+            with timed(self.guard.call(module), timings, "state_guard"), \
+                    time_limit(cfg.timeout_s):
                 with phase(timings, "load"):
                     (args, kwargs), grads = self._inputs(rec, read)
                     if self.context is not None:  # a later call's context may need them
