@@ -253,7 +253,8 @@ def test_planted_regression_names_its_modules_and_their_ancestors(runs):
     assert (df["work_changed"] == "").all()  # a spin and a temporary are no counted work
     for name in MEMORY:
         assert df.loc[name, "peak_mem_bytes_rel"] == pytest.approx(1.8, abs=0.01)  # 2.8x
-    assert df.loc[SLOW, "isolated_ms_delta"] >= 0.9 * SLOW_S * 1e3  # a wall-clock spin
+    # a wall-clock spin: B's call holds it, whatever a loaded machine made of A's
+    assert df.loc[SLOW, "isolated_ms_b"] >= 0.9 * SLOW_S * 1e3
     assert set(df["verdict"]) <= {"regressed", "improved", "unchanged"}
     assert not df[df["verdict"] == "improved"]["regression"].any()
 
