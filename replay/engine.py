@@ -429,6 +429,8 @@ def timing_settings(cfg) -> dict:
         settings.update(context_max_ms=cfg.context_max_ms, context_rewrite=cfg.context_rewrite)
     if cfg.eager_only:  # only when set: rows of earlier replays keep their settings
         settings["eager_only"] = True
+    if cfg.cpu_windows != ReplayConfig.cpu_windows:  # a CPU row's fastest of how many windows
+        settings["cpu_windows"] = cfg.cpu_windows
     if "compile" in cfg.modes:  # what the compile mode's host figure means
         settings["cold_host_issue"] = cfg.cold_host_issue
     return settings

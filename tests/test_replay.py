@@ -89,6 +89,9 @@ def test_replay_settings_are_validated_and_cold_warm_up_counts_for_resume():
     assert timing_settings(cold) != timing_settings(warm)
     assert timing_settings(ReplayConfig()) == timing_settings(ReplayConfig(cold_settle_tol=0.5))
     assert timing_settings(ReplayConfig()) == timing_settings(ReplayConfig(budget_s=1.0))
+    assert timing_settings(ReplayConfig()) != timing_settings(ReplayConfig(cpu_windows=1))
+    with pytest.raises(ValueError, match="cpu_windows must be >= 1"):
+        ReplayConfig(cpu_windows=0)
     # which calls get a context, and how an input no module wrote is left, change the figure
     for other in (dict(context_rewrite="off"), dict(context_max_ms=0.04)):
         assert timing_settings(ReplayConfig()) != timing_settings(ReplayConfig(**other))
