@@ -212,10 +212,16 @@ class ReplayLoop:
         done, windows = self.done, self.cfg.cpu_windows
         rows = {c: done[c] for c in self.order if c in done}
         again = [c for c in recheck(rows, self.by_id, every=windows > 1) if c not in self.kept]
+        if not again:
+            return
         plan = time_plan(self.cfg, self.device, registry.backends())
-        for _ in range(max(windows - 1, 1)):
+        self.bar.close()  # the first windows' bar, full: this pass has its own
+        passes = max(windows - 1, 1)
+        self.bar = Progress("timed again", passes * len(again), show=self.cfg.progress)
+        for _ in range(passes):
             for cid in again:
                 self._keep_faster(cid, self.replay_one(self.by_id[cid], plan=plan))
+                self.bar.advance(self.by_id[cid].fqn or "(root)")
 
     def _keep_faster(self, cid: int, row: dict) -> None:
         first = self.done[cid]
