@@ -49,9 +49,10 @@ from cbtrace.state import StateGuard
 from cbtrace.store import load
 
 TIMED_AGAIN = "timed twice"  # timer_notes of a row whose later window was the faster
-# what a later window replaces in a row (replay.measure.steps.Timed's fields)
+# what a later window replaces in a row (replay.measure.steps.Timed's fields; a call the step
+# ran compiled: AsInStep's compiled figures in them, and its eager one)
 WINDOW_FIELDS = ("timer", "timer_fallback", "isolated_ms", "isolated_ms_p10", "isolated_ms_p90",
-                 "noisy", "runs", "timed_ms")
+                 "noisy", "runs", "timed_ms", "eager_ms")
 
 
 @locked("replay")  # one writer of the run at a time; a full disk ends in one line
@@ -214,7 +215,7 @@ class ReplayLoop:
         again = [c for c in recheck(rows, self.by_id, every=windows > 1) if c not in self.kept]
         if not again:
             return
-        plan = time_plan(self.cfg, self.device, registry.backends())
+        plan = time_plan(self.cfg, self.device, registry.backends(), self.plan)
         self.bar.close()  # the first windows' bar, full: this pass has its own
         passes = max(windows - 1, 1)
         self.bar = Progress("timed again", passes * len(again), show=self.cfg.progress)
@@ -228,7 +229,7 @@ class ReplayLoop:
         if row.get("status") != "ok" or row.get("isolated_ms") is None or (
                 row["isolated_ms"] >= first["isolated_ms"]):
             return
-        kept = {k: row.get(k) for k in WINDOW_FIELDS}
+        kept = {k: row[k] for k in WINDOW_FIELDS if k in row}
         had = (first.get("timer_notes") or "").split("; ")
         notes = join_notes(*had, *[n for n in (row.get("timer_notes") or "").split("; ")
                                    if n not in had], None if TIMED_AGAIN in had else TIMED_AGAIN)

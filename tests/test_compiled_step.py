@@ -95,7 +95,8 @@ def replays(tmp_path_factory):
     model.block = torch.compile(model.block)
     _capture(model, path / "c", max_depth=1)
     eager = cbtrace.replay(path / "c", model=model, eager_only=True, **FAST_REPLAY)
-    compiled = cbtrace.replay(path / "c", model=model, **FAST_REPLAY)
+    # two CPU windows (the default): the block's second is timed compiled too
+    compiled = cbtrace.replay(path / "c", model=model, **{**FAST_REPLAY, "cpu_windows": 2})
     plain_model = _net()
     _capture(plain_model, path / "p", max_depth=1)
     plain = cbtrace.replay(path / "p", model=plain_model, **FAST_REPLAY)
@@ -114,6 +115,24 @@ def test_a_step_compiled_row_is_timed_compiled_by_default(replays):
         assert rows[fqn]["status"] == "ok" and not rows[fqn]["step_compiled"]
         assert _missing(rows[fqn]["eager_ms"])
         assert AS_IN_STEP not in _notes(rows[fqn])
+
+
+def test_a_call_timed_again_is_timed_as_the_step_ran_it():
+    """The second CPU window's plan: the time step, then the loop's AsInStep, whose compiled
+    entries are warm (a compiled row's windows are then both compiled)."""
+    from cbtrace import registry
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure.plan import default_plan, time_plan
+    from cbtrace.replay.measure.steps import Timed
+    from cbtrace.replay.modes.compile_cudagraph import AsInStep
+
+    for cfg in (ReplayConfig(reuse_timing=True), ReplayConfig(eager_only=True)):
+        cpu, backends = torch.device("cpu"), registry.backends()
+        plan = default_plan(cfg, cpu, backends)
+        again = time_plan(cfg, cpu, backends, plan)
+        assert isinstance(again[0], Timed) and again[0].reuse is None  # every call timed
+        assert again[1:] == [s for s in plan if isinstance(s, AsInStep)]
+        assert len(again) == (1 if cfg.eager_only else 2)
 
 
 def test_eager_only_times_it_eagerly(replays):

@@ -49,11 +49,13 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
     return steps
 
 
-def time_plan(cfg, device, backends: dict) -> list[Step]:
-    """The time step alone, every call timed (no ``reuse_timing``): a call timed again
-    (``ReplayLoop._time_again``)."""
+def time_plan(cfg, device, backends: dict, plan: list[Step]) -> list[Step]:
+    """The time steps of ``plan`` alone, every call timed (no ``reuse_timing``): a call timed
+    again (``ReplayLoop._time_again``). A call the step ran compiled is timed compiled again,
+    through ``plan``'s own compiled entries (``AsInStep``): its two windows are alike."""
     cfg = dataclasses.replace(cfg, reuse_timing=False)
-    return [Timed(choice.chain(cfg.timer, device, backends), backends, cfg)]
+    return [Timed(choice.chain(cfg.timer, device, backends), backends, cfg),
+            *[s for s in plan if isinstance(s, AsInStep)]]
 
 
 def measure_call(module, rec, args, kwargs, device, cfg, plan: list[Step], grads=None,
