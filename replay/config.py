@@ -72,9 +72,8 @@ class ReplayConfig:
     place after the context (x * 1), as their producer would have left them; "sum" as an op
     of two operands of their size would have (x + 0 * y, y another copy's: a residual add also
     read y); "off": neither (``CONTEXT_REWRITES``). "self" by default: against the plain step
-    on an H100 it
-    brought the < 10 us median error down on all seven models measured and ResNet-50's
-    post-add ReLUs from +58...+85 % to -15...+1 %, the >= 10 us share unchanged
+    on an H100 it brought the < 10 us median error down on all seven models measured and
+    ResNet-50's post-add ReLUs from +58...+85 % to -15...+1 %, the >= 10 us share unchanged
     (benchmarks/RESULTS.md, session 21)."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or

@@ -262,8 +262,8 @@ class ReplayLoop:
                 ctx = (functools.partial(self.context.calls, rec.call_id)
                        if self.context is not None else None)
                 self.flags.apply(module, rec)
-                return measure_call(module, rec, args, kwargs, device, cfg, plan or self.plan, grads,
-                                    timings, context=ctx)
+                return measure_call(module, rec, args, kwargs, device, cfg, plan or self.plan,
+                                    grads, timings, context=ctx)
         except CallTimeout as e:
             _free(device)
             return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")

@@ -38,14 +38,18 @@ class Net(nn.Module):
 FAST = {**FAST_REPLAY, "context": True, "count_flops": False, "host_runs": 1}
 
 
+def _capture(tmp_path, model, *inputs):
+    """The run of one forward of ``model`` on ``inputs``."""
+    with cbtrace.capture(model, tmp_path / "run"):
+        model(*inputs)
+    return tmp_path / "run"
+
+
 @pytest.fixture
 def run(tmp_path):
     torch.manual_seed(0)
     model = Net().eval()
-    x = torch.randn(4, 8)
-    with cbtrace.capture(model, tmp_path / "run"):
-        model(x)
-    return model, tmp_path / "run"
+    return model, _capture(tmp_path, model, torch.randn(4, 8))
 
 
 def _rec(call_id, parent, nbytes=1000):
@@ -189,9 +193,8 @@ class Chain(nn.Module):
 def test_an_inplace_call_is_fed_by_its_producer(tmp_path):
     torch.manual_seed(0)
     model = Chain().eval()
-    with cbtrace.capture(model, tmp_path / "run"):
-        model(torch.randn(512, 64))
-    df = cbtrace.replay(tmp_path / "run", model=model, device="cpu", **FAST).set_index("fqn")
+    run = _capture(tmp_path, model, torch.randn(512, 64))
+    df = cbtrace.replay(run, model=model, device="cpu", **FAST).set_index("fqn")
     assert "context: 2 calls before (a, bn); 1 input from their outputs" in (
         df.loc["act", "timer_notes"])
 
@@ -205,8 +208,7 @@ def test_a_predecessor_replayed_first_hands_its_inputs_to_the_contexts(tmp_path,
 
     torch.manual_seed(0)
     model = Chain().eval()
-    with cbtrace.capture(model, tmp_path / "run"):
-        model(torch.randn(512, 64))
+    run = _capture(tmp_path, model, torch.randn(512, 64))
     # a loaded CPU times noisy calls once more after the loop, reading their inputs again (and
     # their contexts', whose copies went once the calls were measured): the first pass is counted
     monkeypatch.setattr(engine, "recheck", lambda done, by_id, every=False: [])
@@ -214,7 +216,7 @@ def test_a_predecessor_replayed_first_hands_its_inputs_to_the_contexts(tmp_path,
     real = load.load_call_inputs
     monkeypatch.setattr(load, "load_call_inputs",
                         lambda run, ref, **kw: reads.append(ref) or real(run, ref, **kw))
-    df = cbtrace.replay(tmp_path / "run", model=model, device="cpu", **FAST).set_index("fqn")
+    df = cbtrace.replay(run, model=model, device="cpu", **FAST).set_index("fqn")
     assert (df.status == "ok").all()
     assert len(reads) == len(df) == 5  # one a call: none for a context
     assert "context: 2 calls before (a, bn); 1 input from their outputs" in (
@@ -238,10 +240,9 @@ class Residual(nn.Module):
 def test_an_input_no_module_wrote_is_rewritten_after_the_context_when_asked(tmp_path, rewrite):
     torch.manual_seed(0)
     model = Residual().eval()
-    with cbtrace.capture(model, tmp_path / "run"):
-        model(torch.randn(512, 256))  # 512 KiB: above the rewrite's floor
+    run = _capture(tmp_path, model, torch.randn(512, 256))  # 512 KiB: above the rewrite's floor
     before, rng = state_fingerprint(model), torch.get_rng_state()
-    df = cbtrace.replay(tmp_path / "run", model=model, device="cpu",
+    df = cbtrace.replay(run, model=model, device="cpu",
                         **{**FAST, "context_rewrite": rewrite}).set_index("fqn")
     assert state_fingerprint(model) == before and torch.equal(torch.get_rng_state(), rng)
     assert (df.status == "ok").all()
@@ -256,9 +257,8 @@ def test_an_input_no_module_wrote_is_rewritten_after_the_context_when_asked(tmp_
 def test_the_rewrite_is_the_default_for_a_residual_output(tmp_path):
     torch.manual_seed(0)
     model = Residual().eval()
-    with cbtrace.capture(model, tmp_path / "run"):
-        model(torch.randn(512, 256))
-    df = cbtrace.replay(tmp_path / "run", model=model, device="cpu", **FAST).set_index("fqn")
+    run = _capture(tmp_path, model, torch.randn(512, 256))
+    df = cbtrace.replay(run, model=model, device="cpu", **FAST).set_index("fqn")
     assert "its inputs rewritten after them (x * 1)" in str(df.loc["act", "timer_notes"])
 
 
@@ -284,13 +284,12 @@ def test_an_embedding_lookups_ids_are_never_rewritten_nor_its_context_loaded(tmp
     ids = torch.randint(0, 50_000, (65_536,))  # 512 KiB of int64: above the rewrite's floor
     offsets = torch.arange(0, 65_536, 64)
     weights = torch.rand(65_536)  # floating, 256 KiB: a lookup's, never rewritten either
-    with cbtrace.capture(model, tmp_path / "run"):
-        model(ids, offsets, weights)
-    recs = {r.fqn: r for r in read_records(tmp_path / "run")}
+    run = _capture(tmp_path, model, ids, offsets, weights)
+    recs = {r.fqn: r for r in read_records(run)}
     assert not may_be_rewritten(recs["e1"]) and may_be_rewritten(recs["e2"])  # its weights
     src = ContextSource(list(recs.values()), model, "cpu", load=None, rewrite=True)
     assert not src._loads(recs["e2"].call_id, src.before[recs["e2"].call_id])
-    df = cbtrace.replay(tmp_path / "run", model=model, device="cpu", **FAST).set_index("fqn")
+    df = cbtrace.replay(run, model=model, device="cpu", **FAST).set_index("fqn")
     assert "context" not in str(df.loc["e2", "timer_notes"])
 
 
@@ -312,11 +311,9 @@ def test_a_large_floating_input_may_be_rewritten_a_small_one_not():
 def test_graph_timer_times_each_slot_inside_the_graph(tmp_path):
     torch.manual_seed(0)
     model = Chain().cuda().eval()
-    x = torch.randn(512, 64, device="cuda")
-    with cbtrace.capture(model, tmp_path / "run"):
-        model(x)
+    run = _capture(tmp_path, model, torch.randn(512, 64, device="cuda"))
     before = state_fingerprint(model)
-    df = cbtrace.replay(tmp_path / "run", model=model, device="cuda", progress=False,
+    df = cbtrace.replay(run, model=model, device="cuda", progress=False,
                         budget_s=0.01).set_index("fqn")
     assert state_fingerprint(model) == before
     assert (df.status == "ok").all(), df.status_reason.dropna().to_dict()

@@ -282,7 +282,7 @@ class Compiled:
         self.step = None  # the step's root call (its first), run as the eviction once replayed
         self.cache = EntryCache(self.mode)
         self.compiles: dict[int, tuple] = {}  # call_id -> (compile_s, graphs) of its first replay
-        self.failures: dict[int, str] = {}  # call_id -> error of the last calls, alike, in a row
+        self.failures: list[str] = []  # the last calls' errors, alike and in a row
         self.stopped: str | None = None  # why compile mode stopped (FAILED_ALIKE calls in a row)
 
     def _failed(self, why: str, **row) -> dict:
@@ -296,28 +296,25 @@ class Compiled:
                                        "compiled call")
         if nothing_to_fuse(c):
             return dict(compile_status=f"{SKIPPED}{NOTHING_TO_FUSE}")
-        cid = c.rec.call_id
-        if self.stopped:  # a failed call timed again (a noisy row's retime) keeps its error
-            failed = self.failures.get(cid)
-            return dict(compile_status=failed or f"{SKIPPED}{self.stopped}")
+        if self.stopped:
+            return dict(compile_status=f"{SKIPPED}{self.stopped}")
         fields = self.measure(c)[0]
-        self._watch(cid, fields["compile_status"])
+        self._watch(fields["compile_status"])
         return fields
 
-    def _watch(self, cid: int, status: str) -> None:
+    def _watch(self, status: str) -> None:
         """Stop compile mode once FAILED_ALIKE calls in a row failed with the same error: the
         cause is then the setting or the environment, not the modules (a bad --compile-mode; a
         bug on one branch failed 133 of 133 EfficientNet-B0 calls, each failure resetting
-        dynamo, so every later call compiled from nothing: 107 s of a 135 s replay). A call
-        timed twice (``ReplayLoop._retime_noisy``) counts once."""
+        dynamo, so every later call compiled from nothing: 107 s of a 135 s replay). Each call
+        runs once: a call timed again runs the time steps alone (``plan.time_plan``)."""
         if not status.startswith("error: "):
             if status == "ok":
                 self.failures.clear()
             return
-        if self.failures and list(self.failures.values())[-1] != status:
+        if self.failures and self.failures[-1] != status:
             self.failures.clear()
-        self.failures.pop(cid, None)
-        self.failures[cid] = status
+        self.failures.append(status)
         if len(self.failures) >= FAILED_ALIKE:
             self.stopped = (f"compile mode stopped: {len(self.failures)} calls in a row failed "
                             f"alike ({status[len('error: '):][:200]})")
