@@ -2,7 +2,7 @@
 replay mechanism: where free device memory goes when calls start being skipped for it.
 
 Captures SPEC (train step: forward and backward) once, then replays it with the capture's model
-once per variant, recording after every call the driver's free memory and torch's allocated and
+once per variant (a patch, or replay settings: no-context, rewrite-off), recording after every call the driver's free memory and torch's allocated and
 reserved bytes; prints per variant the calls skipped and the memory at the 10th, middle and last
 call (and the parameters' .grad bytes). Usage: python benchmarks/probes/probe_memory.py OUT_DIR
 [VARIANT ...] [--spec SPEC] [--top N]
@@ -50,6 +50,9 @@ def variants():
 
     return {
         "default": contextlib.nullcontext,
+        # replay settings, not patches: (name) -> ReplayConfig fields
+        "no-context": {"context": False},
+        "rewrite-off": {"context_rewrite": "off"},
         "warm-fresh-stream": lambda: patched(graph, "side_stream_warmup", warm_fresh),
         "no-kept-outputs": lambda: patched(steps.HostIssue, "run", issue_drop),
         "no-read-ahead": lambda: patched(engine, "ReadAhead", no_ahead),
@@ -75,17 +78,27 @@ def main(out_dir, names, spec="nanogpt", options=None, top=0):
             free = torch.cuda.mem_get_info()[0]
             grads = sum(p.grad.numel() * p.grad.element_size() for p in params
                         if p.grad is not None)
-            log.append((row.get("status"), free, torch.cuda.memory_allocated(),
+            status = row.get("status")
+            if row.get("bwd_status") not in (None, "ok"):
+                status = "bwd " + str(row.get("bwd_status"))
+            log.append((status, free, torch.cuda.memory_allocated(),
                         torch.cuda.memory_reserved(), rec.fqn, grads))
             return row
 
         torch.cuda.empty_cache()
-        with table[name](), patched(engine.ReplayLoop, "replay_one", logged):
-            engine.replay(cap.out, model=cap.model, backward=True, progress=False)
+        how = table[name]
+        options = how if isinstance(how, dict) else {}
+        patch = contextlib.nullcontext if isinstance(how, dict) else how
+        with patch(), patched(engine.ReplayLoop, "replay_one", logged):
+            engine.replay(cap.out, model=cap.model, backward=True, progress=False, **options)
         skipped = sum(s != "ok" for s, *_ in log)
         marks = [9, len(log) // 2, len(log) - 1]
+        total = torch.cuda.mem_get_info()[1]
+        # outside: the driver's used memory that torch's allocator does not hold (CUDA graphs'
+        # own, cuDNN/cuBLAS workspaces, the context)
         cells = "  ".join(f"#{i}: free {log[i][1] / GIB:6.1f} alloc {log[i][2] / GIB:5.1f} "
-                          f"reserved {log[i][3] / GIB:6.1f} grads {log[i][5] / GIB:5.2f}"
+                          f"reserved {log[i][3] / GIB:6.1f} outside "
+                          f"{(total - log[i][1] - log[i][3]) / GIB:5.1f} grads {log[i][5] / GIB:5.2f}"
                           for i in marks)
         print(f"{name:<18} skipped {skipped:3d}  {cells}  (GiB)", flush=True)
         if top:  # the calls after which allocated memory grew most
