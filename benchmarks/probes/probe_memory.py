@@ -8,6 +8,7 @@ call (and the parameters' .grad bytes). Usage: python benchmarks/probes/probe_me
 [VARIANT ...] [--spec SPEC] [--top N]
 """
 import contextlib
+import gc
 from pathlib import Path
 
 import torch
@@ -57,6 +58,8 @@ def variants():
         "no-kept-outputs": lambda: patched(steps.HostIssue, "run", issue_drop),
         "no-read-ahead": lambda: patched(engine, "ReadAhead", no_ahead),
         "host-state-copy": lambda: patched(state, "DEVICE_COPY_SHARE", 0.0),
+        # reference cycles holding graphs and their pools: collected after every call
+        "gc-each-call": "gc",
     }
 
 
@@ -75,6 +78,8 @@ def main(out_dir, names, spec="nanogpt", options=None, top=0):
 
         def logged(loop, rec, *a, **k):
             row = one(loop, rec, *a, **k)
+            if how == "gc":
+                gc.collect()
             free = torch.cuda.mem_get_info()[0]
             grads = sum(p.grad.numel() * p.grad.element_size() for p in params
                         if p.grad is not None)
@@ -88,7 +93,7 @@ def main(out_dir, names, spec="nanogpt", options=None, top=0):
         torch.cuda.empty_cache()
         how = table[name]
         options = how if isinstance(how, dict) else {}
-        patch = contextlib.nullcontext if isinstance(how, dict) else how
+        patch = how if callable(how) else contextlib.nullcontext
         with patch(), patched(engine.ReplayLoop, "replay_one", logged):
             engine.replay(cap.out, model=cap.model, backward=True, progress=False, **options)
         skipped = sum(s != "ok" for s, *_ in log)
@@ -100,7 +105,9 @@ def main(out_dir, names, spec="nanogpt", options=None, top=0):
                           f"reserved {log[i][3] / GIB:6.1f} outside "
                           f"{(total - log[i][1] - log[i][3]) / GIB:5.1f} grads {log[i][5] / GIB:5.2f}"
                           for i in marks)
-        print(f"{name:<18} skipped {skipped:3d}  {cells}  (GiB)", flush=True)
+        peak = max(r[3] for r in log) / GIB
+        print(f"{name:<18} skipped {skipped:3d}  {cells}  peak reserved {peak:.1f}  (GiB)",
+              flush=True)
         if top:  # the calls after which allocated memory grew most
             grew = sorted(((log[i][2] - (log[i - 1][2] if i else 0), log[i][4] or "(root)")
                            for i in range(len(log))), reverse=True)[:top]
