@@ -733,3 +733,46 @@ def test_a_graph_capture_out_of_memory_hands_the_cache_back_and_tries_once_more(
     with pytest.raises(TimerUnavailable, match="failed: x"):
         run()
     assert released == []  # another failure: nothing handed back, no retry
+
+
+def test_the_cache_goes_back_before_a_capture_only_when_the_driver_is_short(monkeypatch):
+    from cbtrace.replay.timer import graph_capture as gc_
+
+    gib = 2**30
+    assert gc_.needs_room(free=10 * gib, total=80 * gib, reserved=60 * gib, allocated=1 * gib)
+    assert not gc_.needs_room(free=30 * gib, total=80 * gib, reserved=40 * gib, allocated=1 * gib)
+    # short, but nothing cached to give back
+    assert not gc_.needs_room(free=1 * gib, total=80 * gib, reserved=5 * gib, allocated=5 * gib)
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    stats = {"reserved_bytes.all.current": 60 * gib, "allocated_bytes.all.current": gib}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    assert gc_.make_room() and emptied == [1]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50 * gib, 80 * gib))
+    assert not gc_.make_room() and emptied == [1]
+
+
+@pytest.mark.gpu
+def test_gpu_a_capture_after_reset_graphs_filled_the_cache_does_not_run_out_of_memory():
+    """A reset graph's pool stays in torch's cache; a capture cannot free it itself."""
+    from cbtrace.replay.timer.graph_capture import ROOM_SHARE, capturing
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    big = int(free * 0.9) // 2  # bytes each of the two graphs' pools hold
+    stream = torch.cuda.Stream()
+    for _ in range(2):
+        g = torch.cuda.CUDAGraph()
+        with capturing(g, stream):
+            torch.empty(big, dtype=torch.uint8, device="cuda").fill_(1)
+        g.reset()
+        del g
+    assert torch.cuda.mem_get_info()[0] < ROOM_SHARE * total  # the pools, cached and idle
+    g = torch.cuda.CUDAGraph()
+    with capturing(g, stream):  # needs what only the cache has: handed back first
+        torch.empty(int(free * 0.5), dtype=torch.uint8, device="cuda").fill_(2)
+    g.replay()
+    torch.cuda.synchronize()
+    g.reset()

@@ -62,6 +62,9 @@ def test_the_stream_device_is_the_capturing_one(gens, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    asked = []  # the capture first asks the stream's device how much memory is free
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device=None: asked.append(device) or (8, 8))
     g = FakeGraph()
     with pytest.raises(RuntimeError, match="during capture"):
         with graph_capture.capturing(g, FakeStream(2)):
@@ -69,6 +72,7 @@ def test_the_stream_device_is_the_capturing_one(gens, monkeypatch):
     graph_capture.end_pool_routing(g)
     assert [g.set_to for g in gens] == [[], [], [("clone", 2)]]
     assert routed == [(2, (0, 1))]
+    assert asked == [torch.device("cuda", 2)]
 
 
 def test_a_generator_without_graph_safe_states_is_skipped(gens, monkeypatch):

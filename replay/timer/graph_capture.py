@@ -15,6 +15,35 @@ ASKS_CAPTURE = ("the call asks torch.cuda.is_current_stream_capturing() and may 
 
 _DEVICE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> device it captured on
 
+# A capture may not hand torch's cached blocks back to the driver (no cudaFree while capturing):
+# an allocation the driver cannot serve then fails the capture. A reset graph's private pool
+# stays cached until empty_cache, so a replay of many captured calls fills the device with
+# idle cache (ResNet-50 train on an H100: 67-78 GiB reserved, 1 GiB allocated, 49 captures and
+# 15 backwards failing "out of memory"). Before a capture the cache goes back to the driver
+# when the driver's free memory is below this share of the device's.
+ROOM_SHARE = 0.25
+
+
+def needs_room(free: int, total: int, reserved: int, allocated: int,
+               share: float = ROOM_SHARE) -> bool:
+    """Whether to hand the cache back before a capture: the driver has less than ``share`` of
+    the device free and torch holds cached blocks it does not use."""
+    return free < share * total and reserved > allocated
+
+
+def make_room(device=None) -> bool:
+    """``empty_cache`` when ``needs_room`` says so (a cudaMemGetInfo and the allocator's stats
+    otherwise: microseconds); whether it did."""
+    free, total = torch.cuda.mem_get_info(device)
+    if free >= ROOM_SHARE * total:
+        return False
+    stats = torch.cuda.memory_stats(device)
+    if not needs_room(free, total, stats.get("reserved_bytes.all.current", 0),
+                      stats.get("allocated_bytes.all.current", 0)):
+        return False
+    torch.cuda.empty_cache()
+    return True
+
 
 @contextlib.contextmanager
 def capturing(g: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None):
@@ -26,8 +55,10 @@ def capturing(g: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None):
 
     The capture forbids unsafe CUDA calls on this thread only ("thread_local"): under torch's
     default ("global"), calls from any other thread of the process invalidate it (the
-    read-ahead thread's allocations would)."""
+    read-ahead thread's allocations would). The cache is handed back first where the driver
+    is short of memory (``make_room``)."""
     torch.cuda.synchronize()
+    make_room(stream.device)
     _DEVICE[g] = stream.device.index  # end_pool_routing's device after a failed capture
     with torch.cuda.stream(stream):
         pooled = {} if pool is None else {"pool": pool}  # as torch.cuda.graph passes it
