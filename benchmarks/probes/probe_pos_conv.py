@@ -1,5 +1,8 @@
 """Device probe: why wav2vec2's positional Conv1d (kernel 128, 16 groups, weight norm) reads
 11 ms of kernels run once and 1.7 ms a call run back to back (graph and stream timers alike).
+On an H100 (session 23) the profiler gave 16 grouped-conv kernels of 0.69 ms a call (11.1 ms
+summed) while CUDA events gave 1.6 ms a call: each call's kernels are now shown as their sum,
+span, busy union and streams (overlap, or kernels the profiler slows).
 
 Feeds ``encoder.pos_conv_embed`` (bf16, wav2vec2-base, batch 8 of 1 s) its input from one forward,
 then: each of 6 calls under the profiler, one at a time with a sync between (its kernels' total,
@@ -24,15 +27,40 @@ SPIN_CYCLES = 100_000  # ~50 us at 2 GHz
 
 
 def kernels(fn):
-    """[(name, µs)] of the device kernels ``fn`` ran."""
+    """[(name, µs, start µs, stream)] of the device kernels ``fn`` ran, from the profiler's
+    trace (its events carry no stream)."""
+    import json
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [(e.name, e.device_time) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    return [(e["name"], float(e["dur"]), float(e["ts"]), e.get("args", {}).get("stream", e["tid"]))
+            for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+
+
+def shape(ks) -> str:
+    """Sum of the kernels' durations, their span and busy union (ms), and the streams used:
+    kernels on several streams overlap, and the sum then exceeds the wall time."""
+    if not ks:
+        return "no kernels"
+    iv = sorted((t, t + d) for _, d, t, _ in ks)
+    busy, lo, hi = 0.0, iv[0][0], iv[0][1]
+    for a, b in iv[1:]:
+        if a > hi:
+            busy, lo = busy + hi - lo, a
+        hi = max(hi, b)
+    busy += hi - lo
+    span = max(b for _, b in iv) - iv[0][0]
+    streams = sorted({str(k[3]) for k in ks})
+    return (f"sum {sum(k[1] for k in ks) / 1e3:.3f} ms, span {span / 1e3:.3f} ms, busy "
+            f"{busy / 1e3:.3f} ms, {len(streams)} stream(s) {', '.join(streams)[:40]}")
 
 
 def events_ms(fn, n):
@@ -64,16 +92,16 @@ def main():
         print(f"pos_conv_embed input {tuple(inp.shape)} {inp.dtype}; conv {conv[:110]}")
         for i in range(6):  # a spin of known cycles right after: the SM clock it ran at
             ks = kernels(lambda: (call(), torch.cuda._sleep(SPIN_CYCLES)))
-            spin = [d for n, d in ks if "spin" in n.lower()]
-            ks = [(n, d) for n, d in ks if "spin" not in n.lower()]
+            spin = [d for n, d, *_ in ks if "spin" in n.lower()]
+            ks = [k for k in ks if "spin" not in k[0].lower()]
             top = max(ks, key=lambda k: k[1])
             mhz = f"{SPIN_CYCLES / spin[0]:.0f}" if spin else "?"
-            print(f"alone, call {i}: {len(ks)} kernels, {sum(d for _, d in ks) / 1e3:.3f} ms; "
-                  f"slowest {top[1] / 1e3:.3f} ms {top[0][:70]}; SM clock after {mhz} MHz")
+            print(f"alone, call {i}: {len(ks)} kernels, {shape(ks)}; slowest "
+                  f"{top[1] / 1e3:.3f} ms {top[0][:60]}; SM clock after {mhz} MHz")
         ks = kernels(lambda: [call() for _ in range(6)])
-        print(f"6 back to back: {len(ks)} kernels, {sum(d for _, d in ks) / 6e3:.3f} ms a call")
+        print(f"6 back to back: {len(ks)} kernels, {shape(ks)} (6 calls)")
         by = {}
-        for n, d in ks:
+        for n, d, *_ in ks:
             by.setdefault(n[:90], []).append(d)
         for n, ds in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:5]:
             print(f"   {len(ds):>3} x {n}: " + " ".join(f"{d / 1e3:.2f}" for d in ds[:8]))
