@@ -49,6 +49,8 @@ from cbtrace.state import StateGuard
 from cbtrace.store import load
 
 TIMED_AGAIN = "timed twice"  # timer_notes of a row whose later window was the faster
+# timer_notes of a call that ran out of memory once, then ran after the cache was handed back
+OOM_RETRIED = "out of memory once; ran after torch's cache went back to the driver"
 # what a later window replaces in a row (replay.measure.steps.Timed's fields; a call the step
 # ran compiled: AsInStep's compiled figures in them, and its eager one)
 WINDOW_FIELDS = ("timer", "timer_fallback", "isolated_ms", "isolated_ms_p10", "isolated_ms_p90",
@@ -251,30 +253,39 @@ class ReplayLoop:
         if skipped is not None:
             return skipped
         device, cfg, timings = self.device, self.cfg, self.timings
-        try:
-            with timed(self.guard.call(module), timings, "state_guard"), \
-                    time_limit(cfg.timeout_s):
-                with phase(timings, "load"):
-                    (args, kwargs), grads = self._inputs(rec, read)
-                    if self.context is not None:  # a later call's context may need them
-                        self.context.offer(rec, (args, kwargs))
-                # loaded only if the call qualifies, once its device time is known (Timed step)
-                ctx = (functools.partial(self.context.calls, rec.call_id)
-                       if self.context is not None else None)
-                self.flags.apply(module, rec)
-                return measure_call(module, rec, args, kwargs, device, cfg, plan or self.plan,
-                                    grads, timings, context=ctx)
-        except CallTimeout as e:
-            _free(device)
-            return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")
-        except torch.OutOfMemoryError as e:
+        for attempt in (1, 2):  # out of memory: the cache handed back, once more
+            try:
+                with timed(self.guard.call(module), timings, "state_guard"), \
+                        time_limit(cfg.timeout_s):
+                    with phase(timings, "load"):
+                        (args, kwargs), grads = self._inputs(rec, read)
+                        if self.context is not None:  # a later call's context may need them
+                            self.context.offer(rec, (args, kwargs))
+                    # loaded only if the call qualifies, once its device time is known (Timed)
+                    ctx = (functools.partial(self.context.calls, rec.call_id)
+                           if self.context is not None else None)
+                    self.flags.apply(module, rec)
+                    row = measure_call(module, rec, args, kwargs, device, cfg, plan or self.plan,
+                                       grads, timings, context=ctx)
+                if attempt == 2:
+                    row["timer_notes"] = join_notes(row.get("timer_notes"), OOM_RETRIED)
+                return row
+            except CallTimeout as e:
+                _free(device)
+                return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")
+            except torch.OutOfMemoryError as e:
+                oom = one_line(e, with_type=False)  # the error's frames go with it, below
+            except Exception as e:  # the module (or its inputs) failed: record and go on
+                _free(device)
+                return dict(status="error", status_reason=one_line(e))
+            # out of memory, and nothing of the attempt is alive now but the inputs here
             if self.context is not None:  # the predecessors' copies kept for later contexts
                 self.context.release()
-            _free(device)
-            return dict(status="skipped", status_reason=f"OOM: {one_line(e, with_type=False)}")
-        except Exception as e:  # the module (or its inputs) failed: record and go on
-            _free(device)
-            return dict(status="error", status_reason=one_line(e))
+            args = kwargs = grads = None
+            _free(device)  # collected, and torch's cache handed back to the driver
+            read = (None, None)  # read again: the read-ahead's bytes may be reused by now
+        return dict(status="skipped", status_reason=f"OOM: {oom} (twice, the second after "
+                    "torch's cache went back to the driver)")
 
     def _inputs(self, rec, read) -> tuple:
         """The call's (args, kwargs) and, with --backward, its output gradients (else None)."""

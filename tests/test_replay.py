@@ -150,6 +150,39 @@ def test_module_that_raises_is_recorded_and_replay_goes_on(tmp_path):
     assert df.loc["0", "status"] == "ok" and df.loc["2", "status"] == "ok"
 
 
+def test_a_call_out_of_memory_runs_once_more_after_the_cache_goes_back(tmp_path, monkeypatch):
+    """Its first OOM hands memory back and runs it again; an OOM every time is skipped, saying
+    it was tried twice; the calls around it are not touched."""
+    from cbtrace.replay import engine
+
+    class Hungry(torch.nn.Module):
+        fail_for = 0  # replay runs to fail, from the first
+
+        def forward(self, x):
+            if Hungry.fail_for > 0:
+                Hungry.fail_for -= 1
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 98.00 MiB.")
+            return x * 2
+
+    freed = []
+    real_free = engine._free
+    monkeypatch.setattr(engine, "_free", lambda device: freed.append(1) or real_free(device))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Hungry(), torch.nn.ReLU())
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(torch.randn(2, 4))
+    Hungry.fail_for = 1  # the root's first run (replayed first) meets it
+    df = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
+    assert (df["status"] == "ok").all() and freed == [1]
+    retried = df[df["timer_notes"].fillna("").str.contains(engine.OOM_RETRIED, regex=False)]
+    assert list(retried["parent_call_id"]) == [-1]  # the root alone
+    Hungry.fail_for = 10**6
+    df = cbtrace.replay(tmp_path / "r", model=model, resume=False, **FAST_REPLAY).set_index("fqn")
+    assert df.loc["1", "status"] == "skipped"
+    assert df.loc["1", "status_reason"].startswith("OOM: CUDA out of memory") and \
+        "twice" in df.loc["1", "status_reason"]
+    assert df.loc["2", "status"] == "ok"
+
+
 def test_resume_after_killing_a_replay(tmp_path):
     cap = capture_model("dlrm:tiny", tmp_path / "r", device="cpu")
     n = len(read_modules(cap.out))

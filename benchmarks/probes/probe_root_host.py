@@ -1,0 +1,119 @@
+"""Device probe: why replay's host time for a root exceeds the user's step (H100, session 23:
+BERT-base's root 9.94 ms of host issue and 10.49 ms back to back against 6.83 ms a forward as
+the user runs it; EfficientNet-B0's 12.85 ms against 7.53 ms; on a CPU the same root reads -6 %).
+
+Captures SPEC once (bf16), then times the forward's host issue (perf_counter around each call,
+5 back to back, no sync between, the first left out: what replay's HostIssue does) and its wall
+a call (CUDA events around 5 back to back), in turn:
+  plain              the model called as the user calls it
+  reader thread      the same while a thread reads the run's next calls' inputs, as replay's
+                     read-ahead does (load.read_call_chunks into pageable memory, in a loop)
+  after profiler     the same after one torch.profiler session (CUPTI may stay subscribed)
+and then cbtrace's replay of the root alone (--max-depth 0 capture) with the read-ahead on and
+off: its host_ms and isolated_ms. Prints one line each.
+
+Run: python benchmarks/probes/probe_root_host.py OUT_DIR [--spec SPEC] [--device cuda] [--size real]
+"""
+import argparse
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from cbtrace.device import window_ms
+
+
+def sync():
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def host_ms(call, reps: int = 5) -> float:
+    """Median host time of a call, ``reps`` back to back without a sync (the first left out)."""
+    sync()
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        call()
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    sync()
+    return statistics.median(times)
+
+
+def line(name, call, device):
+    hosts = [host_ms(call) for _ in range(5)]
+    wall = min(window_ms(call, device, 5) for _ in range(3))
+    print(f"{name:<28} host {statistics.median(hosts):7.3f} ms (min {min(hosts):.3f})   "
+          f"wall a call {wall:7.3f} ms", flush=True)
+
+
+def main(out, spec, device, size):
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.replay import engine
+    from cbtrace.rundir.read import load_run
+    from cbtrace.store import load
+
+    cap = capture_model(spec, Path(out) / "full", device=device, dtype="bf16",
+                        options={"size": size})
+    model, run = cap.model, cap.out
+    _, df = load_run(run)
+    from cbtrace.model.spec import resolve
+    provider = resolve(spec, seed=0, options={"size": size})
+    _, batch = provider.model_and_batch(device, torch.bfloat16)
+    call = lambda: provider.run(model, batch)  # noqa: E731
+    for _ in range(3):
+        call()
+    line("plain", call, device)
+
+    refs = [r for r in df["inputs_ref"].dropna()][:16]
+    stop = threading.Event()
+    read = [0]
+
+    def reader():
+        while not stop.is_set():
+            for ref in refs:
+                load.read_call_chunks(run, ref)
+                read[0] += 1
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    line("reader thread", call, device)
+    stop.set()
+    t.join()
+    print(f"  (the reader read {read[0]} calls' inputs meanwhile)")
+    line("plain again", call, device)
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        call()
+        sync()
+    line("after profiler", call, device)
+
+    root = capture_model(spec, Path(out) / "root", device=device, dtype="bf16",
+                         options={"size": size}, max_depth=0)
+    real = engine.ReadAhead
+    for name, enabled in (("replay, read-ahead on", True), ("replay, read-ahead off", False)):
+        def ahead(*a, **k):
+            return real(*a, **{**k, "enabled": enabled, "pin": enabled and k.get("pin", False)})
+        engine.ReadAhead = ahead
+        try:
+            rows = engine.replay(root.out, model=root.model, progress=False)
+        finally:
+            engine.ReadAhead = real
+        r = rows.iloc[0]
+        print(f"{name:<28} host {r.host_ms:7.3f} ms   isolated {r.isolated_ms:7.3f} ms "
+              f"({r.timer}; {r.timer_notes})", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--spec", default=str(Path(__file__).resolve().parent.parent / "zoo.py")
+                    + ":hf_bert")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--size", default="real", help="the zoo's size (tiny: a CPU check)")
+    a = ap.parse_args()
+    main(a.out, a.spec, a.device, a.size)
