@@ -43,6 +43,10 @@ def host_ms(call, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def ms(x) -> str:
+    return "    n/a" if x is None or x != x else f"{x:7.3f}"  # a CPU row has no host_ms
+
+
 def line(name, call, device):
     hosts = [host_ms(call) for _ in range(5)]
     wall = min(window_ms(call, device, 5) for _ in range(3))
@@ -104,7 +108,7 @@ def main(out, spec, device, size):
         finally:
             engine.ReadAhead = real
         r = rows.iloc[0]
-        print(f"{name:<28} host {r.host_ms:7.3f} ms   isolated {r.isolated_ms:7.3f} ms "
+        print(f"{name:<28} host {ms(r.host_ms)} ms   isolated {ms(r.isolated_ms)} ms "
               f"({r.timer}; {r.timer_notes})", flush=True)
 
 
