@@ -406,3 +406,50 @@ def test_read_ahead_leaves_a_global_graph_capture_valid(tmp_path, monkeypatch):
     finally:
         go.set()
         ahead.close()
+
+
+def test_no_read_runs_while_the_host_pace_is_measured(tmp_path, monkeypatch):
+    """``host_paced()`` (HostIssue, the stream timer) holds the read-ahead: a read under way is
+    waited for, none starts until it ends; then reading goes on."""
+    from cbtrace.replay.run_io import prefetch
+    from cbtrace.replay.timer.contract import _BACKGROUND, host_paced
+
+    recs, order = _captured_pair(tmp_path)
+    started, inside = [], threading.Event()
+    first_started, release_first = threading.Event(), threading.Event()
+    real = prefetch.load.read_call_chunks
+
+    def watched(*a, **k):
+        started.append(inside.is_set())
+        if not first_started.is_set():  # the first read is under way when the pace is taken
+            first_started.set()
+            release_first.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(prefetch.load, "read_call_chunks", watched)
+    entered_while_reading = []
+
+    def measure():
+        with host_paced():
+            entered_while_reading.append(not release_first.is_set())
+            inside.set()
+            time.sleep(0.3)  # the worker would start the next reads now, were it free to
+            inside.clear()
+
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
+    try:
+        assert len(_BACKGROUND) == 1 and first_started.wait(10)
+        t = threading.Thread(target=measure)
+        t.start()
+        time.sleep(0.2)
+        assert not inside.is_set()  # it waits for the read under way
+        release_first.set()
+        t.join(10)
+        assert entered_while_reading == [False]
+        for cid in order:  # after it, every call's read-ahead is there
+            assert ahead.take(cid)[0] is not None
+        assert len(started) == len(order) and not any(started)
+    finally:
+        release_first.set()
+        ahead.close()
+    assert _BACKGROUND == []  # closed: nothing left to pause

@@ -12,7 +12,7 @@ import time
 import torch
 
 from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
-                                           as_runner, join_notes)
+                                           as_runner, host_paced, join_notes)
 
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher
@@ -79,7 +79,8 @@ class StreamTimer(CudaTimer):
                                    "window")
         device = self._device(device)
         n_copies, run = call.n_copies, call.run
-        with torch.cuda.device(device):
+        # the host's pace is the figure: the replay's background reads wait
+        with torch.cuda.device(device), host_paced():
             one_ms = one_call_ms(run, n_copies, max(cfg.warmup_runs, 2))
             k = window_calls(one_ms)
             flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)

@@ -22,7 +22,7 @@ from cbtrace.replay.measure.profiler_pass import profile_call
 from cbtrace.replay.measure.reuse import (COPIED, CountCache, ProfileCache, TimingReuse,
                                           call_key, signature, value_free)
 from cbtrace.replay.timer import choice
-from cbtrace.replay.timer.contract import join_notes
+from cbtrace.replay.timer.contract import host_paced, join_notes
 
 
 # A CUDA graph replay of a call shorter than this share of its kernels' eager busy time (the
@@ -145,16 +145,17 @@ class HostIssue:
         # the queue never fills in `reps` calls: none waits. The last run is on copy 0 (the
         # captured inputs), whose outputs OutputCheck looks at; a run's outputs are dropped
         # before the next (one run's activations alive at a time, as in the step)
-        for i in reversed(range(self.reps)):
-            c.outputs = None
-            counted = not syncs
-            with counting_syncs(syncs) if counted else contextlib.nullcontext():
-                t0 = time.perf_counter()
-                out = c.run(i % c.n_copies)
-                took = time.perf_counter() - t0
-            if not counted or self.reps == 1:
-                times.append(took)
-            c.outputs, out = out, None
+        with host_paced():  # the read-ahead's reads wait: they would take the host
+            for i in reversed(range(self.reps)):
+                c.outputs = None
+                counted = not syncs
+                with counting_syncs(syncs) if counted else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    out = c.run(i % c.n_copies)
+                    took = time.perf_counter() - t0
+                if not counted or self.reps == 1:
+                    times.append(took)
+                c.outputs, out = out, None
         torch.cuda.synchronize(c.device)
         # median: one slow call is the OS, not the module
         return dict(host_ms=sorted(times)[len(times) // 2] * 1e3, host_syncs=syncs[0])

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from cbtrace.cost.dtypes import meta_bytes
+from cbtrace.replay.timer.contract import pause_while_host_paced
 from cbtrace.store import load
 
 
@@ -139,6 +140,12 @@ class ReadAhead:
         self._ring = self._buf = self._view = None
         self._needs: dict[int, tuple | None] = {}
         self._mark = mark or (lambda: _cuda_event(device))
+        # paused while the replay thread measures the host's pace (``paused``): no read starts,
+        # and one under way is waited for
+        self._hold = threading.Condition()
+        self._pauses = self._reading = 0
+        self._unregister = (pause_while_host_paced(self.paused) if self._pool is not None
+                            else None)
         if self._pool is not None and (pin or alloc is not None):
             self._open_ring(alloc or _pinned)
         if self._pool is not None:
@@ -200,11 +207,35 @@ class ReadAhead:
             start, end, _ = lease.block
             into = self._view[start:start + need[0]], self._view[start + need[0]:end]
         pin = self.pin and lease.block is not None  # else pageable memory: no CUDA call
-        inputs = (load.read_call_chunks(self.run, rec.inputs_ref, pin=pin, into=into[0])
-                  if rec.inputs_ref else None)
-        grads = (load.read_call_chunks(self.run, rec.grads_ref, pin=pin, into=into[1])
-                 if self.grads and rec.grads_ref else None)
+        with self._hold:
+            while self._pauses:
+                self._hold.wait()
+            self._reading += 1
+        try:
+            inputs = (load.read_call_chunks(self.run, rec.inputs_ref, pin=pin, into=into[0])
+                      if rec.inputs_ref else None)
+            grads = (load.read_call_chunks(self.run, rec.grads_ref, pin=pin, into=into[1])
+                     if self.grads and rec.grads_ref else None)
+        finally:
+            with self._hold:
+                self._reading -= 1
+                self._hold.notify_all()
         return inputs, grads
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No read runs while this is open (one under way is waited for first): the replay
+        thread is measuring the host's pace (``timer.contract.host_paced``)."""
+        with self._hold:
+            self._pauses += 1
+            while self._reading:
+                self._hold.wait()
+        try:
+            yield
+        finally:
+            with self._hold:
+                self._pauses -= 1
+                self._hold.notify_all()
 
     def take(self, cid: int) -> tuple:
         """The read-ahead for ``cid`` (waiting for it), calls being taken in ``order``; calls
@@ -274,6 +305,8 @@ class ReadAhead:
         (freeing pinned memory makes CUDA calls too)."""
         if self._pool is None:
             return
+        if self._unregister is not None:
+            self._unregister()
         for lease in self._pending.values():
             lease.read.cancel()
         if self._ring is not None:
