@@ -35,7 +35,8 @@
 # (wav2vec2's grouped Conv1d: its kernels call by call, back to back, cudnn.benchmark);
 # bn-train: probes/probe_bn_train_graph.py (a train-mode BatchNorm2d's kernels and gaps inside a graph);
 # root-host: probes/probe_root_host.py (a root's host issue as the user runs it, beside a reader thread,
-# after a profiler session, and in replay with the read-ahead on and off; ROOT_SPECS, zoo function names);
+# after a profiler session, and in replay with the read-ahead on and off; ROOT_SPECS, zoo function names;
+# ROOT_STEP=train);
 # mem-train: probes/probe_memory.py on ResNet-50 train (MEM_VARIANTS; the capture-room fix).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
@@ -109,7 +110,7 @@ pos-conv)
   timeout ${POSCONV_TIMEOUT:-120} python3 $R/benchmarks/probes/probe_pos_conv.py 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_pos_conv.log | tail -20 ;;
 root-host)
   for F in ${ROOT_SPECS:-hf_bert timm_efficientnet_b0}; do
-    timeout ${ROOT_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_root_host.py /tmp/roothost_$F --spec $R/benchmarks/zoo.py:$F 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_root_host_$F.log | tail -10
+    timeout ${ROOT_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_root_host.py /tmp/roothost_$F${ROOT_STEP:+_$ROOT_STEP} --spec $R/benchmarks/zoo.py:$F ${ROOT_STEP:+--step $ROOT_STEP} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_root_host_$F${ROOT_STEP:+_$ROOT_STEP}.log | tail -10
   done ;;
 mem-train)
   timeout ${MEM_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_memory.py /tmp/pmem_train ${MEM_VARIANTS:-default} --spec $R/benchmarks/zoo.py:tv_resnet50 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |F.linear" | tee $OUT/probe_memory_resnet50.log | tail -6 ;;

@@ -13,6 +13,7 @@ and then cbtrace's replay of the root alone (--max-depth 0 capture) with the rea
 off: its host_ms and isolated_ms. Prints one line each.
 
 Run: python benchmarks/probes/probe_root_host.py OUT_DIR [--spec SPEC] [--device cuda] [--size real]
+     [--step train]
 """
 import argparse
 import statistics
@@ -54,16 +55,20 @@ def line(name, call, device):
           f"wall a call {wall:7.3f} ms", flush=True)
 
 
-def main(out, spec, device, size):
+def main(out, spec, device, size, step="forward"):
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.replay import engine
     from cbtrace.rundir.read import load_run
     from cbtrace.store import load
 
     cap = capture_model(spec, Path(out) / "full", device=device, dtype="bf16",
-                        options={"size": size})
+                        options={"size": size}, step=step)
     model, run = cap.model, cap.out
     _, df = load_run(run)
+    root_row = df[df["parent_call_id"] == -1].iloc[0]
+    step_ms = root_row.get("insitu_step_ms")
+    print(f"{'capture: insitu_step_ms':<28} {ms(step_ms)} ms a forward (the root's in-situ "
+          f"figure; model.training={model.training})", flush=True)
     from cbtrace.model.spec import resolve
     provider = resolve(spec, seed=0, options={"size": size})
     _, batch = provider.model_and_batch(device, torch.bfloat16)
@@ -97,7 +102,7 @@ def main(out, spec, device, size):
     line("after profiler", call, device)
 
     root = capture_model(spec, Path(out) / "root", device=device, dtype="bf16",
-                         options={"size": size}, max_depth=0)
+                         options={"size": size}, max_depth=0, step=step)
     real = engine.ReadAhead
     for name, enabled in (("replay, read-ahead on", True), ("replay, read-ahead off", False)):
         def ahead(*a, **k):
@@ -119,5 +124,7 @@ if __name__ == "__main__":
                     + ":hf_bert")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--size", default="real", help="the zoo's size (tiny: a CPU check)")
+    ap.add_argument("--step", default="forward", choices=("forward", "train"),
+                    help="the capture's step (train: BERT-base's root read -49.6 %% on the H100)")
     a = ap.parse_args()
-    main(a.out, a.spec, a.device, a.size)
+    main(a.out, a.spec, a.device, a.size, a.step)
