@@ -183,9 +183,8 @@ def pause_while_host_paced(pause: Callable[[], contextlib.AbstractContextManager
 def host_paced():
     """Around a measurement whose figure is the host's pace (a call's host issue time, K calls
     issued back to back): the background work registered with ``pause_while_host_paced`` waits
-    until it ends. A thread reading inputs beside a forward took its host issue from 1.36 to
-    6.32 ms on a 2-core CPU (benchmarks/probes/probe_root_host.py); Python's GIL passes between
-    the two threads on a machine of any size."""
+    until it ends: its reads take the GIL and cores from the measured thread
+    (benchmarks/probes/probe_root_host.py)."""
     with contextlib.ExitStack() as stack:
         for pause in list(_BACKGROUND):
             stack.enter_context(pause())

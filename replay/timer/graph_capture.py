@@ -17,9 +17,8 @@ _DEVICE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> dev
 
 # A capture may not hand torch's cached blocks back to the driver (no cudaFree while capturing):
 # an allocation the driver cannot serve then fails the capture. A reset graph's private pool
-# stays cached until empty_cache, so a replay of many captured calls fills the device with
-# idle cache (ResNet-50 train on an H100: 67-78 GiB reserved, 1 GiB allocated, 49 captures and
-# 15 backwards failing "out of memory"). Before a capture the cache goes back to the driver
+# stays cached until empty_cache, so a replay of many captured calls fills the device with idle
+# cache (benchmarks/RESULTS.md, session 23). Before a capture the cache goes back to the driver
 # when the driver's free memory is below this share of the device's.
 ROOM_SHARE = 0.25
 
