@@ -2,7 +2,8 @@
 BERT-base's root 9.94 ms of host issue and 10.49 ms back to back against 6.83 ms a forward as
 the user runs it; EfficientNet-B0's 12.85 ms against 7.53 ms; on a CPU the same root reads -6 %).
 
-Captures SPEC once (bf16), then times the forward's host issue (perf_counter around each call,
+First, in a fresh process that never starts the profiler, the forward as the user calls it.
+Then captures SPEC once (bf16), and times the forward's host issue (perf_counter around each call,
 5 back to back, no sync between, the first left out: what replay's HostIssue does) and its wall
 a call (CUDA events around 5 back to back), in turn:
   plain              the model called as the user calls it
@@ -55,8 +56,27 @@ def line(name, call, device):
           f"wall a call {wall:7.3f} ms", flush=True)
 
 
+def never_profiled(spec, device, size, step) -> None:
+    """The plain line in a process that never started the profiler (CUPTI not loaded)."""
+    from cbtrace.model.spec import resolve
+
+    provider = resolve(spec, seed=0, options={"size": size})
+    model, batch = provider.model_and_batch(device, torch.bfloat16)
+    model.train(step == "train")
+    call = lambda: provider.run(model, batch)  # noqa: E731
+    for _ in range(3):
+        call()
+    line("fresh process, no profiler", call, device)
+
+
 def main(out, spec, device, size, step="forward"):
+    import subprocess
+    import sys
+
     from cbtrace.capture.from_spec import capture_model
+
+    subprocess.run([sys.executable, __file__, out, "--spec", spec, "--device", device,
+                    "--size", size, "--step", step, "--never-profiled"], check=False)
     from cbtrace.replay import engine
     from cbtrace.rundir.read import load_run
     from cbtrace.store import load
@@ -126,5 +146,11 @@ if __name__ == "__main__":
     ap.add_argument("--size", default="real", help="the zoo's size (tiny: a CPU check)")
     ap.add_argument("--step", default="forward", choices=("forward", "train"),
                     help="the capture's step (train: BERT-base's root read -49.6 %% on the H100)")
+    ap.add_argument("--never-profiled", action="store_true",
+                    help="only the plain line, in this process, before any profiler (main runs "
+                         "it in a subprocess)")
     a = ap.parse_args()
-    main(a.out, a.spec, a.device, a.size, a.step)
+    if a.never_profiled:
+        never_profiled(a.spec, a.device, a.size, a.step)
+    else:
+        main(a.out, a.spec, a.device, a.size, a.step)
