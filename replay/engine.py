@@ -283,7 +283,7 @@ class ReplayLoop:
                 self.context.release()
             args = kwargs = grads = None
             _free(device)  # collected, and torch's cache handed back to the driver
-            read = (None, None)  # read again: the read-ahead's bytes may be reused by now
+            # ``read`` serves again: its ring bytes are held until the loop's issued(cid)
         return dict(status="skipped", status_reason=f"OOM: {oom} (twice, the second after "
                     "torch's cache went back to the driver)")
 

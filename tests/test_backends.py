@@ -739,14 +739,14 @@ def test_the_cache_goes_back_before_a_capture_only_when_the_driver_is_short(monk
     from cbtrace.replay.timer import graph_capture as gc_
 
     gib = 2**30
-    assert gc_.needs_room(free=10 * gib, total=80 * gib, reserved=60 * gib, allocated=1 * gib)
-    assert not gc_.needs_room(free=30 * gib, total=80 * gib, reserved=40 * gib, allocated=1 * gib)
-    # short, but nothing cached to give back
-    assert not gc_.needs_room(free=1 * gib, total=80 * gib, reserved=5 * gib, allocated=5 * gib)
-
+    assert gc_.needs_room(free=10 * gib, total=80 * gib, idle=59 * gib)
+    assert not gc_.needs_room(free=30 * gib, total=80 * gib, idle=39 * gib)
+    # short, but too little idle to be worth a synchronisation and fresh allocations
+    assert not gc_.needs_room(free=1 * gib, total=80 * gib, idle=gib // 2)
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
-    stats = {"reserved_bytes.all.current": 60 * gib, "allocated_bytes.all.current": gib}
+    stats = {"reserved_bytes.all.current": 60 * gib, "allocated_bytes.all.current": gib,
+             "inactive_split_bytes.all.current": gib}
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
     assert gc_.make_room() and emptied == [1]
@@ -771,8 +771,11 @@ def test_gpu_a_capture_after_reset_graphs_filled_the_cache_does_not_run_out_of_m
         del g
     assert torch.cuda.mem_get_info()[0] < ROOM_SHARE * total  # the pools, cached and idle
     g = torch.cuda.CUDAGraph()
-    with capturing(g, stream):  # needs what only the cache has: handed back first
-        torch.empty(int(free * 0.5), dtype=torch.uint8, device="cuda").fill_(2)
-    g.replay()
-    torch.cuda.synchronize()
-    g.reset()
+    try:
+        with capturing(g, stream):  # needs what only the cache has: handed back first
+            torch.empty(int(free * 0.5), dtype=torch.uint8, device="cuda").fill_(2)
+        g.replay()
+        torch.cuda.synchronize()
+    finally:
+        g.reset()
+        torch.cuda.empty_cache()

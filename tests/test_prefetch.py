@@ -5,6 +5,7 @@ the copies out of them are done (CPU stand-ins for the pinned ring and the CUDA 
 and on a GPU the worker makes no CUDA call that would break a graph capture elsewhere."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -438,7 +439,7 @@ def test_no_read_runs_while_the_host_pace_is_measured(tmp_path, monkeypatch):
 
     ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
     try:
-        assert len(_BACKGROUND) == 1 and first_started.wait(10)
+        assert ahead in [ref() for ref in _BACKGROUND] and first_started.wait(10)
         t = threading.Thread(target=measure)
         t.start()
         time.sleep(0.2)
@@ -452,4 +453,70 @@ def test_no_read_runs_while_the_host_pace_is_measured(tmp_path, monkeypatch):
     finally:
         release_first.set()
         ahead.close()
-    assert _BACKGROUND == []  # closed: nothing left to pause
+    assert ahead not in [ref() for ref in _BACKGROUND]  # closed: nothing left to pause
+
+
+def test_a_pause_ended_by_an_error_or_nested_lets_reading_go_on(tmp_path):
+    """An exception inside (a --timeout-s signal, Ctrl-C) undoes the pause; nested pauses hold
+    until the outer one ends; a dropped read-ahead is not kept alive by the registry."""
+    import gc
+    import weakref
+
+    from cbtrace.replay.timer.contract import _BACKGROUND, host_paced
+
+    recs, order = _captured_pair(tmp_path)
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with host_paced():
+                raise KeyboardInterrupt
+        assert ahead._pauses == 0
+        with host_paced():
+            with host_paced():
+                assert ahead._pauses == 2
+            assert ahead._pauses == 1
+        assert ahead._pauses == 0
+        for cid in order:
+            assert ahead.take(cid)[0] is not None
+    finally:
+        ahead.close()
+    dropped = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=False)
+    assert dropped._unregister is None  # no worker, nothing to pause
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
+    ahead._pool.shutdown(wait=True)  # left unclosed, as a setup that raised would leave it
+    gone = weakref.ref(ahead)
+    del ahead
+    gc.collect()
+    assert gone() is None and all(ref() is not None for ref in _BACKGROUND)
+
+
+def test_host_issue_is_timed_with_background_work_paused(monkeypatch):
+    """HostIssue's runs happen inside ``host_paced()`` (a CUDA call stood in for on a CPU)."""
+    import types
+
+    from cbtrace.replay.measure.steps import HostIssue
+    from cbtrace.replay.timer.contract import pause_while_host_paced
+
+    class Work:
+        held = 0
+
+        @contextlib.contextmanager
+        def paused(self):
+            Work.held += 1
+            try:
+                yield
+            finally:
+                Work.held -= 1
+
+    work, during = Work(), []
+    unregister = pause_while_host_paced(work)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    c = types.SimpleNamespace(device=torch.device("cuda"), n_copies=1, outputs=None,
+                              run=lambda i: during.append(Work.held))
+    try:
+        row = HostIssue(reps=3).run(c)
+    finally:
+        unregister()
+    assert during == [1, 1, 1] and Work.held == 0 and row["host_ms"] >= 0

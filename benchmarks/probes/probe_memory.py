@@ -1,11 +1,11 @@
-"""GPU memory across a whole-tree replay, call by call, under variants that each undo one
-replay mechanism: where free device memory goes when calls start being skipped for it.
+"""GPU memory across a whole-tree replay, call by call, under variants that each undo one replay
+mechanism: where free device memory goes when calls start being skipped for it.
 
-Captures SPEC (train step: forward and backward) once, then replays it with the capture's model
-once per variant (a patch, or replay settings: no-context, rewrite-off), recording after every call the driver's free memory and torch's allocated and
-reserved bytes; prints per variant the calls skipped and the memory at the 10th, middle and last
-call (and the parameters' .grad bytes). Usage: python benchmarks/probes/probe_memory.py OUT_DIR
-[VARIANT ...] [--spec SPEC] [--top N]
+Captures SPEC (train step: forward and backward) once, then replays it with the capture's model once
+per variant (a patch, or replay settings: no-context, rewrite-off), recording after every call the
+driver's free memory and torch's allocated and reserved bytes; prints per variant the calls skipped
+and the memory at the 10th, middle and last call (and the parameters' .grad bytes). Usage: python
+benchmarks/probes/probe_memory.py OUT_DIR [VARIANT ...] [--spec SPEC] [--top N]
 """
 import contextlib
 import gc
@@ -97,13 +97,14 @@ def main(out_dir, names, spec="nanogpt", options=None, top=0):
         with patch(), patched(engine.ReplayLoop, "replay_one", logged):
             engine.replay(cap.out, model=cap.model, backward=True, progress=False, **options)
         skipped = sum(s != "ok" for s, *_ in log)
-        marks = [9, len(log) // 2, len(log) - 1]
+        marks = [min(9, len(log) - 1), len(log) // 2, len(log) - 1]
         total = torch.cuda.mem_get_info()[1]
         # outside: the driver's used memory that torch's allocator does not hold (CUDA graphs'
         # own, cuDNN/cuBLAS workspaces, the context)
         cells = "  ".join(f"#{i}: free {log[i][1] / GIB:6.1f} alloc {log[i][2] / GIB:5.1f} "
                           f"reserved {log[i][3] / GIB:6.1f} outside "
-                          f"{(total - log[i][1] - log[i][3]) / GIB:5.1f} grads {log[i][5] / GIB:5.2f}"
+                          f"{(total - log[i][1] - log[i][3]) / GIB:5.1f} "
+                          f"grads {log[i][5] / GIB:5.2f}"
                           for i in marks)
         peak = max(r[3] for r in log) / GIB
         print(f"{name:<18} skipped {skipped:3d}  {cells}  peak reserved {peak:.1f}  (GiB)",

@@ -1,14 +1,14 @@
 """Device probe: why wav2vec2's positional Conv1d (kernel 128, 16 groups, weight norm) reads
-11 ms of kernels run once and 1.7 ms a call run back to back (graph and stream timers alike).
-On an H100 (session 23) the profiler gave 16 grouped-conv kernels of 0.69 ms a call (11.1 ms
-summed) while CUDA events gave 1.6 ms a call: each call's kernels are now shown as their sum,
-span, busy union and streams (overlap, or kernels the profiler slows).
+11 ms of kernels under the profiler and 1.6-1.7 ms a call between CUDA events or graph replays
+(benchmarks/RESULTS.md, sessions 21 and 23): each call's kernels are shown as their sum, span,
+busy union and streams (they overlap, or run slower under the profiler).
 
 Feeds ``encoder.pos_conv_embed`` (bf16, wav2vec2-base, batch 8 of 1 s) its input from one forward,
-then: each of 6 calls under the profiler, one at a time with a sync between (its kernels' total,
-its slowest kernel, and the SM clock from a spin kernel of known cycles right after it: an
-idle GPU's clock is several times lower than a busy one's); 6 calls back to back under the profiler; and CUDA events around one call
-(synced) against around 10 calls back to back, eager and with ``torch.backends.cudnn.benchmark``.
+then: each of 6 calls under the profiler, one at a time with a sync between (its kernels' total, its
+slowest kernel, and the SM clock from a spin kernel of known cycles right after it: an idle GPU's
+clock is several times lower than a busy one's); 6 calls back to back under the profiler; and CUDA
+events around one call (synced) against around 10 calls back to back, eager and with
+``torch.backends.cudnn.benchmark``.
 
 Run: python benchmarks/probes/probe_pos_conv.py   (GPU; transformers)
 """

@@ -1,6 +1,5 @@
-"""Device probe: why replay's host time for a root exceeds the user's step (H100, session 23:
-BERT-base's root 9.94 ms of host issue and 10.49 ms back to back against 6.83 ms a forward as
-the user runs it; EfficientNet-B0's 12.85 ms against 7.53 ms; on a CPU the same root reads -6 %).
+"""Device probe: why replay's host time for a root exceeds the user's step (benchmarks/RESULTS.md,
+session 23: BERT-base, T5-base, EfficientNet-B0 on an H100; not on a CPU).
 
 First, in a fresh process that never starts the profiler, the forward as the user calls it.
 Then captures SPEC once (bf16), and times the forward's host issue (perf_counter around each call,
@@ -10,8 +9,9 @@ a call (CUDA events around 5 back to back), in turn:
   reader thread      the same while a thread reads the run's next calls' inputs, as replay's
                      read-ahead does (load.read_call_chunks into pageable memory, in a loop)
   after profiler     the same after one torch.profiler session (CUPTI may stay subscribed)
-and then cbtrace's replay of the root alone (--max-depth 0 capture) with the read-ahead on and
-off: its host_ms and isolated_ms. Prints one line each.
+and then cbtrace's replay of the root and its children (--max-depth 1 capture: the children's
+reads overlap the root's timing) with the read-ahead on and off: the root's host_ms and
+isolated_ms. Prints one line each.
 
 Run: python benchmarks/probes/probe_root_host.py OUT_DIR [--spec SPEC] [--device cuda] [--size real]
      [--step train]
@@ -75,8 +75,10 @@ def main(out, spec, device, size, step="forward"):
 
     from cbtrace.capture.from_spec import capture_model
 
-    subprocess.run([sys.executable, __file__, out, "--spec", spec, "--device", device,
-                    "--size", size, "--step", step, "--never-profiled"], check=False)
+    rc = subprocess.run([sys.executable, __file__, out, "--spec", spec, "--device", device,
+                         "--size", size, "--step", step, "--never-profiled"]).returncode
+    if rc:
+        print(f"(the fresh process exited {rc}: no line from it)", flush=True)
     from cbtrace.replay import engine
     from cbtrace.rundir.read import load_run
     from cbtrace.store import load
@@ -122,7 +124,7 @@ def main(out, spec, device, size, step="forward"):
     line("after profiler", call, device)
 
     root = capture_model(spec, Path(out) / "root", device=device, dtype="bf16",
-                         options={"size": size}, max_depth=0, step=step)
+                         options={"size": size}, max_depth=1, step=step)
     real = engine.ReadAhead
     for name, enabled in (("replay, read-ahead on", True), ("replay, read-ahead off", False)):
         def ahead(*a, **k):
@@ -132,7 +134,7 @@ def main(out, spec, device, size, step="forward"):
             rows = engine.replay(root.out, model=root.model, progress=False)
         finally:
             engine.ReadAhead = real
-        r = rows.iloc[0]
+        r = rows[rows["parent_call_id"] == -1].iloc[0]
         print(f"{name:<28} host {ms(r.host_ms)} ms   isolated {ms(r.isolated_ms)} ms "
               f"({r.timer}; {r.timer_notes})", flush=True)
 
@@ -145,7 +147,7 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--size", default="real", help="the zoo's size (tiny: a CPU check)")
     ap.add_argument("--step", default="forward", choices=("forward", "train"),
-                    help="the capture's step (train: BERT-base's root read -49.6 %% on the H100)")
+                    help="the capture's step")
     ap.add_argument("--never-profiled", action="store_true",
                     help="only the plain line, in this process, before any profiler (main runs "
                          "it in a subprocess)")

@@ -6,8 +6,8 @@ reads the next calls' shards while call N is measured, into pinned host memory, 
 asynchronous host-to-device copy is left on the replay thread. It keeps several calls ahead (up
 to ``MAX_CALLS`` and ``MAX_BYTES``): a small call is timed faster than its inputs are read, so
 one call ahead leaves the replay thread waiting (benchmarks/RESULTS.md). On CPU the reads would
-take cores from the timed call: no read-ahead there. A failed read-ahead is dropped; the call then loads as
-usual and reports the error itself.
+take cores from the timed call: no read-ahead there. A failed read-ahead is dropped; the call
+then loads as usual and reports the error itself.
 
 The worker makes no CUDA call: one from another thread invalidates a CUDA graph that a model
 captures in torch's default ("global") mode during replay, and a pinned allocation through
@@ -144,8 +144,8 @@ class ReadAhead:
         # and one under way is waited for
         self._hold = threading.Condition()
         self._pauses = self._reading = 0
-        self._unregister = (pause_while_host_paced(self.paused) if self._pool is not None
-                            else None)
+        self._closing = False  # close(): a paused worker goes on, to be shut down
+        self._unregister = pause_while_host_paced(self) if self._pool is not None else None
         if self._pool is not None and (pin or alloc is not None):
             self._open_ring(alloc or _pinned)
         if self._pool is not None:
@@ -208,7 +208,7 @@ class ReadAhead:
             into = self._view[start:start + need[0]], self._view[start + need[0]:end]
         pin = self.pin and lease.block is not None  # else pageable memory: no CUDA call
         with self._hold:
-            while self._pauses:
+            while self._pauses and not self._closing:
                 self._hold.wait()
             self._reading += 1
         try:
@@ -228,9 +228,10 @@ class ReadAhead:
         thread is measuring the host's pace (``timer.contract.host_paced``)."""
         with self._hold:
             self._pauses += 1
-            while self._reading:
-                self._hold.wait()
-        try:
+        try:  # a signal (--timeout-s, Ctrl-C) may end the wait: the pause is undone all the same
+            with self._hold:
+                while self._reading:
+                    self._hold.wait()
             yield
         finally:
             with self._hold:
@@ -307,6 +308,9 @@ class ReadAhead:
             return
         if self._unregister is not None:
             self._unregister()
+        with self._hold:
+            self._closing = True
+            self._hold.notify_all()
         for lease in self._pending.values():
             lease.read.cancel()
         if self._ring is not None:

@@ -21,6 +21,7 @@ This module and ``graph_capture`` are the layer timers build on: they import not
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -167,16 +168,27 @@ class Backend(Protocol):
     def measure(self, call: CallRunner, n_copies: int, device, cfg: TimingConfig) -> Timing: ...
 
 
-# Background work of this process that takes the host (the replay's read-ahead): each entry a
-# context manager factory that pauses it (``pause_while_host_paced``)
-_BACKGROUND: list[Callable[[], contextlib.AbstractContextManager]] = []
+class Pausable(Protocol):
+    """Background work of this process that takes the host (the replay's read-ahead)."""
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        """Holds the work while open (one part under way finishes first)."""
 
 
-def pause_while_host_paced(pause: Callable[[], contextlib.AbstractContextManager]) -> Callable:
-    """Register ``pause()``, a context manager that holds some background work of the process
-    while it is open; returns the function that unregisters it."""
-    _BACKGROUND.append(pause)
-    return lambda: _BACKGROUND.remove(pause) if pause in _BACKGROUND else None
+# weak references: a registered object that is dropped without unregistering is not kept alive
+_BACKGROUND: list[weakref.ref] = []
+
+
+def pause_while_host_paced(work: Pausable) -> Callable[[], None]:
+    """Register ``work``, paused while a host-paced measurement runs; returns the function that
+    unregisters it."""
+    def drop(ref):
+        if ref in _BACKGROUND:
+            _BACKGROUND.remove(ref)
+
+    ref = weakref.ref(work, drop)  # dropped unregistered: its entry goes with it
+    _BACKGROUND.append(ref)
+    return lambda: drop(ref)
 
 
 @contextlib.contextmanager
@@ -186,6 +198,7 @@ def host_paced():
     until it ends: its reads take the GIL and cores from the measured thread
     (benchmarks/probes/probe_root_host.py)."""
     with contextlib.ExitStack() as stack:
-        for pause in list(_BACKGROUND):
-            stack.enter_context(pause())
+        for work in [ref() for ref in _BACKGROUND]:
+            if work is not None:
+                stack.enter_context(work.paused())
         yield

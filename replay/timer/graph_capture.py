@@ -21,13 +21,15 @@ _DEVICE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> dev
 # cache (benchmarks/RESULTS.md, session 23). Before a capture the cache goes back to the driver
 # when the driver's free memory is below this share of the device's.
 ROOM_SHARE = 0.25
+ROOM_MIN_BYTES = 1 << 30  # and only when at least this much of the cache is idle: less is not
+# worth the synchronisation and the fresh allocations after it, capture after capture
 
 
-def needs_room(free: int, total: int, reserved: int, allocated: int,
-               share: float = ROOM_SHARE) -> bool:
+def needs_room(free: int, total: int, idle: int, share: float = ROOM_SHARE) -> bool:
     """Whether to hand the cache back before a capture: the driver has less than ``share`` of
-    the device free and torch holds cached blocks it does not use."""
-    return free < share * total and reserved > allocated
+    the device free, and torch caches at least ``ROOM_MIN_BYTES`` it does not use (``idle``:
+    reserved less allocated, less the free parts of split blocks, which it cannot return)."""
+    return free < share * total and idle >= ROOM_MIN_BYTES
 
 
 def make_room(device=None) -> bool:
@@ -37,8 +39,9 @@ def make_room(device=None) -> bool:
     if free >= ROOM_SHARE * total:
         return False
     stats = torch.cuda.memory_stats(device)
-    if not needs_room(free, total, stats.get("reserved_bytes.all.current", 0),
-                      stats.get("allocated_bytes.all.current", 0)):
+    idle = (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+            - stats.get("inactive_split_bytes.all.current", 0))
+    if not needs_room(free, total, idle):
         return False
     torch.cuda.empty_cache()
     return True
