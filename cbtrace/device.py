@@ -2,6 +2,7 @@
 memory a CUDA device has free for torch."""
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -52,6 +53,20 @@ def resolve_device(device=None, *, default: str = "auto"):
     elif dev.type != "cpu":
         raise DeviceError("cbtrace runs on cpu and cuda devices", param="device", value=want)
     return dev
+
+
+# timer_notes of a call (bwd_timer_notes of a backward) that ran out of memory once and ran
+# after ``hand_back``
+OOM_RETRIED = "out of memory once; ran after torch's cache went back to the driver"
+
+
+def hand_back(device) -> None:
+    """What a failed attempt left behind collected, and on a GPU torch's cached blocks handed
+    back to the driver: before a call runs again after running out of memory."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def free_memory(device, exact: bool = False) -> int:

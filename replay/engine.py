@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from cbtrace.console import Progress, announce
 from cbtrace.cost.calibrate import calibrate
 from cbtrace.cost.dtypes import meta_bytes
 from cbtrace.cost.peaks import calibration_path, device_name, load_calibration
-from cbtrace.device import free_memory, resolve_device, warm_profiler
+from cbtrace.device import OOM_RETRIED, free_memory, hand_back, resolve_device, warm_profiler
 from cbtrace.errors import ReplayError, one_line
 from cbtrace.global_state import GlobalSettings
 from cbtrace.replay.config import ReplayConfig
@@ -49,8 +48,6 @@ from cbtrace.state import StateGuard
 from cbtrace.store import load
 
 TIMED_AGAIN = "timed twice"  # timer_notes of a row whose later window was the faster
-# timer_notes of a call that ran out of memory once, then ran after the cache was handed back
-OOM_RETRIED = "out of memory once; ran after torch's cache went back to the driver"
 # what a later window replaces in a row (replay.measure.steps.Timed's fields; a call the step
 # ran compiled: AsInStep's compiled figures in them, and its eager one)
 WINDOW_FIELDS = ("timer", "timer_fallback", "isolated_ms", "isolated_ms_p10", "isolated_ms_p90",
@@ -271,18 +268,18 @@ class ReplayLoop:
                     row["timer_notes"] = join_notes(row.get("timer_notes"), OOM_RETRIED)
                 return row
             except CallTimeout as e:
-                _free(device)
+                hand_back(device)
                 return dict(status="timeout", status_reason=f"{e} (--timeout-s; replay went on)")
             except torch.OutOfMemoryError as e:
                 oom = one_line(e, with_type=False)  # the error's frames go with it, below
             except Exception as e:  # the module (or its inputs) failed: record and go on
-                _free(device)
+                hand_back(device)
                 return dict(status="error", status_reason=one_line(e))
             # out of memory, and nothing of the attempt is alive now but the inputs here
             if self.context is not None:  # the predecessors' copies kept for later contexts
                 self.context.release()
             args = kwargs = grads = None
-            _free(device)  # collected, and torch's cache handed back to the driver
+            hand_back(device)  # collected, and torch's cache handed back to the driver
             # ``read`` serves again: its ring bytes are held until the loop's issued(cid)
         return dict(status="skipped", status_reason=f"OOM: {oom} (twice, the second after "
                     "torch's cache went back to the driver)")
@@ -515,9 +512,3 @@ def _free_memory(device, exact: bool = False) -> int | None:
         return free_memory(device, exact)
     return None
 
-
-def _free(device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()

@@ -256,3 +256,49 @@ def test_a_linears_bias_reduction_stays_with_the_linear(tmp_path):
     sums = np.flatnonzero((a.roots >= 0) & (a.names == "aten::sum"))
     assert len(sums), "no bias reduction in the backward"
     assert {_owner(a, j) for j in sums} <= {"0", "2"}
+
+
+class _OOMOnBackward(torch.autograd.Function):
+    """Identity whose backward raises out of memory while ``fails`` is above 0."""
+
+    fails = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _OOMOnBackward.fails > 0:
+            _OOMOnBackward.fails -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 98.00 MiB.")
+        return g
+
+
+class _Squeezed(nn.Module):
+    def forward(self, x):
+        return _OOMOnBackward.apply(x)
+
+
+def test_a_backward_out_of_memory_runs_once_more_after_the_cache_goes_back(tmp_path,
+                                                                          monkeypatch):
+    from cbtrace.device import OOM_RETRIED
+    from cbtrace.replay.modes import backward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Squeezed()).train()
+    _capture_train(model, torch.randn(4, 8), tmp_path / "r")
+    handed = []
+    monkeypatch.setattr(backward, "hand_back", lambda device: handed.append(1))
+    _OOMOnBackward.fails = 1  # the root's backward meets it first
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY)
+    assert (df["bwd_status"] == "ok").all() and handed == [1]
+    noted = df["bwd_timer_notes"].fillna("").str.contains(OOM_RETRIED, regex=False)
+    assert list(df.loc[noted, "parent_call_id"]) == [-1]
+    _OOMOnBackward.fails = 10**6
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY).set_index("fqn")
+    assert df.loc["1", "bwd_status"] == "error"
+    assert "out of memory" in df.loc["1", "bwd_status_reason"] and \
+        "twice" in df.loc["1", "bwd_status_reason"]
+    assert df.loc["0", "bwd_status"] == "ok"
+    _OOMOnBackward.fails = 0

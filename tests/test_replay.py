@@ -153,6 +153,7 @@ def test_module_that_raises_is_recorded_and_replay_goes_on(tmp_path):
 def test_a_call_out_of_memory_runs_once_more_after_the_cache_goes_back(tmp_path, monkeypatch):
     """Its first OOM hands memory back and runs it again; an OOM every time is skipped, saying
     it was tried twice; the calls around it are not touched."""
+    from cbtrace.device import OOM_RETRIED
     from cbtrace.replay import engine
 
     class Hungry(torch.nn.Module):
@@ -165,15 +166,15 @@ def test_a_call_out_of_memory_runs_once_more_after_the_cache_goes_back(tmp_path,
             return x * 2
 
     freed = []
-    real_free = engine._free
-    monkeypatch.setattr(engine, "_free", lambda device: freed.append(1) or real_free(device))
+    real_free = engine.hand_back
+    monkeypatch.setattr(engine, "hand_back", lambda device: freed.append(1) or real_free(device))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), Hungry(), torch.nn.ReLU())
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(torch.randn(2, 4))
     Hungry.fail_for = 1  # the root's first run (replayed first) meets it
     df = cbtrace.replay(tmp_path / "r", model=model, **FAST_REPLAY)
     assert (df["status"] == "ok").all() and freed == [1]
-    retried = df[df["timer_notes"].fillna("").str.contains(engine.OOM_RETRIED, regex=False)]
+    retried = df[df["timer_notes"].fillna("").str.contains(OOM_RETRIED, regex=False)]
     assert list(retried["parent_call_id"]) == [-1]  # the root alone
     Hungry.fail_for = 10**6
     df = cbtrace.replay(tmp_path / "r", model=model, resume=False, **FAST_REPLAY).set_index("fqn")

@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.console import quiet_kineto
+from cbtrace.device import OOM_RETRIED, hand_back
 from cbtrace.cost.opcount import OpCounter
 from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors, map_tensors
@@ -49,16 +50,26 @@ class BackwardStep:
         # with them the stream they were made on: a backward captured on another stream fails
         backward = _FreshBackward(c, grads)
         bwd = _backward_runner(c, backward)
-        try:
-            t, fallback = choice.measure(bwd, c.n_copies, c.device, self.chain, self.backends,
-                                         self.tcfg)
-        except Exception as e:  # noqa: BLE001 - the backward failed: record it, go on
-            return dict(bwd_status="error", grad_source=source,
-                        bwd_status_reason=one_line(e))
+        for attempt in (1, 2):  # out of memory: once more, the cache handed back
+            try:
+                t, fallback = choice.measure(bwd, c.n_copies, c.device, self.chain,
+                                             self.backends, self.tcfg)
+                break
+            except torch.OutOfMemoryError as e:
+                oom = one_line(e)  # the error's frames go with it, below
+            except Exception as e:  # noqa: BLE001 - the backward failed: record it, go on
+                return dict(bwd_status="error", grad_source=source,
+                            bwd_status_reason=one_line(e))
+            if attempt == 2:
+                return dict(bwd_status="error", grad_source=source,
+                            bwd_status_reason=f"{oom} (twice, the second after torch's cache "
+                            "went back to the driver)")
+            hand_back(c.device)
         row = dict(bwd_status="ok", grad_source=source, bwd_grad_sums=sums,
                    bwd_timer=t.timer, bwd_ms=t.median_ms,
                    bwd_ms_p10=t.p10_ms, bwd_ms_p90=t.p90_ms,
-                   bwd_timer_notes=join_notes(t.notes, fallback and f"fallback: {fallback}"))
+                   bwd_timer_notes=join_notes(t.notes, fallback and f"fallback: {fallback}",
+                                              OOM_RETRIED if attempt == 2 else None))
         row.update(_cost(c, backward))
         row.update(_memory(c, backward))
         return row
