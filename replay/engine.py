@@ -274,7 +274,8 @@ class ReplayLoop:
                 oom = one_line(e, with_type=False)  # the error's frames go with it, below
             except Exception as e:  # the module (or its inputs) failed: record and go on
                 hand_back(device)
-                return dict(status="error", status_reason=one_line(e))
+                after = f" (after running out of memory once: {oom})" if attempt == 2 else ""
+                return dict(status="error", status_reason=one_line(e) + after)
             # out of memory, and nothing of the attempt is alive now but the inputs here
             if self.context is not None:  # the predecessors' copies kept for later contexts
                 self.context.release()

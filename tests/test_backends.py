@@ -752,6 +752,12 @@ def test_the_cache_goes_back_before_a_capture_only_when_the_driver_is_short(monk
     assert gc_.make_room() and emptied == [1]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50 * gib, 80 * gib))
     assert not gc_.make_room() and emptied == [1]
+    # 1.5 GiB reserved beyond what is allocated, but 1 GiB of it the free parts of split blocks,
+    # which empty_cache cannot return
+    stats.update({"reserved_bytes.all.current": 5 * gib + gib // 2,
+                  "allocated_bytes.all.current": 4 * gib})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    assert not gc_.make_room() and emptied == [1]
 
 
 @pytest.mark.gpu

@@ -290,15 +290,14 @@ def test_a_backward_out_of_memory_runs_once_more_after_the_cache_goes_back(tmp_p
     _capture_train(model, torch.randn(4, 8), tmp_path / "r")
     handed = []
     monkeypatch.setattr(backward, "hand_back", lambda device: handed.append(1))
-    _OOMOnBackward.fails = 1  # the root's backward meets it first
+    monkeypatch.setattr(_OOMOnBackward, "fails", 1)  # the root's backward meets it first
     df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY)
     assert (df["bwd_status"] == "ok").all() and handed == [1]
     noted = df["bwd_timer_notes"].fillna("").str.contains(OOM_RETRIED, regex=False)
     assert list(df.loc[noted, "parent_call_id"]) == [-1]
-    _OOMOnBackward.fails = 10**6
+    monkeypatch.setattr(_OOMOnBackward, "fails", 10**6)
     df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY).set_index("fqn")
     assert df.loc["1", "bwd_status"] == "error"
     assert "out of memory" in df.loc["1", "bwd_status_reason"] and \
         "twice" in df.loc["1", "bwd_status_reason"]
     assert df.loc["0", "bwd_status"] == "ok"
-    _OOMOnBackward.fails = 0

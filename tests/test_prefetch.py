@@ -456,9 +456,10 @@ def test_no_read_runs_while_the_host_pace_is_measured(tmp_path, monkeypatch):
     assert ahead not in [ref() for ref in _BACKGROUND]  # closed: nothing left to pause
 
 
-def test_a_pause_ended_by_an_error_or_nested_lets_reading_go_on(tmp_path):
-    """An exception inside (a --timeout-s signal, Ctrl-C) undoes the pause; nested pauses hold
-    until the outer one ends; a dropped read-ahead is not kept alive by the registry."""
+def test_a_pause_ended_by_an_error_or_nested_lets_reading_go_on(tmp_path, monkeypatch):
+    """A signal (--timeout-s, Ctrl-C) raised while the pause waits for a read under way, or
+    inside it, undoes the pause; nested pauses hold until the outer one ends; a dropped
+    read-ahead is not kept alive by the registry."""
     import gc
     import weakref
 
@@ -467,6 +468,22 @@ def test_a_pause_ended_by_an_error_or_nested_lets_reading_go_on(tmp_path):
     recs, order = _captured_pair(tmp_path)
     ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
     try:
+        for cid in order:
+            assert ahead.take(cid)[0] is not None  # the worker is idle from here
+        with ahead._hold:
+            ahead._reading = 1  # a read under way, which the pause waits for
+
+        def interrupted(*a, **k):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(ahead._hold, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            with ahead.paused():
+                pass
+        assert ahead._pauses == 0
+        monkeypatch.undo()
+        with ahead._hold:
+            ahead._reading = 0
         with pytest.raises(KeyboardInterrupt):
             with host_paced():
                 raise KeyboardInterrupt
@@ -476,18 +493,33 @@ def test_a_pause_ended_by_an_error_or_nested_lets_reading_go_on(tmp_path):
                 assert ahead._pauses == 2
             assert ahead._pauses == 1
         assert ahead._pauses == 0
-        for cid in order:
-            assert ahead.take(cid)[0] is not None
     finally:
         ahead.close()
-    dropped = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=False)
-    assert dropped._unregister is None  # no worker, nothing to pause
     ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
     ahead._pool.shutdown(wait=True)  # left unclosed, as a setup that raised would leave it
     gone = weakref.ref(ahead)
     del ahead
     gc.collect()
     assert gone() is None and all(ref() is not None for ref in _BACKGROUND)
+
+
+def test_closing_a_paused_read_ahead_does_not_hang(tmp_path, monkeypatch):
+    """close() while a pause holds the worker before its read: the worker gives up, close
+    returns."""
+    recs, order = _captured_pair(tmp_path)
+    real_fill = ReadAhead._fill
+    monkeypatch.setattr(ReadAhead, "_fill", lambda self: None)  # nothing queued yet
+    ahead = ReadAhead(tmp_path / "r", order, recs, grads=False, enabled=True)
+    pause = ahead.paused()
+    pause.__enter__()
+    real_fill(ahead)  # queued now, held before their reads
+    closed = threading.Thread(target=ahead.close)
+    closed.start()
+    closed.join(30)
+    hung = closed.is_alive()
+    pause.__exit__(None, None, None)
+    closed.join(30)
+    assert not hung
 
 
 def test_host_issue_is_timed_with_background_work_paused(monkeypatch):

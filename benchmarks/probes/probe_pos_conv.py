@@ -1,5 +1,5 @@
 """Device probe: why wav2vec2's positional Conv1d (kernel 128, 16 groups, weight norm) reads
-11 ms of kernels under the profiler and 1.6-1.7 ms a call between CUDA events or graph replays
+several times longer in kernels under the profiler than between CUDA events or graph replays
 (benchmarks/RESULTS.md, sessions 21 and 23): each call's kernels are shown as their sum, span,
 busy union and streams (they overlap, or run slower under the profiler).
 

@@ -17,8 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.console import quiet_kineto
-from cbtrace.device import OOM_RETRIED, hand_back
 from cbtrace.cost.opcount import OpCounter
+from cbtrace.device import OOM_RETRIED, hand_back
 from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors, map_tensors
 from cbtrace.replay.measure.prepare import CallUnderTest
@@ -58,12 +58,15 @@ class BackwardStep:
             except torch.OutOfMemoryError as e:
                 oom = one_line(e)  # the error's frames go with it, below
             except Exception as e:  # noqa: BLE001 - the backward failed: record it, go on
+                after = f" (after running out of memory once: {oom})" if attempt == 2 else ""
                 return dict(bwd_status="error", grad_source=source,
-                            bwd_status_reason=one_line(e))
+                            bwd_status_reason=one_line(e) + after)
             if attempt == 2:
                 return dict(bwd_status="error", grad_source=source,
                             bwd_status_reason=f"{oom} (twice, the second after torch's cache "
                             "went back to the driver)")
+            for p in c.module.parameters():  # the first attempt's gradients, given back too
+                p.grad = None
             hand_back(c.device)
         row = dict(bwd_status="ok", grad_source=source, bwd_grad_sums=sums,
                    bwd_timer=t.timer, bwd_ms=t.median_ms,

@@ -210,6 +210,8 @@ class ReadAhead:
         with self._hold:
             while self._pauses and not self._closing:
                 self._hold.wait()
+            if self._closing:
+                raise RuntimeError("the read-ahead was closed")
             self._reading += 1
         try:
             inputs = (load.read_call_chunks(self.run, rec.inputs_ref, pin=pin, into=into[0])

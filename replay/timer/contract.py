@@ -182,9 +182,8 @@ _BACKGROUND: list[weakref.ref] = []
 def pause_while_host_paced(work: Pausable) -> Callable[[], None]:
     """Register ``work``, paused while a host-paced measurement runs; returns the function that
     unregisters it."""
-    def drop(ref):
-        if ref in _BACKGROUND:
-            _BACKGROUND.remove(ref)
+    def drop(ref):  # by identity: a Pausable's own __eq__ is not asked
+        _BACKGROUND[:] = [r for r in _BACKGROUND if r is not ref]
 
     ref = weakref.ref(work, drop)  # dropped unregistered: its entry goes with it
     _BACKGROUND.append(ref)
@@ -198,7 +197,7 @@ def host_paced():
     until it ends: its reads take the GIL and cores from the measured thread
     (benchmarks/probes/probe_root_host.py)."""
     with contextlib.ExitStack() as stack:
-        for work in [ref() for ref in _BACKGROUND]:
+        for work in [ref() for ref in tuple(_BACKGROUND)]:
             if work is not None:
                 stack.enter_context(work.paused())
         yield
