@@ -1,5 +1,5 @@
-"""The one check of a device the user asked for (cpu, cuda, cuda:N or auto), and how much
-memory a CUDA device has free for torch."""
+"""The one check of a device the user asked for (cpu, cuda, cuda:N or auto), how much memory a
+CUDA device has free for torch, and handing memory back after an attempt ran out of it."""
 from __future__ import annotations
 
 import gc
