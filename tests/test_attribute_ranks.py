@@ -96,9 +96,10 @@ def test_across_ranks_uses_device_time_where_there_is_some():
         "rank": [0, 1, 0, 1], "step": [1, 1, 1, 1], "fqn": ["a", "a", "b", "b"],
         "call_index": 0, "phase": "fwd", "kernel_count": [2, 2, 0, 0],
         "cpu_ms": [5.0, 1.0, 1.0, 3.0], "cpu_self_ms": 0.0, "gpu_ms": [2.0, 4.0, 0.0, 0.0],
-        "gpu_self_ms": 0.0, "gpu_span_ms": 0.0, "comm_ms": 0.0, "comm_exposed_ms": 0.0})
+        "gpu_busy_ms": [2.0, 4.0, 0.0, 0.0], "gpu_self_ms": 0.0, "gpu_span_ms": 0.0,
+        "comm_ms": 0.0, "comm_exposed_ms": 0.0})
     a = across_ranks(df).set_index("fqn")
-    assert a.loc["a", "metric"] == "gpu_ms" and a.loc["a", "slowest_rank"] == 1
+    assert a.loc["a", "metric"] == "gpu_busy_ms" and a.loc["a", "slowest_rank"] == 1
     assert (a.loc["a", "min_ms"], a.loc["a", "median_ms"], a.loc["a", "max_ms"]) == (2, 3, 4)
     assert a.loc["a", "spread"] == pytest.approx(4 / 3 - 1)
     assert a.loc["b", "metric"] == "cpu_ms" and a.loc["b", "slowest_rank"] == 1
@@ -205,7 +206,7 @@ def test_nccl_per_rank_on_a_two_rank_directory(shared_traces, tmp_path):
         assert total > 0 and roots.comm_ms.sum() * 1e3 == pytest.approx(total, rel=1e-9)
         assert roots.comm_exposed_ms.sum() <= roots.comm_ms.sum()
     a = across_ranks(df)
-    assert (a.ranks <= 2).all() and set(a.metric) <= {"gpu_ms", "cpu_ms"}
+    assert (a.ranks <= 2).all() and set(a.metric) <= {"gpu_busy_ms", "cpu_ms"}
     assert (a.min_ms <= a.median_ms).all() and (a.median_ms <= a.max_ms).all()
 
 

@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
@@ -97,8 +98,8 @@ def test_insitu_for_run(tmp_path):
 
     shutil.copy(TRACE, tmp_path / TRACE.name)
     out = insitu_for_run(tmp_path, manifest(trace=TRACE.name))
-    assert list(out.columns) == ["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms",
-                                 "kernel_count", "insitu_ms"]
+    assert list(out.columns) == ["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_busy_ms",
+                                 "gpu_span_ms", "kernel_count", "insitu_ms"]
     assert len(out) == 15  # 14 modules, head called twice; the first step only
     assert (out.insitu_ms == out.cpu_ms).all()  # CPU trace: no device events
 
@@ -357,3 +358,101 @@ def test_step_windows_count_late_and_stray_kernels_once(tmp_path):
     assert (a1.gpu_ms, a1.kernel_count, a2.gpu_ms, a2.kernel_count) == (0.030, 1, 0.015, 2)
     assert _row(one, 2, "<unattributed>").gpu_ms == 0.005  # k_stray
     assert _row(one, -1, "<unattributed>").gpu_ms == 0.005  # k_before
+
+
+# ---------------------------------------------------------------- device-busy time
+
+def _naive_union(spans) -> float:
+    """Length of the union of (start, duration) spans, one at a time."""
+    total, reach = 0.0, -float("inf")
+    base = min((a for a, _ in spans), default=0.0)  # trace clocks are ~1e12 us: work near 0
+    for a, b in sorted((a - base, a - base + d) for a, d in spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def _nested_trace(seed: int):
+    """One step of nested module ranges on one host thread, each launching kernels onto three
+    streams of one device (they overlap at random) and one kernel onto a second device, and
+    a stray kernel no range launched. Returns (events, {fqn: (start, end)} of each range)."""
+    rng = np.random.default_rng(seed)
+    events, ranges, corr = [], {}, [0]
+
+    def x(name, ts, dur, cat, pid=1, tid=1, c=None):
+        e = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+        if c is not None:
+            e["args"] = {"correlation": c}
+        events.append(e)
+
+    def launch(t):
+        corr[0] += 1
+        x("cudaLaunchKernel", t, 0.5, "cuda_runtime", c=corr[0])
+        pid, tid = (0, int(rng.integers(7, 10))) if rng.random() < 0.85 else (2, 7)
+        x(f"k{corr[0]}", t + float(rng.integers(0, 2000)) + 0.25, float(rng.integers(1, 3000)),
+          "kernel", pid=pid, tid=tid, c=corr[0])
+
+    def module(name, a, b, depth):
+        x(f"cbtrace::{name}", a, b - a, "user_annotation")
+        ranges[name] = (a, b)
+        cuts = [round(a + (b - a) * rng.uniform(lo, lo + 0.15), 3) for lo in (0.05, 0.3, 0.55, 0.8)]
+        if depth < 3:
+            module(f"{name}.l" if name else "l", cuts[0], cuts[1], depth + 1)
+            module(f"{name}.r" if name else "r", cuts[2], cuts[3], depth + 1)
+        for gap in ((a, cuts[0]), (cuts[1], cuts[2]), (cuts[3], b)):
+            for _ in range(int(rng.integers(0, 3))):
+                launch(round(float(rng.uniform(gap[0] + 1, gap[1] - 1)), 3))
+
+    x("ProfilerStep#1", 0, 200_000, "user_annotation")
+    module("", 5, 199_995, 0)
+    x("k_stray", 100.25, 50.0, "kernel", pid=0, tid=7)
+    return events, ranges
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_busy_time_is_the_union_of_the_calls_kernels(seed, tmp_path):
+    events, ranges = _nested_trace(seed)
+    launched = {e["args"]["correlation"]: e["ts"] for e in events if e["cat"] == "cuda_runtime"}
+    kernels = [e for e in events if e["cat"] == "kernel"]
+    p = tmp_path / "nested.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    df = attribute(p, aggregate=False)
+    overlapped = 0
+    for fqn, (a, b) in ranges.items():
+        mine = [k for k in kernels if a <= launched.get(k.get("args", {}).get("correlation"),
+                                                        -1) <= b]
+        busy = sum(_naive_union([(k["ts"], k["dur"]) for k in mine if k["pid"] == pid])
+                   for pid in (0, 2))
+        r = _row(df, 1, fqn)
+        assert r.gpu_ms * 1e3 == pytest.approx(sum(k["dur"] for k in mine))
+        assert r.gpu_busy_ms * 1e3 == pytest.approx(busy), fqn
+        overlapped += busy < r.gpu_ms * 1e3 - 1e-6
+    assert overlapped >= 3  # the trace does overlap kernels, in most calls
+    stray = _row(df, 1, "<unattributed>")
+    assert stray.gpu_busy_ms == stray.gpu_ms == pytest.approx(0.05)
+    _same_rows(df, attribute(p, aggregate=False, steps_per_window=1))
+
+
+def test_busy_time_on_a_trace_with_collectives_beside_compute(shared_traces):
+    # a real DDP trace: NCCL kernels on their own stream overlap the compute stream's kernels
+    path = shared_traces / "hta/tests/data/nccl_parser_config/nccl_data.json.gz"
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    df = attribute(path, aggregate=False)
+    assert (df.gpu_busy_ms <= df.gpu_ms + 1e-9).all()
+    dev = {"kernel", "gpu_memcpy", "gpu_memset"}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in dev]
+    roots = df[df.depth <= 0]  # every device event once, in one root or unattributed row
+    assert roots.gpu_ms.sum() * 1e3 == pytest.approx(sum(e["dur"] for e in kernels), rel=1e-9)
+    assert (roots.gpu_busy_ms < roots.gpu_ms - 1e-6).any()  # some do overlap
+    # each forward call's busy time against a naive union of the kernels its range launched
+    launch = {(e["args"]["correlation"]): (e["tid"], e["ts"]) for e in events
+              if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    fwd = df[(df.phase == "fwd") & (df.depth >= 0) & (df.kernel_count > 0)]
+    assert len(fwd) >= 3
+    for r in fwd.itertuples():
+        mine = [(k["ts"], k["dur"]) for k in kernels
+                if (t := launch.get(k.get("args", {}).get("correlation"))) is not None
+                and t[0] == r.tid and r.ts_us <= t[1] <= r.ts_us + r.dur_us]
+        assert len(mine) == r.kernel_count and r.gpu_busy_ms * 1e3 == pytest.approx(
+            _naive_union(mine), rel=1e-9), r.fqn

@@ -511,7 +511,10 @@ def test_row_summaries_hand_worked():
               ("[memory]", "[memory]", 5, 0, -100, True),
               ("[memory]", "[memory]", 6, 0, 30, True),
               ("[memory]", "[memory]", 4, 0, 999, False))   # device memory: not the CPU estimate
-    assert device_totals(rs) == (2, pytest.approx(0.002))
+    # busy time: the memset [30, 530) ns runs inside the kernel [20, 1520): 1500 ns, not 2000
+    assert device_totals(rs) == (2, pytest.approx(0.0015))
+    apart = [r._replace(start_ns=2000) if r.activity == "gpu_memset" else r for r in rs]
+    assert device_totals(apart) == (2, pytest.approx(0.002))
     assert aten_op_count(rs) == 2
     assert peak_live_bytes(rs) == 150                     # 50, 150, 50, 80
     assert peak_live_bytes(rs, on_cpu=False) == 999

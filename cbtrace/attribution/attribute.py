@@ -10,19 +10,22 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
 - ``cpu_ms`` / ``cpu_self_ms``: host time inclusive / minus child modules (cbtrace overhead
   excluded); for bwd rows, the autograd ops mapped to the module (self) and its subtree.
 - ``gpu_ms`` / ``gpu_self_ms``: sum of device event durations (kernels, memcpy, memset)
-  launched inside; ``gpu_span_ms``: first device event start to last end (inclusive);
+  launched inside; ``gpu_busy_ms``: the time the device was busy with them (inclusive; the
+  union of their intervals per device: less than gpu_ms where they overlap on several
+  streams); ``gpu_span_ms``: first device event start to last end (inclusive);
   ``kernel_count`` (inclusive).
 - ``comm_ms``: device time of communication (NCCL) kernels launched inside (inclusive; part of
   gpu_ms); ``comm_exposed_ms``: the part of it that no non-communication kernel on another
   stream of the same device overlaps (comm.py).
 - ``flops``, ``flops_executed``, ``bytes``, ``ops_without_formula``, ``compute_dtype``, ``mfu``,
   ``mbu``: from op shapes (``record_shapes=True``), cbtrace.cost.flops formulas and replay's
-  peak (cost.peaks.PeakLookup: datasheet, else calibrated); inclusive; mfu/mbu use ``gpu_ms``
-  and the trace's device (NaN on CPU-only traces and devices without a peak). Each op's
-  FLOPs and bytes count once, at the op that did the work (an autocast ``aten::linear`` on
-  fp32 weights only casts and calls the bf16 ``aten::addmm``: insitu.working_ops), and
-  ``compute_dtype`` (whose peak mfu/mbu divide by) is the dtype with the most FLOPs (else
-  bytes) over those ops, each op's dtype its first floating operand's (cost.compute_dtype).
+  peak (cost.peaks.PeakLookup: datasheet, else calibrated); inclusive; mfu/mbu use
+  ``gpu_busy_ms`` and the trace's device (NaN on CPU-only traces and devices without a
+  peak). Each op's FLOPs and bytes count once, at the op that did the work (an autocast
+  ``aten::linear`` on fp32 weights only casts and calls the bf16 ``aten::addmm``:
+  insitu.working_ops), and ``compute_dtype`` (whose peak mfu/mbu divide by) is the dtype with the
+  most FLOPs (else bytes) over those ops, each op's dtype its first floating operand's
+  (cost.compute_dtype).
 - ``figures_suspect``: mfu, mbu or hfu (flops_executed / gpu time / peak) is above 1, which no
   call can reach: a bug in a count, flagged, not capped (cost.metrics.suspect); summary_text
   names such rows.
@@ -32,8 +35,8 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
   ``trace`` (file).
 
 Aggregation over steps (``aggregate=True``): every row also carries ``<col>_median``,
-``<col>_min``, ``<col>_max`` for cpu_ms, cpu_self_ms, gpu_ms, gpu_self_ms, gpu_span_ms,
-comm_ms, comm_exposed_ms over the steps >= 0 of its (rank, fqn, call_index, phase);
+``<col>_min``, ``<col>_max`` for cpu_ms, cpu_self_ms, gpu_ms, gpu_self_ms, gpu_busy_ms,
+gpu_span_ms, comm_ms, comm_exposed_ms over the steps >= 0 of its (rank, fqn, call_index, phase);
 ``summarize(df)`` keeps one row per group.
 
 Many ranks (ranks.py): files are attributed in worker processes (``workers=``, default one per

@@ -10,13 +10,16 @@ belong to the module whose call launched them, as every other kernel does.
 Exposed time: the part of a communication kernel's interval that no non-communication kernel
 on another stream of the same device overlaps, i.e. the time the device spent on nothing but
 communication (memcpy / memset do not count as covering). Intervals are merged and measured
-with sorted arrays (``union``, ``covered``): one pass per (device, communication stream).
+with sorted arrays (``intervals.union``, ``intervals.covered``): one pass per (device,
+communication stream).
 """
 from __future__ import annotations
 
 import re
 
 import numpy as np
+
+from cbtrace.attribution.intervals import covered, union
 
 _KERNEL = re.compile("nccl", re.IGNORECASE)
 _OP = re.compile(r"^(nccl:|gloo:|c10d::|_?c10d_functional::|record_param_comms$)")
@@ -30,32 +33,6 @@ def is_comm_kernel(name: str) -> bool:
 def is_comm_op(name: str) -> bool:
     """A host op or annotation of a collective (c10d::allreduce_, nccl:all_reduce, ...)."""
     return _OP.match(name) is not None
-
-
-def union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The intervals [start, end) merged into sorted disjoint ones: (lo, hi)."""
-    if not len(start):
-        return np.zeros(0), np.zeros(0)
-    o = np.argsort(start, kind="stable")
-    s, e = start[o], end[o]
-    reach = np.maximum.accumulate(e)
-    new = np.r_[True, s[1:] > reach[:-1]]
-    last = np.r_[np.flatnonzero(new)[1:] - 1, len(s) - 1]
-    return s[new], reach[last]
-
-
-def covered(lo: np.ndarray, hi: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per query [a, b): its length inside the disjoint sorted intervals [lo, hi)."""
-    if not len(lo):
-        return np.zeros(len(a))
-    cum = np.r_[0.0, np.cumsum(hi - lo)]
-
-    def upto(t):  # covered length in (-inf, t)
-        i = np.searchsorted(lo, t, side="right")
-        j = np.maximum(i - 1, 0)
-        return np.where(i > 0, cum[j] + np.clip(t - lo[j], 0.0, hi[j] - lo[j]), 0.0)
-
-    return np.maximum(upto(b) - upto(a), 0.0)
 
 
 def exposed(ts, dur, comm, compute, device, stream) -> np.ndarray:

@@ -52,7 +52,8 @@ class Forest:
     ``ts``, ``dur``, ``idx``, ``name``, ``cat``, ``seq``, ``hier``, ``cost`` (the loader's
     columns), ``pid`` / ``tid`` (ints), ``parent`` (host index, -1 at the top), ``depth``,
     ``step_of_host`` (N of the enclosing ProfilerStep#N window, -1). Per device event (file
-    order): ``d_ts``, ``d_dur``, ``d_idx``, ``launcher`` (host index of the launching op, -1),
+    order): ``d_ts``, ``d_dur``, ``d_idx``, ``d_dev`` (the device: its pid code), ``launcher``
+    (host index of the launching op, -1),
     ``d_comm`` (a communication kernel), ``d_exposed`` (µs of it no compute kernel overlaps;
     comm.py).
     """
@@ -62,6 +63,7 @@ class Forest:
         self.d_ts, self.d_dur, self.d_idx = cols.ts[device], cols.dur[device], cols.idx[device]
         d_corr, d_pid, d_tid = cols.corr[device], cols.pid[device], cols.tid[device]
         self.d_comm, self.d_exposed = _comm(cols, device, d_pid, d_tid)
+        self.d_dev = np.asarray(d_pid, np.int64)
         self.host = host
         for k in ("ts", "dur", "idx", "name", "cat", "seq", "hier", "cost", "corr", "pid",
                   "tid"):
@@ -82,7 +84,7 @@ class Forest:
         """Drop the device events where ``mask`` is False (another window counts them)."""
         self.d_ts, self.d_dur, self.d_idx = self.d_ts[mask], self.d_dur[mask], self.d_idx[mask]
         self.d_comm, self.d_exposed = self.d_comm[mask], self.d_exposed[mask]
-        self.launcher = self.launcher[mask]
+        self.d_dev, self.launcher = self.d_dev[mask], self.launcher[mask]
 
     def step_at(self, ts: np.ndarray) -> np.ndarray:
         """Profiler step whose window contains each ``ts``, -1 outside every step."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cbtrace.attribution import backward_ops, identity
+from cbtrace.attribution import backward_ops, identity, intervals
 from cbtrace.attribution.forest import Forest, by_level, string_mask
 from cbtrace.cost import metrics
 from cbtrace.cost.compute_dtype import dominant_dtype
@@ -196,6 +196,17 @@ class _Buckets:
         for name, j in (("dt_flops", 0), ("dt_bytes", 2)):   # (keys, dtypes)
             acc[name] = np.zeros((nb, max(len(self.dtypes), 1)))
             np.add.at(acc[name], (i_cost[with_dt], dcode[cc][with_dt]), table[cc, j][with_dt])
+        # busy: gpu less the time a key's own events overlap one another (kernels on several
+        # streams); module rows' inclusive figure is regrouped over their subtrees
+        # (_subtree_overlap)
+        self.d_key = d_key
+        self.overlap = np.flatnonzero(intervals.overlapping(forest.d_dev, d_ts, d_dur))
+        acc["busy"] = acc["gpu"].copy()
+        rest = self.overlap[~np.isin(d_key[self.overlap] % KINDS, (FWD, BWD, RCP))]
+        if len(rest):
+            owner, delta = _union_less_sum(i_dev[rest], forest.d_dev[rest], d_ts[rest],
+                                           d_dur[rest])
+            np.add.at(acc["busy"], owner, delta)
         self.acc = acc
 
     def lookup(self, keys: np.ndarray) -> dict:
@@ -246,6 +257,8 @@ def _module_rows(forest: Forest, b: _Buckets, calls: _Calls, lab, labels, module
     mtree = _ModTree(mparent, depth)
     fself, bself, rself = (b.lookup(_key(k, mods)) for k in (FWD, BWD, RCP))
     fincl, bincl, rincl = (mtree.inclusive(f) for f in (fself, bself, rself))
+    for incl, fix in zip((fincl, bincl, rincl), _subtree_overlap(forest, b, calls)):
+        incl["busy"] += fix
     # cpu: the call's range minus cbtrace's input copies inside it; self: minus child calls
     copies = np.flatnonzero(copy_root)
     copy_us = np.zeros(len(mods) + 1)  # [-1]: copies outside every module
@@ -278,6 +291,40 @@ def _module_rows(forest: Forest, b: _Buckets, calls: _Calls, lab, labels, module
                 cpu_self=pick(cpu_incl - child_cpu[:-1], bself["cpu"], rself["cpu"]),
                 gpu_self=pick(fself["gpu"], bself["gpu"], rself["gpu"]))
     return cols, {k: pick(fincl[k], bincl[k], rincl[k]) for k in fincl}
+
+
+def _subtree_overlap(forest: Forest, b: _Buckets, calls: _Calls) -> np.ndarray:
+    """Per phase (fwd, bwd, recompute) and module call: the union of its subtree's device
+    events' intervals, per device, less their summed durations (<= 0; ``busy`` = ``gpu`` plus
+    this). Only events that overlap another (``_Buckets.overlap``) are regrouped: per level of
+    the call tree, deepest first, each call's subtree's overlapping events form one group per
+    device."""
+    out = np.zeros((3, len(calls.mods)))
+    ov = b.overlap
+    kind, ident = b.d_key[ov] % KINDS, b.d_key[ov] // KINDS - 1
+    depth = np.r_[calls.depth, -1]  # [-1]: above the top
+    for p, k in enumerate((FWD, BWD, RCP)):
+        sel = ov[kind == k]
+        cur = calls.mi[ident[kind == k]]
+        for level in range(int(depth[cur].max(initial=-1)), -1, -1):
+            at = np.flatnonzero(depth[cur] == level)
+            if not len(at):
+                continue
+            ev = sel[at]
+            owner, delta = _union_less_sum(cur[at], forest.d_dev[ev], forest.d_ts[ev],
+                                           forest.d_dur[ev])
+            np.add.at(out[p], owner, delta)
+            cur[at] = calls.mparent[cur[at]]
+    return out
+
+
+def _union_less_sum(owner, dev, ts, dur) -> tuple[np.ndarray, np.ndarray]:
+    """Per distinct owner: the union of its intervals per device less their summed durations
+    (<= 0): (owners, deltas)."""
+    pairs, gid = np.unique(np.c_[owner, dev], axis=0, return_inverse=True)
+    gid = gid.ravel()
+    delta = intervals.busy(gid, ts, dur, len(pairs)) - np.bincount(gid, dur, len(pairs))
+    return pairs[:, 0], np.minimum(delta, 0.0)
 
 
 def _unattributed_rows(forest: Forest, b: _Buckets, every_step: bool):
@@ -369,18 +416,18 @@ def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes) -> dict:
         out[k] = list(a) + list(b) if isinstance(a, list) or isinstance(b, list) else np.r_[a, b]
     f = {k: np.concatenate([figs[k], ufig[k]]) for k in figs}
     kernels = f["kernels"].astype(np.int64)
-    gpu_ms = f["gpu"] / 1e3
+    gpu_ms, busy_ms = f["gpu"] / 1e3, f["busy"] / 1e3
     nan = np.nan
     flops = f["flops"] if with_shapes else np.full(len(gpu_ms), nan)
     dtype = _compute_dtypes(f["dt_flops"], f["dt_bytes"], dtypes)
     pf, pb = _peaks(device_name, dtype)
-    gpu_s = gpu_ms / 1e3
+    gpu_s = busy_ms / 1e3  # the rates are per second of device-busy time
     res = dict(step=out["step"], fqn=out["fqn"], source=out["source"],
                call_index=out["call_index"], depth=out["depth"], parent_fqn=out["parent_fqn"],
                module_label=out["module_label"], pid=out["pid"], tid=out["tid"],
                ts_us=out["ts_us"], dur_us=out["dur_us"], ev_index=out["ev_index"],
                phase=out["phase"], cpu_ms=out["cpu"] / 1e3, cpu_self_ms=out["cpu_self"] / 1e3,
-               gpu_ms=gpu_ms, gpu_self_ms=out["gpu_self"] / 1e3,
+               gpu_ms=gpu_ms, gpu_self_ms=out["gpu_self"] / 1e3, gpu_busy_ms=busy_ms,
                gpu_span_ms=np.where(kernels > 0, (f["last"] - f["first"]) / 1e3, 0.0),
                comm_ms=f["comm"] / 1e3, comm_exposed_ms=f["comm_exp"] / 1e3,
                kernel_count=kernels, flops=flops,

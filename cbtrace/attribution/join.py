@@ -182,9 +182,10 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None
     """In-situ time per captured call from the run's own capture trace (or ``trace``, another
     trace of the run: its plain step).
 
-    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_span_ms, kernel_count, insitu_ms]
-    of the module rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps to each call
-    by sequence number); ``insitu_ms`` is gpu_ms (device time of the call's own kernels,
+    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_busy_ms, gpu_span_ms, kernel_count,
+    insitu_ms] of the module rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps
+    to each call by sequence number); ``insitu_ms`` is gpu_busy_ms (the time the device was
+    busy with the call's own kernels: kernels overlapping on several streams count once;
     cbtrace's input copies excluded) when the trace has device events, else cpu_ms. Not the
     span, except where the isolated figure holds the host's gaps too (``insitu_columns``): during
     capture the host is slowed by hooks and copies, so the device idles inside a parent's span
@@ -199,8 +200,9 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None
     if (df["step"] >= 0).any():
         df = df[df["step"] == df.loc[df["step"] >= 0, "step"].min()]
     has_device = df["kernel_count"].sum() > 0
-    out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_span_ms", "kernel_count"]].copy()
-    out["insitu_ms"] = out["gpu_ms"] if has_device else out["cpu_ms"]
+    out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_busy_ms", "gpu_span_ms",
+              "kernel_count"]].copy()
+    out["insitu_ms"] = out["gpu_busy_ms"] if has_device else out["cpu_ms"]
     return out.reset_index(drop=True)
 
 

@@ -9,11 +9,11 @@ for any number of workers. As with any spawn-based pool, a script calling ``attr
 more than one worker needs the ``if __name__ == "__main__":`` guard (a spawned worker imports
 the main script); the CLI, ``python -c``, notebooks and pytest need nothing.
 
-Across ranks (``across_ranks(df)``): per (fqn, call_index, phase), each rank's median over
-steps of its time (``gpu_ms`` where the call has device events on some rank, else
-``cpu_ms``), then the min, median and max of those over ranks, the slowest rank, and
-``spread`` = max / median - 1 (0.25: the slowest rank takes 25 % longer than the median one).
-Rows are sorted by max - median: the time the slowest rank holds the others up by.
+Across ranks (``across_ranks(df)``): per (fqn, call_index, phase), each rank's median over steps of
+its time (``gpu_busy_ms``, the time its device was busy with its kernels, where the call has device
+events on some rank, else ``cpu_ms``), then the min, median and max of those over ranks, the slowest
+rank, and ``spread`` = max / median - 1 (0.25: the slowest rank takes 25 % longer than the median
+one). Rows are sorted by max - median: the time the slowest rank holds the others up by.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def attribute_files(files: list, *, workers: int | None = None, **kwargs) -> lis
 def across_ranks(df):
     """One row per (fqn, call_index, phase) over ranks (see the module docstring).
 
-    Columns: fqn, call_index, phase, metric ("gpu_ms" | "cpu_ms"), ranks (how many have the
+    Columns: fqn, call_index, phase, metric ("gpu_busy_ms" | "cpu_ms"), ranks (how many have the
     call), min_ms, median_ms, max_ms (over ranks of each rank's median over steps),
     slowest_rank, spread (max / median - 1; NaN where the median is 0).
     """
@@ -76,8 +76,8 @@ def across_ranks(df):
     on_device = df.groupby(KEY, sort=False)["kernel_count"].max() > 0
     s = summarize(df).sort_values("rank", kind="stable").reset_index(drop=True)
     dev = on_device.reindex(pd.MultiIndex.from_frame(s[KEY])).to_numpy(bool)
-    s["time_ms"] = np.where(dev, s["gpu_ms_median"], s["cpu_ms_median"])
-    s["metric"] = np.where(dev, "gpu_ms", "cpu_ms")
+    s["time_ms"] = np.where(dev, s["gpu_busy_ms_median"], s["cpu_ms_median"])
+    s["metric"] = np.where(dev, "gpu_busy_ms", "cpu_ms")
     g = s.groupby(KEY, sort=False)
     out = g.agg(metric=("metric", "first"), ranks=("rank", "nunique"),
                 min_ms=("time_ms", "min"), median_ms=("time_ms", "median"),
@@ -94,7 +94,7 @@ def across_ranks(df):
 def across_text(df, *, top: int = 15) -> str:
     """The across-rank view as a short table: the calls whose slowest rank lags the most."""
     a = across_ranks(df)
-    head = (f"across {df['rank'].nunique()} ranks: each rank's median over steps (gpu_ms with "
-            "device events, else cpu_ms); spread = max / median - 1")
+    head = (f"across {df['rank'].nunique()} ranks: each rank's median over steps (gpu_busy_ms "
+            "with device events, else cpu_ms); spread = max / median - 1")
     return "\n".join([head, a.head(top).to_string(
         index=False, float_format=lambda v: f"{v:.4g}")])

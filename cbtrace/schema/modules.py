@@ -107,8 +107,9 @@ class ModuleRecord:
                          default=False)
     kernel_count: int | None = column(REPLAY, doc="device kernels (incl. memcpy/memset) per call",
                                       default=None)
-    device_ms: float | None = column(REPLAY, "ms", "device activity per call, from the profiler",
-                                     default=None)
+    device_ms: float | None = column(REPLAY, "ms", "the time the device was busy per call, from "
+                                     "the profiler (kernels overlapping on several streams count "
+                                     "once)", default=None)
     wall_ms: float | None = column(REPLAY, "ms", "synchronised host wall time per call",
                                    default=None)
     launch_overhead_ms: float | None = column(REPLAY, "ms", "wall_ms - device_ms, floored at 0",
@@ -211,8 +212,8 @@ class ModuleRecord:
                               default=None)
 
     insitu_ms: float | None = column(INSITU, "ms", "the call's own time in the step (on a GPU: "
-                                     "the plain step's, else the captured step's)",
-                                     default=None)
+                                     "its kernels' device-busy time in the plain step, else in "
+                                     "the captured step)", default=None)
     insitu_span_ms: float | None = column(INSITU, "ms", "the call's span in the step: its first "
                                           "kernel's start to its last's end, gaps included",
                                           default=None)

@@ -12,10 +12,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 from torch.autograd import profiler as autograd_profiler
 from torch.profiler import ProfilerActivity, profile
 
+from cbtrace.attribution import intervals
 from cbtrace.console import quiet_kineto
 
 
@@ -27,7 +29,7 @@ class CallStats:
     """What the profiler saw for one call (per call, averaged over ``runs``)."""
 
     kernel_count: int            # device kernels + memcpy + memset
-    device_ms: float             # sum of their durations (overlap across streams counted twice)
+    device_ms: float             # the time the device was busy with them (overlaps count once)
     wall_ms: float               # median host wall time, synchronized, outside the profiler
     launch_overhead_ms: float    # max(wall - device, 0)
     peak_mem_bytes: int          # CUDA: max_memory_allocated - baseline; CPU: estimate
@@ -67,9 +69,15 @@ def rows_from_kineto(events) -> list[Row]:
 
 
 def device_totals(rows: list[Row]) -> tuple[int, float]:
-    """(count, total ms) of device activity: kernels, memcpys, memsets."""
+    """(count, busy ms) of device activity (kernels, memcpys, memsets): the length of the union
+    of their intervals, so that kernels overlapping on several streams (cuDNN's grouped
+    convolutions) count once, as attribution's in-situ figure does (``gpu_busy_ms``)."""
     dev = [r for r in rows if r.activity in DEVICE_ACTIVITIES]
-    return len(dev), sum(r.dur_ns for r in dev) / 1e6
+    if not dev:
+        return 0, 0.0
+    start = np.array([r.start_ns for r in dev], np.float64)
+    lo, hi = intervals.union(start, start + np.array([r.dur_ns for r in dev], np.float64))
+    return len(dev), float((hi - lo).sum()) / 1e6
 
 
 def aten_op_count(rows: list[Row]) -> int:
