@@ -515,6 +515,13 @@ def test_row_summaries_hand_worked():
     assert device_totals(rs) == (2, pytest.approx(0.0015))
     apart = [r._replace(start_ns=2000) if r.activity == "gpu_memset" else r for r in rs]
     assert device_totals(apart) == (2, pytest.approx(0.002))
+    # Kineto's clock is epoch nanoseconds (~1.8e18): exact to the nanosecond, not to 256
+    epoch = 1_796_554_109_823_007_766
+    late = [r._replace(start_ns=r.start_ns + epoch + 128) for r in apart]
+    assert device_totals(late) == (2, pytest.approx(0.002, abs=1e-9))
+    one = [r for r in late if r.activity == "kernel"]
+    one[0] = one[0]._replace(dur_ns=1100)
+    assert device_totals(one) == (1, pytest.approx(0.0011, abs=1e-9))
     assert aten_op_count(rs) == 2
     assert peak_live_bytes(rs) == 150                     # 50, 150, 50, 80
     assert peak_live_bytes(rs, on_cpu=False) == 999

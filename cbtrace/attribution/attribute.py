@@ -235,9 +235,9 @@ def _hta_analysis(files):
 def summary_text(df, *, top: int = 15) -> str:
     """A short table: the calls with the most median in-situ time (device, else host)."""
     s = summarize(df)
-    key = "gpu_ms_median" if s["kernel_count"].sum() > 0 else "cpu_ms_median"
+    key = "gpu_busy_ms_median" if s["kernel_count"].sum() > 0 else "cpu_ms_median"
     s = s.sort_values(key, ascending=False).head(top)
-    cols = ["rank", "fqn", "call_index", "phase", "cpu_ms_median", "gpu_ms_median",
+    cols = ["rank", "fqn", "call_index", "phase", "cpu_ms_median", "gpu_busy_ms_median",
             "kernel_count", "mfu"]
     if "comm_ms" in df and df["comm_ms"].sum() > 0:  # communication kernels: NCCL time too
         cols[6:6] = ["comm_ms_median", "comm_exposed_ms_median"]

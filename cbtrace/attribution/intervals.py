@@ -56,7 +56,9 @@ def overlapping(device: np.ndarray, start: np.ndarray, dur: np.ndarray) -> np.nd
 
 def busy(group: np.ndarray, start: np.ndarray, dur: np.ndarray, ngroups: int) -> np.ndarray:
     """Per group id in [0, ngroups): the length of the union of its intervals [start,
-    start + dur). Exact (no offsets on the timestamps): a segmented running maximum."""
+    start + dur), by a segmented running maximum over the intervals sorted by group and start
+    (timestamps taken relative to the earliest, so that a trace clock's ~1e12 keeps its
+    precision)."""
     out = np.zeros(ngroups)
     if not len(start):
         return out

@@ -1,8 +1,9 @@
 """Why a call's isolated figure misses its in-situ one, from what was measured on both sides.
 
 The replay's profiled pass gives the call's kernels alone (``kernel_count``, ``device_ms``: the
-sum of their durations); the step's trace gives the same of the step (``insitu_kernel_count``,
-``insitu_ms``: device-busy). Comparing those like with like separates a miss in the kernels
+time the device was busy with them); the step's trace gives the same of the step
+(``insitu_kernel_count``, ``insitu_ms``); both count kernels overlapping on several streams
+once. Comparing those like with like separates a miss in the kernels
 themselves (other kernels, or the same kernels slower or faster: cache or clock state) from a
 miss between them (launch gaps and the timer), which is what a call of a few microseconds
 mostly has.

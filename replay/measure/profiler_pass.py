@@ -75,7 +75,9 @@ def device_totals(rows: list[Row]) -> tuple[int, float]:
     dev = [r for r in rows if r.activity in DEVICE_ACTIVITIES]
     if not dev:
         return 0, 0.0
-    start = np.array([r.start_ns for r in dev], np.float64)
+    # epoch nanoseconds (~1.8e18) are integers a float64 rounds to 256 ns: relative first
+    start = np.array([r.start_ns for r in dev], np.int64)
+    start = (start - start.min()).astype(np.float64)
     lo, hi = intervals.union(start, start + np.array([r.dur_ns for r in dev], np.float64))
     return len(dev), float((hi - lo).sum()) / 1e6
 
