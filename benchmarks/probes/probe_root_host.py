@@ -1,7 +1,10 @@
 """Device probe: why replay's host time for a root exceeds the user's step (benchmarks/RESULTS.md,
 session 23: BERT-base, T5-base, EfficientNet-B0 on an H100; not on a CPU).
 
-First, in a fresh process that never starts the profiler, the forward as the user calls it.
+First, in fresh processes, the forward as the user calls it: in one that never starts the
+profiler, after one profiler session, and after one with Kineto told to tear CUPTI down
+(TEARDOWN_CUPTI=1; PyTorch's record says a profiler left subscribed slows a later loop by 10-20 %:
+pytorch/pytorch#146604).
 Then captures SPEC once (bf16), and times the forward's host issue (perf_counter around each call,
 5 back to back, no sync between, the first left out: what replay's HostIssue does) and its wall
 a call (CUDA events around 5 back to back), in turn:
@@ -56,8 +59,12 @@ def line(name, call, device):
           f"wall a call {wall:7.3f} ms", flush=True)
 
 
-def never_profiled(spec, device, size, step) -> None:
-    """The plain line in a process that never started the profiler (CUPTI not loaded)."""
+def fresh(spec, device, size, step, profile_first: bool) -> None:
+    """The plain line in a fresh process: one that never started the profiler (CUPTI not
+    loaded), or (``profile_first``) after one torch.profiler session of the forward, with
+    Kineto's CUPTI teardown as the environment sets it (TEARDOWN_CUPTI: unset, "1")."""
+    import os
+
     from cbtrace.model.spec import resolve
 
     provider = resolve(spec, seed=0, options={"size": size})
@@ -66,7 +73,14 @@ def never_profiled(spec, device, size, step) -> None:
     call = lambda: provider.run(model, batch)  # noqa: E731
     for _ in range(3):
         call()
-    line("fresh process, no profiler", call, device)
+    name = "fresh process, no profiler"
+    if profile_first:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            call()
+            sync()
+        name = f"fresh, after profiler (TEARDOWN_CUPTI={os.environ.get('TEARDOWN_CUPTI', 'unset')})"
+    line(name, call, device)
 
 
 def main(out, spec, device, size, step="forward"):
@@ -75,10 +89,15 @@ def main(out, spec, device, size, step="forward"):
 
     from cbtrace.capture.from_spec import capture_model
 
-    rc = subprocess.run([sys.executable, __file__, out, "--spec", spec, "--device", device,
-                         "--size", size, "--step", step, "--never-profiled"]).returncode
-    if rc:
-        print(f"(the fresh process exited {rc}: no line from it)", flush=True)
+    import os
+
+    args = [sys.executable, __file__, out, "--spec", spec, "--device", device, "--size", size,
+            "--step", step, "--fresh"]
+    for extra, env in (([], {}), (["--profile-first"], {}),
+                       (["--profile-first"], {"TEARDOWN_CUPTI": "1"})):
+        rc = subprocess.run(args + extra, env={**os.environ, **env}).returncode
+        if rc:
+            print(f"(the fresh process {extra} {env} exited {rc}: no line from it)", flush=True)
     from cbtrace.replay import engine
     from cbtrace.rundir.read import load_run
     from cbtrace.store import load
@@ -148,11 +167,14 @@ if __name__ == "__main__":
     ap.add_argument("--size", default="real", help="the zoo's size (tiny: a CPU check)")
     ap.add_argument("--step", default="forward", choices=("forward", "train"),
                     help="the capture's step")
-    ap.add_argument("--never-profiled", action="store_true",
+    ap.add_argument("--fresh", action="store_true",
                     help="only the plain line, in this process, before any profiler (main runs "
-                         "it in a subprocess)")
+                         "it in subprocesses)")
+    ap.add_argument("--profile-first", action="store_true",
+                    help="with --fresh: after one profiler session (Kineto's CUPTI teardown as "
+                         "TEARDOWN_CUPTI says)")
     a = ap.parse_args()
-    if a.never_profiled:
-        never_profiled(a.spec, a.device, a.size, a.step)
+    if a.fresh:
+        fresh(a.spec, a.device, a.size, a.step, a.profile_first)
     else:
         main(a.out, a.spec, a.device, a.size, a.step)
