@@ -12,6 +12,8 @@ a call (CUDA events around 5 back to back), in turn:
   reader thread      the same while a thread reads the run's next calls' inputs, as replay's
                      read-ahead does (load.read_call_chunks into pageable memory, in a loop)
   after profiler     the same after one torch.profiler session (CUPTI may stay subscribed)
+  after 200 more     and after 200 short sessions more, as replay's profiled pass starts one
+                     per call (whatever a session leaves behind, 200 times)
 and then cbtrace's replay of the root and its children (--max-depth 1 capture: the children's
 reads overlap the root's timing) with the read-ahead on and off: the root's host_ms and
 isolated_ms. Prints one line each.
@@ -141,6 +143,12 @@ def main(out, spec, device, size, step="forward"):
         call()
         sync()
     line("after profiler", call, device)
+    x = torch.ones(8, device=device)
+    for _ in range(200):  # replay's profiled pass: one short session per call
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            x.add_(1)
+            sync()
+    line("after 200 more sessions", call, device)
 
     root = capture_model(spec, Path(out) / "root", device=device, dtype="bf16",
                          options={"size": size}, max_depth=1, step=step)
