@@ -225,6 +225,60 @@ def test_a_predecessor_replayed_first_hands_its_inputs_to_the_contexts(tmp_path,
         df.loc["t", "timer_notes"])
 
 
+class BatchNormAct(nn.Module):
+    """timm's BatchNormAct2d, in one dimension: the BatchNorm is the parent's own code, then
+    ``drop`` (an Identity: its output is its input) and an in-place ``act``."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(n)
+        self.drop, self.act = nn.Identity(), nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        x = nn.functional.batch_norm(x, self.bn.running_mean, self.bn.running_var,
+                                     self.bn.weight, self.bn.bias, False, 0.1, self.bn.eps)
+        return self.act(self.drop(x))
+
+
+class ConvBnAct(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.bnact, self.t = nn.Linear(64, 256), BatchNormAct(256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.t(self.bnact(self.a(x)))
+
+
+def test_an_identitys_output_is_not_a_fresh_input_but_an_in_place_write_is(tmp_path):
+    # act's input equals drop's output, which is drop's input copy as loaded: nothing ran that
+    # wrote it, so it is rewritten after the context as what the parent's code wrote; t's
+    # input is act's in-place write, a fresh output
+    torch.manual_seed(0)
+    model = ConvBnAct().eval()
+    run = _capture(tmp_path, model, torch.randn(512, 64))  # act's input: 512 KiB
+    df = cbtrace.replay(run, model=model, device="cpu", **FAST).set_index("fqn")
+    assert (df.status == "ok").all()
+    act = str(df.loc["bnact.act", "timer_notes"])
+    assert "context: 2 calls before (a, bnact.drop); its inputs rewritten after them (x * 1)" \
+        in act and "from their outputs" not in act
+    assert "context: 3 calls before (a, bnact.drop, bnact.act); 1 input from their outputs" in (
+        str(df.loc["t", "timer_notes"]))
+
+
+def test_written_outputs_leave_out_untouched_inputs_and_their_views():
+    from cbtrace.replay.measure.context import ContextCall, written_outputs
+
+    class Views(nn.Module):
+        def forward(self, x, y, z):
+            return x, y.view(-1), z.add_(1), x * 2
+
+    x, y, z = torch.ones(4), torch.ones(2, 2), torch.ones(3)
+    call = ContextCall(Views(), _rec(1, -1), [((x, y, z), {})], None, torch.device("cpu"))
+    out = written_outputs(call)
+    assert out[0] is None and out[1] is None  # the input itself, a view of one: not written
+    assert out[2] is z and torch.equal(out[3], torch.full((4,), 2.0))  # in place; a new tensor
+
+
 class Residual(nn.Module):
     """A ReLU whose input a residual add wrote, code of the parent and no module's output."""
 

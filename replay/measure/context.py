@@ -260,11 +260,41 @@ def _meta_keys(metas_json: str | None) -> set:
             for m in json.loads(metas_json or "[]") if isinstance(m, dict) and "shape" in m}
 
 
+def written_outputs(x: ContextCall, i: int = 0) -> list:
+    """The flat outputs of context call ``x`` run on copy ``i``, None in place of one that is
+    one of its inputs (or a view of one) which the call did not write: an Identity's, an eval
+    Dropout's, a reshape's. Such an output holds the input copy as loaded, not data the call
+    just wrote; in the step it held what the code before the call wrote (timm's BatchNormAct2d:
+    the BatchNorm its own forward computes, then ``drop``, an Identity, then ``act``). An input
+    written in place (an in-place ReLU's) is the call's output."""
+    ins = flat_tensors(x.copies[i % len(x.copies)])
+    before = [(_storage(t), _version(t)) for t in ins]
+    outs = flat_tensors(x(i))
+    untouched = {ptr for (ptr, v), t in zip(before, ins)
+                 if ptr is not None and v is not None and _version(t) == v}
+    return [None if _storage(o) in untouched else o for o in outs]
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return None
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
 def chained_positions(outputs: list, inputs: tuple) -> dict:
     """Where a call's top-level input tensors (args by index, kwargs by name) equal an output of
-    its context (``outputs``: one flat list of tensors per context call): {position:
-    (context index, output index)}. Equal shape, dtype, strides, device and values: in the step
-    that input was (or could not be told from) that output."""
+    its context (``outputs``: one flat list of tensors per context call, None where a call
+    wrote none: ``written_outputs``): {position: (context index, output index)}. Equal shape,
+    dtype, strides, device and values: in the step that input was (or could not be told from)
+    that output."""
     args, kwargs = inputs
     found = {}
     positions = [(("a", i), t) for i, t in enumerate(args)] + [
@@ -273,7 +303,8 @@ def chained_positions(outputs: list, inputs: tuple) -> dict:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
             continue
         for ci in range(len(outputs) - 1, -1, -1):  # the latest producer first
-            hit = next((oi for oi, o in enumerate(outputs[ci]) if _same(o, t)), None)
+            hit = next((oi for oi, o in enumerate(outputs[ci])
+                        if o is not None and _same(o, t)), None)
             if hit is not None:
                 found[pos] = (ci, hit)
                 break
@@ -325,7 +356,7 @@ def in_context(c: CallUnderTest, context) -> None:
         context = context() if callable(context) else context
         if not context:
             return
-        first = [flat_tensors(x(0)) for x in context]
+        first = [written_outputs(x) for x in context]
     except Exception as e:  # noqa: BLE001 - a predecessor that cannot run alone: time without
         c.context_note = f"no context: {one_line(e, 120)}"
         return
