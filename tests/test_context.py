@@ -278,6 +278,18 @@ def test_written_outputs_leave_out_untouched_inputs_and_their_views():
     assert out[0] is None and out[1] is None  # the input itself, a view of one: not written
     assert out[2] is z and torch.equal(out[3], torch.full((4,), 2.0))  # in place; a new tensor
 
+    class AddInPlace(nn.Module):
+        def forward(self, x, y):
+            return x.add_(y)
+
+    # two halves of one storage, each rebuilt on it with its own version counter, as a run's
+    # loaded tensors are: the one written makes the storage written
+    base = torch.ones(4, 8)
+    x = torch.empty(0).set_(base.untyped_storage(), 0, (4, 4), (8, 1))
+    y = torch.empty(0).set_(base.untyped_storage(), 4, (4, 4), (8, 1))
+    call = ContextCall(AddInPlace(), _rec(1, -1), [((x, y), {})], None, torch.device("cpu"))
+    assert written_outputs(call)[0] is x
+
 
 class Residual(nn.Module):
     """A ReLU whose input a residual add wrote, code of the parent and no module's output."""

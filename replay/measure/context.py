@@ -270,8 +270,13 @@ def written_outputs(x: ContextCall, i: int = 0) -> list:
     ins = flat_tensors(x.copies[i % len(x.copies)])
     before = [(_storage(t), _version(t)) for t in ins]
     outs = flat_tensors(x(i))
-    untouched = {ptr for (ptr, v), t in zip(before, ins)
-                 if ptr is not None and v is not None and _version(t) == v}
+    # tensors on one storage may count versions apart (a run's tensors are rebuilt each on its
+    # own with set_): a storage any of them wrote was written
+    same, wrote = set(), set()
+    for (ptr, v), t in zip(before, ins):
+        if ptr is not None and v is not None:
+            (same if _version(t) == v else wrote).add(ptr)
+    untouched = same - wrote
     return [None if _storage(o) in untouched else o for o in outs]
 
 
