@@ -728,17 +728,18 @@ def test_a_graph_capture_out_of_memory_hands_the_cache_back_and_tries_once_more(
             return r
 
         monkeypatch.setattr(graph, "capture", capture)
-        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(0))
+        monkeypatch.setattr(graph, "hand_back", released.append)
         call = SimpleNamespace(stage=None, unstage=None, run=lambda i: None)
-        return lambda: graph.staged(call, 1, 4, stream=object()), released
+        stream = SimpleNamespace(device=torch.device("cuda", 0))
+        return lambda: graph.staged(call, 1, 4, stream=stream), released
 
     oom = TimerUnavailable("graph capture failed: OutOfMemoryError: CUDA out of memory.")
     run, released = staged_with([oom, "graph"])
-    assert run() == "graph" and released == [0]
+    assert run() == "graph" and released == [torch.device("cuda", 0)]
     run, released = staged_with([oom, oom])  # once only: then the next timer, saying why
     with pytest.raises(TimerUnavailable, match="out of memory"):
         run()
-    assert released == [0]
+    assert released == [torch.device("cuda", 0)]
     run, released = staged_with([TimerUnavailable("graph capture failed: x")])
     with pytest.raises(TimerUnavailable, match="failed: x"):
         run()

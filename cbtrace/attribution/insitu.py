@@ -197,8 +197,7 @@ class _Buckets:
             acc[name] = np.zeros((nb, max(len(self.dtypes), 1)))
             np.add.at(acc[name], (i_cost[with_dt], dcode[cc][with_dt]), table[cc, j][with_dt])
         # busy: gpu less the time a key's own events overlap one another (kernels on several
-        # streams); module rows' inclusive figure is regrouped over their subtrees
-        # (_subtree_overlap)
+        # streams); a module row's inclusive figure is regrouped by _subtree_overlap
         self.d_key = d_key
         self.overlap = np.flatnonzero(intervals.overlapping(forest.d_dev, d_ts, d_dur))
         acc["busy"] = acc["gpu"].copy()

@@ -1,12 +1,11 @@
 """``graph`` timer: K calls in one CUDA graph, replayed between events (no host launch latency)."""
 from __future__ import annotations
 
-import gc
 import warnings
 
 import torch
 
-from cbtrace.device import free_memory
+from cbtrace.device import free_memory, hand_back
 from cbtrace.errors import one_line
 from cbtrace.replay.timer.graph_capture import (ASKS_CAPTURE, capturing, end_pool_routing,
                                                 root_cause, side_stream_warmup,
@@ -72,8 +71,7 @@ def staged(call: CallRunner, n_copies: int, k: int, touch=None,
             raise
     if call.unstage is not None:
         call.unstage()
-    gc.collect()  # graphs in reference cycles hold their pools until collected
-    torch.cuda.empty_cache()
+    hand_back(stream.device)  # graphs in reference cycles hold their pools until collected
     return _staged(call, n_copies, k, touch, stream)
 
 

@@ -27,13 +27,13 @@ from cbtrace.replay.timer.contract import host_paced, join_notes
 
 # A CUDA graph replay of a call shorter than this share of its kernels' eager busy time (the
 # profiled pass) ran other kernels. Kernels alone in another cache state differ by tens of
-# percent, not by half. (wav2vec2's grouped, weight-normed Conv1d, 1.7 ms in its graph against
-# 11.2 ms of eager kernels, set this off in session 20; session 23 read 1.63 ms a call between
-# events eagerly too: its kernels overlap (which the busy time, a union since 2e3ff19, no longer
-# counts several times over) or run slower profiled; the GPU probe pos-conv says which.
-# benchmarks/RESULTS.md.) The profiler adds
-# about a microsecond a kernel (DCN's dense_arch.3: 0.8 us in its graph, 1.9 us profiled), taken
-# off first; calls under GRAPH_OTHER_MIN_MS of kernels after that are left alone.
+# percent, not by half. The profiler adds about a microsecond a kernel (DCN's dense_arch.3: 0.8
+# us in its graph, 1.9 us profiled), taken off first; calls under GRAPH_OTHER_MIN_MS of kernels
+# after that are left alone. (wav2vec2's grouped, weight-normed Conv1d, 1.7 ms in its graph
+# against 11.2 ms of eager kernels, set this off in session 20; session 23 read 1.63 ms a call
+# between events eagerly too: its kernels overlap, which the busy time, a union since 2e3ff19,
+# no longer counts several times over, or run slower profiled: the GPU probe pos-conv says
+# which. benchmarks/RESULTS.md.)
 GRAPH_OTHER_KERNELS, GRAPH_OTHER_MIN_MS, PROFILED_KERNEL_COST_MS = 0.5, 0.010, 0.001
 
 
