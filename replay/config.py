@@ -128,6 +128,13 @@ class ReplayConfig:
     for a model's large parents, each of which issues for milliseconds."""
     profile_runs: int = 3
     """Calls run under torch.profiler for kernel count and device time."""
+    profile_as_timed: bool = True
+    """Profile a call in the cache state its timer gives it: the profiled runs rotate over its
+    input copies (the last one, which context replay compares outputs with, left alone), and
+    a call timed in its context or on table copies is profiled again so, counting its own
+    kernels only (``profiler_pass.profile_as_timed``). Its kernels alone then compare with the
+    step's as its isolated time does (``miss_cause``). False: every profiled run on copy 0,
+    its inputs warm from the run before (the figures before session 25)."""
     count_flops: bool = True
     """Count FLOPs and bytes with cbtrace's formulas (one extra untimed call)."""
     progress: bool | None = None

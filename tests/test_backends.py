@@ -27,7 +27,9 @@ from cbtrace.plugins.backends.cpu import CpuTimer
 from cbtrace.plugins.backends.events import EventsTimer
 from cbtrace.plugins.backends.graph import GraphTimer
 from cbtrace.plugins.backends.l2 import L2Flusher
-from cbtrace.replay.measure.profiler_pass import (Row, aten_op_count, device_totals,
+from cbtrace.replay.measure.profiler_pass import (MARKER_KERNEL, Row, aten_op_count,
+                                                  device_totals, own_device_work,
+                                                  profile_as_timed,
                                                   peak_live_bytes, profile_call)
 from cbtrace.plugins.backends.sampling import collect, timing_from_samples, warm_until_settled
 
@@ -527,6 +529,50 @@ def test_row_summaries_hand_worked():
     assert peak_live_bytes(rs, on_cpu=False) == 999
 
 
+def test_own_device_work_counts_between_markers_only():
+    mark = f"void at::cuda::(anonymous namespace)::{MARKER_KERNEL}(long)"
+    # per run: a context kernel, a sync, marker, the call's two kernels (one on a second
+    # stream, overlapping), a sync, marker; the rows come out of order
+    rs = rows(("kernel", "ctx_gemm", 0, 500, 0, False),
+              ("kernel", mark, 600, 10, 0, False),
+              ("kernel", "relu", 620, 100, 0, False),
+              ("gpu_memcpy", "Memcpy DtoD", 650, 100, 0, False),   # overlaps: busy 130
+              ("kernel", mark, 800, 10, 0, False),
+              ("kernel", "ctx_gemm", 1000, 500, 0, False),
+              ("kernel", "relu", 1620, 120, 0, False),
+              ("kernel", mark, 1600, 10, 0, False),
+              ("kernel", mark, 1800, 10, 0, False),
+              ("cpu_op", "aten::relu", 1610, 5, 0, True))
+    count, ms = own_device_work(rs, runs=2)
+    assert count == 3 and ms == pytest.approx((130 + 120) / 1e6)
+    # markers missing or extra (another kernel of that name, a profiler that dropped one):
+    # no figure rather than a wrong one
+    assert own_device_work(rs[:-2], runs=2) is None
+    assert own_device_work(rs, runs=1) is None
+    assert profile_as_timed(None, "cpu") is None  # a CPU call keeps its profiled pass
+
+
+def test_profiled_pass_rotates_copies_but_the_first_and_last():
+    from cbtrace.replay.measure.steps import ProfilerPass, profiled_copies
+
+    assert profiled_copies(1) == [0] and profiled_copies(2) == [0]
+    assert profiled_copies(3) == [1] and profiled_copies(6) == [1, 2, 3, 4]
+
+    class Call:  # a prepared call's surface the pass uses
+        n_copies, device, rec, module, row = 6, torch.device("cpu"), None, None, {}
+        ran: list = []
+
+        def run(self, i):
+            self.ran.append(i)
+            return torch.ones(4) * i
+
+    for as_timed, expected in ((True, {1, 2, 3, 4}), (False, {0})):
+        c = Call()
+        c.ran = []
+        ProfilerPass(runs=2, as_timed=as_timed).run(c)
+        assert set(c.ran) == expected and len(c.ran) >= 5
+
+
 def test_profile_call_on_cpu_linear():
     model, (x,) = tiny_model(), copies(1)
     with torch.no_grad():
@@ -604,6 +650,19 @@ def test_gpu_profile_call():
     assert s.kernel_count >= 3 and s.device_ms > 0
     assert s.peak_mem_source == "cuda_allocator" and s.peak_mem_bytes >= 8 * 64 * 4
     assert s.launch_overhead_ms == pytest.approx(max(s.wall_ms - s.device_ms, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_profile_as_timed_counts_the_call_not_its_context():
+    a = torch.randn(2048, 2048, device="cuda")
+    x = torch.randn(1 << 20, device="cuda")
+    runner = timing.CallRunner(run=lambda j: torch.relu(x), n_copies=1,
+                               before=lambda j: a @ a)  # the context: a GEMM, untimed
+    count, ms = profile_as_timed(runner, "cuda", runs=3)
+    assert count == 1  # the ReLU's one kernel: neither the GEMM nor the markers
+    alone = profile_call(lambda: torch.relu(x), "cuda")
+    assert 0 < ms < 3 * alone.device_ms  # not the GEMM's milliseconds
 
 
 # what benchmarks/gpu_timers.py defines, read in a process of its own (argv[1]: the script)

@@ -36,7 +36,8 @@ def default_plan(cfg, device, backends: dict) -> list[Step]:
     # the pass's device time then sizes the graph timer's K without a trial capture
     reuse = cfg.count_flops and cfg.reuse_counts
     steps: list[Step] = [OpCount(reuse)] if cfg.count_flops else []
-    steps += [ProfilerPass(cfg.profile_runs, ProfileCache() if reuse else None),
+    steps += [ProfilerPass(cfg.profile_runs, ProfileCache() if reuse else None,
+                           cfg.profile_as_timed),
               Timed(chain, backends, cfg), HostIssue(cfg.host_runs), OutputCheck()]
     compiled = None
     if not cfg.eager_only:  # a call the step ran compiled: timed compiled (modes/)

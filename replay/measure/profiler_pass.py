@@ -22,6 +22,7 @@ from cbtrace.console import quiet_kineto
 
 
 DEVICE_ACTIVITIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})  # Kineto activity names
+MARKER_KERNEL = "spin_kernel"  # torch.cuda._sleep's kernel: marks where a call's own runs begin
 
 
 @dataclass
@@ -82,6 +83,19 @@ def device_totals(rows: list[Row]) -> tuple[int, float]:
     return len(dev), float((hi - lo).sum()) / 1e6
 
 
+def own_device_work(rows: list[Row], runs: int) -> tuple[int, float] | None:
+    """(count, busy ms) of the device work between each pair of marker kernels (the call's own,
+    ``MARKER_KERNEL``), over ``runs`` runs each between two markers; None unless exactly
+    ``2 * runs`` markers are found. A marker is queued after a device sync, so everything the
+    call's run does starts after its first marker and ends before its second."""
+    dev = sorted((r for r in rows if r.activity in DEVICE_ACTIVITIES), key=lambda r: r.start_ns)
+    marks = [k for k, r in enumerate(dev) if MARKER_KERNEL in r.name]
+    if len(marks) != 2 * runs:
+        return None
+    own = [r for a, b in zip(marks[::2], marks[1::2]) for r in dev[a + 1:b]]
+    return device_totals(own)
+
+
 def aten_op_count(rows: list[Row]) -> int:
     """Number of aten:: CPU ops."""
     return sum(1 for r in rows if r.activity == "cpu_op" and r.name.startswith("aten::"))
@@ -137,6 +151,39 @@ def _profile_rows(call, device, runs: int) -> list[Row]:
         for _ in range(runs):
             call()
     return rows_from_kineto(prof.kineto_results.events())
+
+
+def profile_as_timed(runner, device, runs: int = 3) -> tuple[int, float] | None:
+    """(kernel count, device-busy ms) per run of a call as its timer runs it: run j after its
+    ``before(j)`` (its context, or its inputs' rewrite) on ``runner.run(j)``'s copies. Only the
+    call's own device work counts: each run sits between two marker kernels queued after a
+    device sync, the untimed work before the first. None on a CPU, or if the markers are not
+    where they should be (``own_device_work``)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+
+    def slot(j: int) -> None:
+        if runner.before is not None:
+            runner.before(j)
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(1)
+        runner.run(j)
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(1)
+
+    slot(0)  # the first run of this runner (its context's, its copies') is not the call's
+    torch.cuda.synchronize(device)
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with quiet_kineto(), profile(activities=acts) as prof:
+        for j in range(1, runs + 1):
+            slot(j)
+        torch.cuda.synchronize(device)
+    got = own_device_work(rows_from_kineto(prof.profiler.kineto_results.events()), runs)
+    if got is None:
+        return None
+    count, ms = got
+    return round(count / runs), ms / runs
 
 
 def profile_call(call: Callable[[], object], device, runs: int = 3) -> CallStats:

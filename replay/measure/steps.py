@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import time
 import warnings
@@ -18,7 +19,7 @@ from cbtrace.cost.opcount import OpCounter
 from cbtrace.nested import flat_tensors
 from cbtrace.replay.measure.context import in_step_cache_state
 from cbtrace.replay.measure.prepare import CallUnderTest
-from cbtrace.replay.measure.profiler_pass import profile_call
+from cbtrace.replay.measure.profiler_pass import profile_as_timed, profile_call
 from cbtrace.replay.measure.reuse import (COPIED, CountCache, ProfileCache, TimingReuse,
                                           call_key, signature, value_free)
 from cbtrace.replay.timer import choice
@@ -60,6 +61,7 @@ class Timed:
         False for a compiled call, whose fused kernels may well take under half the time."""
         self.chain, self.backends, self.eager_kernels = chain, backends, eager_kernels
         self.tcfg, self.cold = cfg.timing(), cfg.cold
+        self.profile_runs = cfg.profile_runs if cfg.profile_as_timed and eager_kernels else 0
         self.reuse = None
         if cfg.reuse_timing:
             self.reuse = TimingReuse()
@@ -72,6 +74,7 @@ class Timed:
             return {**fields, "runs": 0, "timed_ms": 0.0, "timer_notes": join_notes(
                 c.row.get("timer_notes"), f"{COPIED}{fqn or '(root)'} (--reuse-timing)")}
         in_step_cache_state(c)
+        profiled = self._profile_as_timed(c)
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")
         with_context = c.timed is not None and c.timed.before is not None
@@ -93,9 +96,21 @@ class Timed:
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy)
         check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
-        return dict(fields, runs=t.runs, timed_ms=t.timed_ms, timer_notes=join_notes(
+        return dict(fields, **profiled, runs=t.runs, timed_ms=t.timed_ms, timer_notes=join_notes(
             c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, c.context_note,
-            check))
+            "profiled as timed" if profiled else None, check))
+
+    def _profile_as_timed(self, c: CallUnderTest) -> dict:
+        """kernel_count and device_ms of a call timed in its context or on table copies,
+        profiled so (``profile_as_timed``): its kernels in the cache state its isolated time
+        has, not warm on copy 0. Empty when not asked, not so timed, or not found."""
+        if not self.profile_runs or c.timed is None or c.device.type != "cuda":
+            return {}
+        got = profile_as_timed(c.timed, c.device, self.profile_runs)
+        if got is None:
+            return {}
+        c.row["kernel_count"], c.row["device_ms"] = got
+        return dict(kernel_count=got[0], device_ms=got[1])
 
     def _key(self, c: CallUnderTest):
         if self.reuse is None or not c.value_free:
@@ -104,14 +119,21 @@ class Timed:
         return ProfileCache.key(signature(c.module, c.rec), c.row)
 
 
+def profiled_copies(n: int) -> list[int]:
+    """The input copies the profiled pass rotates over, as a timer rotates over them all: not
+    copy 0, which the steps after timing run, nor the last, whose values context replay
+    compares its predecessors' outputs with (an in-place call rewrites the copy it runs on)."""
+    return list(range(1, n - 1)) if n >= 3 else [0]
+
+
 class ProfilerPass:
     """Kernel count, device and wall time, launch overhead and peak memory, from torch.profiler;
     reused for a call that is the same work as one profiled before (``replay.measure.reuse``)."""
 
     name = "profile"
 
-    def __init__(self, runs: int, cache=None):
-        self.runs, self.cache = runs, cache
+    def __init__(self, runs: int, cache=None, as_timed: bool = True):
+        self.runs, self.cache, self.as_timed = runs, cache, as_timed
 
     def run(self, c: CallUnderTest) -> dict:
         key = self.cache.key(signature(c.module, c.rec), c.row) if self.cache else None
@@ -120,7 +142,8 @@ class ProfilerPass:
             fqn, figures = hit
             notes = join_notes(c.row.get("timer_notes"), f"profiled as {fqn or '(root)'}")
             return {**figures, "timer_notes": notes}
-        p = profile_call(lambda: c.run(0), c.device, runs=self.runs)
+        order = itertools.cycle(profiled_copies(c.n_copies) if self.as_timed else [0])
+        p = profile_call(lambda: c.run(next(order)), c.device, runs=self.runs)
         figures = dict(kernel_count=p.kernel_count, device_ms=p.device_ms, wall_ms=p.wall_ms,
                        launch_overhead_ms=p.launch_overhead_ms, peak_mem_bytes=p.peak_mem_bytes,
                        peak_mem_source=p.peak_mem_source)
