@@ -66,6 +66,13 @@ class ReplayConfig:
     """Calls timed in their context: those whose device time (the profiled pass) is under this
     (ms). Longer calls set their own cache state, and subtracting a context's graph from a long
     call adds its noise (benchmarks/RESULTS.md, context replay)."""
+    context_activation_max_ms: float = 0.1
+    """An activation (a leaf without parameters whose output has its input's shape: ReLU, SiLU,
+    GELU; ``context.activation``) is timed in its context up to this device time. In the step
+    it reads its producer's output still in L2; alone, a cold copy. On an H100, raising every
+    call's limit to 0.1 ms brought activations 0-12 calls a model into +-5 % and moved none
+    out, while GEMMs and LayerNorms in transformers moved out (ConvNeXt-T's Linears 35 -> 7 of
+    36): benchmarks/RESULTS.md, session 25."""
     context_rewrite: str = "self"
     """A call in context none of whose inputs is a context output (it reads what non-module
     code wrote, such as a residual add): "self" rewrites its larger floating-point inputs in
@@ -162,7 +169,8 @@ class ReplayConfig:
             raise ValueError(f"context_rewrite: {self.context_rewrite!r} is not one of "
                              f"{', '.join(CONTEXT_REWRITES)}")
         bad = {k: getattr(self, k) for k in ("budget_s", "cold_budget_s", "cold_warmup_s",
-                                             "cold_settle_tol", "context_max_ms")
+                                             "cold_settle_tol", "context_max_ms",
+                                             "context_activation_max_ms")
                if getattr(self, k) < 0}
         if self.compile_workers is not None and self.compile_workers < 0:
             bad["compile_workers"] = self.compile_workers

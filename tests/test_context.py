@@ -386,3 +386,46 @@ def test_graph_timer_times_each_slot_inside_the_graph(tmp_path):
     assert (df.timer == "graph").all(), df.timer_fallback.dropna().to_dict()
     notes = df.loc["act", "timer_notes"]
     assert "context: 2 calls before (a, bn); 1 input from their outputs" in notes
+
+
+def _meta(*shapes, dtype="torch.float32"):
+    import json
+    return json.dumps([{"shape": list(s), "dtype": dtype, "stride": None} for s in shapes])
+
+
+@pytest.mark.parametrize("module, ins, outs, expected", [
+    (nn.ReLU(inplace=True), [(8, 64, 56, 56)], [(8, 64, 56, 56)], True),
+    (nn.SiLU(), [(8, 32)], [(8, 32)], True),
+    (nn.GELU(approximate="tanh"), [(4, 16, 768)], [(4, 16, 768)], True),
+    (nn.AdaptiveAvgPool2d(1), [(8, 64, 7, 7)], [(8, 64, 1, 1)], False),   # a shape of its own
+    (nn.Linear(32, 32), [(8, 32)], [(8, 32)], False),                    # parameters
+    (nn.BatchNorm1d(32), [(8, 32)], [(8, 32)], False),
+    (nn.Sequential(nn.ReLU()), [(8, 32)], [(8, 32)], False),             # a parent
+])
+def test_an_activation_is_told_by_structure(module, ins, outs, expected):
+    from cbtrace.replay.measure.context import activation
+
+    rec = dataclasses.replace(_rec(1, None), input_meta=_meta(*ins), output_meta=_meta(*outs))
+    assert activation(module, rec) is expected
+    # a cast is not an activation; nor is a record whose metadata does not parse
+    cast = dataclasses.replace(rec, output_meta=_meta(*outs, dtype="torch.bfloat16"))
+    assert not activation(module, cast)
+    assert not activation(module, dataclasses.replace(rec, input_meta="{not json"))
+
+
+def test_an_activation_gets_its_context_up_to_its_own_limit():
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure.context import _small
+
+    rec = dataclasses.replace(_rec(1, None), input_meta=_meta((8, 32)),
+                              output_meta=_meta((8, 32)))
+
+    def small(module, ms, **cfg):
+        c = dataclasses.make_dataclass("C", ["module", "rec", "row", "device", "cfg"])(
+            module, rec, {"device_ms": ms}, torch.device("cuda"), ReplayConfig(**cfg))
+        return _small(c)
+
+    assert small(nn.ReLU(), 0.05) and not small(nn.ReLU(), 0.15)
+    assert small(nn.Linear(32, 32), 0.01) and not small(nn.Linear(32, 32), 0.05)
+    assert not small(nn.ReLU(), 0.05, context_activation_max_ms=0.0)
+    assert not small(nn.ReLU(), None)

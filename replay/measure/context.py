@@ -402,9 +402,32 @@ REWRITTEN_AS = {"self": "x * 1", "sum": "x + 0 * y"}
 
 
 def _small(c: CallUnderTest) -> bool:
-    """Whether the call is short enough to be timed in its context (``context_max_ms``)."""
+    """Whether the call is short enough to be timed in its context: under ``context_max_ms``
+    of device time, an activation under ``context_activation_max_ms``."""
     ms = c.row.get("device_ms")
-    return c.device.type != "cuda" or (ms is not None and 0 < ms < c.cfg.context_max_ms)
+    if c.device.type != "cuda":
+        return True
+    limit = max(c.cfg.context_max_ms, c.cfg.context_activation_max_ms if activation(
+        c.module, c.rec) else 0.0)
+    return ms is not None and 0 < ms < limit
+
+
+def activation(module, rec) -> bool:
+    """Whether a call is an activation, by structure: a leaf module with no parameters or
+    buffers whose one output has its first input's shape and dtype (a ReLU, SiLU, GELU; not a
+    pooling, which changes the shape)."""
+    if next(module.children(), None) is not None or next(module.parameters(), None) is not None:
+        return False
+    if next(module.buffers(), None) is not None:
+        return False
+    try:
+        ins, outs = json.loads(rec.input_meta or "[]"), json.loads(rec.output_meta or "[]")
+        ins = [m for m in ins if isinstance(m, dict) and "shape" in m]
+        outs = [m for m in outs if isinstance(m, dict) and "shape" in m]
+    except (ValueError, TypeError):
+        return False
+    return (len(outs) == 1 and bool(ins) and outs[0]["shape"] == ins[0]["shape"]
+            and outs[0].get("dtype") == ins[0].get("dtype"))
 
 
 def in_step_cache_state(c: CallUnderTest) -> None:
