@@ -414,8 +414,8 @@ def _small(c: CallUnderTest) -> bool:
 
 def activation(module, rec) -> bool:
     """Whether a call is an activation, by structure: a leaf module with no parameters or
-    buffers whose one output has its first input's shape and dtype (a ReLU, SiLU, GELU; not a
-    pooling, which changes the shape)."""
+    buffers, one tensor in and one out of its shape and dtype (a ReLU, SiLU, GELU; not a
+    pooling, which changes the shape, nor an attention core, which takes three)."""
     if next(module.children(), None) is not None or next(module.parameters(), None) is not None:
         return False
     if next(module.buffers(), None) is not None:
@@ -426,7 +426,7 @@ def activation(module, rec) -> bool:
         outs = [m for m in outs if isinstance(m, dict) and "shape" in m]
     except (ValueError, TypeError):
         return False
-    return (len(outs) == 1 and bool(ins) and outs[0]["shape"] == ins[0]["shape"]
+    return (len(outs) == 1 and len(ins) == 1 and outs[0]["shape"] == ins[0]["shape"]
             and outs[0].get("dtype") == ins[0].get("dtype"))
 
 
