@@ -67,12 +67,11 @@ class ReplayConfig:
     (ms). Longer calls set their own cache state, and subtracting a context's graph from a long
     call adds its noise (benchmarks/RESULTS.md, context replay)."""
     context_activation_max_ms: float = 0.1
-    """An activation (a leaf without parameters whose output has its input's shape: ReLU, SiLU,
-    GELU; ``context.activation``) is timed in its context up to this device time. In the step
-    it reads its producer's output still in L2; alone, a cold copy. On an H100, raising every
-    call's limit to 0.1 ms brought activations 0-12 calls a model into +-5 % and moved none
-    out, while GEMMs and LayerNorms in transformers moved out (ConvNeXt-T's Linears 35 -> 7 of
-    36): benchmarks/RESULTS.md, session 25."""
+    """An activation (a leaf without parameters, one tensor in and one of its shape out: ReLU,
+    SiLU, GELU; ``context.activation``) is timed in its context up to this device time: in the
+    step it reads its producer's output still in L2, alone a cold copy. Other calls keep
+    ``context_max_ms``: a longer context spreads the figures of GEMMs and LayerNorms
+    (benchmarks/RESULTS.md, session 25)."""
     context_rewrite: str = "self"
     """A call in context none of whose inputs is a context output (it reads what non-module
     code wrote, such as a residual add): "self" rewrites its larger floating-point inputs in
@@ -141,7 +140,7 @@ class ReplayConfig:
     a call timed in its context or on table copies is profiled again so, counting its own
     kernels only (``profiler_pass.profile_as_timed``). Its kernels alone then compare with the
     step's as its isolated time does (``miss_cause``). False: every profiled run on copy 0,
-    its inputs warm from the run before (the figures before session 25)."""
+    its inputs warm from the run before."""
     count_flops: bool = True
     """Count FLOPs and bytes with cbtrace's formulas (one extra untimed call)."""
     progress: bool | None = None
