@@ -110,7 +110,7 @@ pos-conv)
   timeout ${POSCONV_TIMEOUT:-120} python3 $R/benchmarks/probes/probe_pos_conv.py 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_pos_conv.log | tail -20 ;;
 root-host)
   for F in ${ROOT_SPECS:-hf_bert timm_efficientnet_b0}; do
-    timeout ${ROOT_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_root_host.py /tmp/roothost_$F${ROOT_STEP:+_$ROOT_STEP} --spec $R/benchmarks/zoo.py:$F ${ROOT_STEP:+--step $ROOT_STEP} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_root_host_$F${ROOT_STEP:+_$ROOT_STEP}.log | tail -14
+    timeout ${ROOT_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_root_host.py /tmp/roothost_$F${ROOT_STEP:+_$ROOT_STEP} --spec $R/benchmarks/zoo.py:$F ${ROOT_STEP:+--step $ROOT_STEP} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_root_host_$F${ROOT_STEP:+_$ROOT_STEP}.log | tail -18
   done ;;
 mem-train)
   timeout ${MEM_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_memory.py /tmp/pmem_train ${MEM_VARIANTS:-default} --spec $R/benchmarks/zoo.py:tv_resnet50 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |F.linear" | tee $OUT/probe_memory_resnet50.log | tail -6 ;;

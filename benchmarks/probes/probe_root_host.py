@@ -4,7 +4,9 @@ session 23: BERT-base, T5-base, EfficientNet-B0 on an H100; not on a CPU).
 First, in fresh processes, the forward as the user calls it: in one that never starts the
 profiler, after one profiler session, and after one with Kineto told to tear CUPTI down
 (TEARDOWN_CUPTI=1; PyTorch's record says a profiler left subscribed slows a later loop by 10-20 %:
-pytorch/pytorch#146604).
+pytorch/pytorch#146604); in the two profiled ones, then SESSIONS more sessions of one forward
+each (what a session costs with and without the teardown: replay starts one a call) and the
+forward after them.
 Then captures SPEC once (bf16), and times the forward's host issue (perf_counter around each call,
 5 back to back, no sync between, the first left out: what replay's HostIssue does) and its wall
 a call (CUDA events around 5 back to back), in turn:
@@ -30,6 +32,8 @@ from pathlib import Path
 import torch
 
 from cbtrace.device import window_ms
+
+SESSIONS = 10  # later profiler sessions timed in a fresh process
 
 
 def sync():
@@ -83,6 +87,15 @@ def fresh(spec, device, size, step, profile_first: bool) -> None:
             sync()
         name = f"fresh, after profiler (TEARDOWN_CUPTI={os.environ.get('TEARDOWN_CUPTI', 'unset')})"
     line(name, call, device)
+    if profile_first:  # what each later session costs: replay starts one a call
+        t0 = time.perf_counter()
+        for _ in range(SESSIONS):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+                call()
+                sync()
+        took = (time.perf_counter() - t0) / SESSIONS * 1e3
+        print(f"  {SESSIONS} more sessions of one forward: {took:.1f} ms a session", flush=True)
+        line("  after them", call, device)
 
 
 def main(out, spec, device, size, step="forward"):
