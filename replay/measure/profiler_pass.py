@@ -173,13 +173,8 @@ def profile_as_timed(runner, device, runs: int = 3) -> tuple[int, float] | None:
         torch.cuda._sleep(1)
 
     slot(0)  # the first run of this runner (its context's, its copies') is not the call's
-    torch.cuda.synchronize(device)
-    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with quiet_kineto(), profile(activities=acts) as prof:
-        for j in range(1, runs + 1):
-            slot(j)
-        torch.cuda.synchronize(device)
-    got = own_device_work(rows_from_kineto(prof.profiler.kineto_results.events()), runs)
+    slots = iter(range(1, runs + 1))
+    got = own_device_work(_profile_rows(lambda: slot(next(slots)), device, runs), runs)
     if got is None:
         return None
     count, ms = got
