@@ -44,7 +44,7 @@ cd /tmp
 for WHAT in "$@"; do
 case $WHAT in
 tests)
-  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -c $R/pyproject.toml --rootdir $R $R/tests -m gpu -q -p no:cacheprovider 2>&1 | grep -v -E "^  |Warning:" | tail -12 ;;
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -c $R/pyproject.toml --rootdir $R $R/tests -m gpu -q -p no:cacheprovider 2>&1 | grep -v -E "^  |Warning:" | tee $OUT/gpu_tests.log | tail -12 ;;
 profile)
   timeout ${PROFILE_TIMEOUT:-400} python3 $R/benchmarks/profile_models.py /tmp/prof ${PROFILE_MODELS:-nanogpt dlrm} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/profile_models.log | tail -60
   cp /tmp/prof/*_modules.csv $OUT/ 2>/dev/null ;;
