@@ -78,10 +78,11 @@ ROW_COLUMNS = ("call_id", "parent_call_id", "fqn", "module_type", "status", "sta
                "bwd_status", "bwd_status_reason", "bwd_insitu_ms", "bwd_ms", "bwd_error_pct",
                "bwd_timer_notes", "host_syncs", "insitu_span_ms", "insitu_hooked_ms",
                "bwd_insitu_hooked_ms", "error_basis", "step_compiled",
-               "eager_ms", "insitu_kernel_count", "kernel_error_pct", "miss_cause")
+               "eager_ms", "insitu_kernel_count", "kernel_error_pct", "miss_cause",
+               "step_clock_mhz", "timed_clock_mhz", "clock_error_pct")
 COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
            "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named",
-           "hooked_within5%")
+           "hooked_within5%", "step/timed_MHz", "clock_free_within5%")
 
 
 def _pct(x) -> float:
@@ -110,6 +111,7 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
         row["misses_named"] = f"{int(miss['miss_cause'].notna().sum())}/{len(miss)}"
         row["causes"] = (miss["miss_cause"].dropna().str.split(":| \\(| \\d").str[0]
                          .value_counts().to_dict())
+        row.update(clock_columns(big, err))
     g = big.groupby("module_type")
     classes = [{"phase": phase, "module_type": t, "count": len(d),
                 "median_err%": float(d[err].median()),
@@ -119,6 +121,19 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
                for t, d in g]
     classes.sort(key=lambda c: -c["insitu_ms_median"])
     return row, classes
+
+
+def clock_columns(big, err: str) -> dict:
+    """The SM clock after the plain step against the median after the calls' timings, and the
+    share (%) of ``big``'s calls within 5 % once the clocks' difference is taken out of each
+    compared with its busy time: what timing at the step's clock would give, were every call's
+    time to follow the clock (a bound, not a measurement). Empty without clock readings."""
+    if "clock_error_pct" not in big or big["clock_error_pct"].isna().all():
+        return {}
+    clock = big["clock_error_pct"].where(big["error_basis"] == "busy", 0.0).fillna(0.0)
+    return {"step/timed_MHz": f"{big['step_clock_mhz'].median():.0f}/"
+                              f"{big['timed_clock_mhz'].median():.0f}",
+            "clock_free_within5%": 100 * float(((big[err] - clock).abs() <= WITHIN_PCT).mean())}
 
 
 def hooked_within(big, phase: str) -> float:

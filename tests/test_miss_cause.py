@@ -1,5 +1,8 @@
 """The cause a row names when its isolated figure misses in situ (attribution/miss.py)."""
-from cbtrace.attribution.miss import kernel_error_pct, miss_cause
+import pytest
+
+from cbtrace.attribution.miss import clock_error_pct, kernel_error_pct, miss_cause
+from cbtrace.device import sm_clock_mhz
 
 
 def row(**kw):
@@ -20,6 +23,42 @@ def test_kernels_slower_or_faster_alone_name_the_cache_or_clock_state():
     assert miss_cause(row(), 3, 9.6) == ("its kernels ran 10 % slower alone than in the step "
                                          "(cache or clock state)")
     assert "faster alone" in miss_cause(row(error_pct=-20.0), 3, -18.0)
+
+
+def clocked(err, step_mhz, timed_mhz, **kw):
+    return row(error_pct=err, step_clock_mhz=step_mhz, timed_clock_mhz=timed_mhz,
+               clock_error_pct=clock_error_pct(step_mhz, timed_mhz), **kw)
+
+
+def test_a_miss_the_clocks_account_for_names_the_sm_clock():
+    # timed at 1946 MHz, the step at 1800: a call following the clock reads 7.5 % fast alone
+    assert abs(clock_error_pct(1800, 1946) - (-7.50)) < 0.01
+    assert miss_cause(clocked(-9.0, 1800, 1946), 3, -9.0) == (
+        "SM clock: timed at 1946 MHz, the step's 1800 MHz (-7.5 % from the clocks; "
+        "-1.5 % besides)")
+
+
+def test_the_clock_is_not_named_where_it_cannot_account_for_the_miss():
+    # the other way round, too small to matter, too small beside the miss, against host time
+    assert miss_cause(clocked(9.0, 1800, 1946), 3, 9.0).startswith("its kernels ran 9 % slower")
+    assert miss_cause(clocked(-9.0, 1940, 1946), 3, -9.0).startswith("its kernels ran 9 %")
+    assert miss_cause(clocked(-20.0, 1800, 1946), 3, -20.0).startswith("its kernels ran 20 %")
+    assert miss_cause(clocked(-9.0, 1800, 1946, error_basis="span"), 3, 0.0).startswith(
+        "host-paced")
+    assert clock_error_pct(None, 1946) is None and clock_error_pct(1800, 0) is None
+
+
+def test_no_clock_is_read_off_a_gpu():
+    assert sm_clock_mhz("cpu") is None
+
+
+@pytest.mark.gpu
+def test_gpu_clock_readings_agree_with_each_other_and_with_a_plausible_clock():
+    import torch
+
+    got = [sm_clock_mhz(torch.device("cuda")) for _ in range(5)]
+    assert all(200 < g < 4000 for g in got), got
+    assert max(got) / min(got) < 1.05, got  # an idle device, read back to back
 
 
 def test_with_matching_kernels_the_gaps_the_host_or_the_timer_are_named():

@@ -39,7 +39,7 @@ def test_the_plain_step_has_a_range_per_captured_call_and_nothing_of_capture(tmp
     with cbtrace.capture(model, tmp_path / "run") as cap:
         model(x)
     fqns = [r.fqn for r in cap.records]
-    path = plain_trace(model, fqns, lambda: model(x), tmp_path / "run")
+    path, _ = plain_trace(model, fqns, lambda: model(x), tmp_path / "run")
     assert path == tmp_path / "run" / PLAIN_TRACE
     names = {e.get("name", "") for e in json.loads(gzip.decompress(path.read_bytes()))
              ["traceEvents"]}
@@ -64,10 +64,10 @@ def test_a_shared_module_gets_no_range_of_its_own(tmp_path):
     model, x = Shared(), torch.randn(2, 8)
     (tmp_path / "all").mkdir()
     (tmp_path / "some").mkdir()
-    path = plain_trace(model, ["", "a", "b", "c"], lambda: model(x), tmp_path / "all")
+    path, _ = plain_trace(model, ["", "a", "b", "c"], lambda: model(x), tmp_path / "all")
     assert _calls(attribute_file(path)) == [("", 0), ("c", 0)]
     # one of its paths left out of the capture: still shared, still no range of its own
-    path = plain_trace(model, ["", "a", "c"], lambda: model(x), tmp_path / "some")
+    path, _ = plain_trace(model, ["", "a", "c"], lambda: model(x), tmp_path / "some")
     assert _calls(attribute_file(path)) == [("", 0), ("c", 0)]
 
 
@@ -156,3 +156,19 @@ def test_gpu_a_capture_from_a_spec_profiles_the_plain_step_and_signs_it(tmp_path
     df = attribute_file(cap.out / PLAIN_TRACE)
     assert _calls(df) == _calls(attribute_file(cap.trace_path))
     assert df.loc[df["depth"] >= 0, "kernel_count"].sum() > 0
+    # the SM clock the step left, the same on every row
+    rows = pd.read_parquet(cap.out / "modules.parquet")
+    assert rows["step_clock_mhz"].notna().all() and rows["step_clock_mhz"].nunique() == 1
+    assert 200 < rows["step_clock_mhz"].iloc[0] < 4000
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_profile_reads_the_clock_after_each_timing_and_compares_it_with_the_steps(tmp_path):
+    from cbtrace.workflows.profile_model import profile
+
+    df = profile("nanogpt:tiny", tmp_path / "run", device="cuda")
+    ok = df[df["status"] == "ok"]
+    assert ok["timed_clock_mhz"].between(200, 4000).all()
+    want = 100 * (ok["step_clock_mhz"] / ok["timed_clock_mhz"] - 1)
+    assert (ok["clock_error_pct"] - want).abs().max() < 1e-6

@@ -28,7 +28,7 @@ from cbtrace.schema.modules import INSITU
 
 def insitu_columns(run, manifest, df) -> dict[int, dict]:
     """call_id -> {insitu_ms, insitu_span_ms, error_basis, error_pct, insitu_kernel_count,
-    kernel_error_pct, miss_cause, bwd_insitu_ms, bwd_error_pct, recompute_insitu_ms} for every
+    kernel_error_pct, clock_error_pct, miss_cause, bwd_insitu_ms, bwd_error_pct, recompute_insitu_ms} for every
     row of the modules table ``df`` (the backward's only where replay measured it); miss_cause
     from ``attribution.miss``. error_pct compares the isolated figure with the in-situ figure
     ``error_basis`` names (``metrics.error_basis``): the plain repeat of the step for a root
@@ -70,7 +70,8 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     for row in df.reindex(columns=["call_id", "timer", "timer_fallback", "isolated_ms", "bwd_ms",
                                    "kernel_count", "device_ms", "noisy", "step_compiled",
                                    "eager_ms", "insitu_step_ms", "host_ms",
-                                   "insitu_host_ms"]).to_dict("records"):
+                                   "insitu_host_ms", "step_clock_mhz",
+                                   "timed_clock_mhz"]).to_dict("records"):
         cid, timer = row["call_id"], row["timer"]
         ins, spn, bwd_ins = (_number(d.get(cid)) for d in (insitu, span, bwd))
         spn = spn if spn else None  # 0: no kernel of its own in the step
@@ -80,13 +81,15 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
                                     host_ms=_number(row["insitu_host_ms"]) if on_gpu else None)
         err = metrics.error_pct(*_compared(basis, row, ins, spn))
         kerr = miss.kernel_error_pct(row["device_ms"], ins) if on_gpu else None
-        cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis},
-                                kernels.get(cid), kerr)
+        clock = miss.clock_error_pct(row["step_clock_mhz"], row["timed_clock_mhz"])
+        cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis,
+                                 "clock_error_pct": clock}, kernels.get(cid), kerr)
         out[int(cid)] = {"insitu_ms": ins, "insitu_span_ms": spn,
                          "insitu_hooked_ms": _number(hooked.get(cid)),
                          "bwd_insitu_hooked_ms": _number(bwd_hooked.get(cid)),
                          "error_basis": basis if err is not None else None, "error_pct": err,
                          "insitu_kernel_count": _int(kernels.get(cid)), "kernel_error_pct": kerr,
+                         "clock_error_pct": clock,
                          "miss_cause": cause,
                          "bwd_insitu_ms": bwd_ins,
                          "bwd_error_pct": metrics.error_pct(_number(row["bwd_ms"]), bwd_ins),

@@ -6,7 +6,9 @@ time the device was busy with them); the step's trace gives the same of the step
 once. Comparing those like with like separates a miss in the kernels
 themselves (other kernels, or the same kernels slower or faster: cache or clock state) from a
 miss between them (launch gaps and the timer), which is what a call of a few microseconds
-mostly has.
+mostly has. The SM clock is read on both sides (``device.sm_clock_mhz``: right after the plain
+step, and right after each call's timing): a step whose GEMMs pulled the clock down runs every
+kernel slower than a call timed alone, which no cache state undoes.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import math
 from cbtrace.cost import metrics
 
 WITHIN_PCT = 5.0  # a call within this of in situ has nothing to explain
+# Two clock readings closer than this are the same clock: each reading's own spread (CUDA events
+# around spin kernels) stays below it.
+CLOCK_MIN_PCT = 1.0
 
 
 def _num(v) -> float | None:
@@ -26,16 +31,30 @@ def kernel_error_pct(device_ms, insitu_ms) -> float | None:
     return metrics.error_pct(_num(device_ms), _num(insitu_ms))
 
 
+def clock_error_pct(step_mhz, timed_mhz) -> float | None:
+    """100 * (step_mhz / timed_mhz - 1): what a call whose time follows the SM clock reads
+    alone against the step from the two clocks alone (negative: timed at a higher clock)."""
+    step, timed = _num(step_mhz), _num(timed_mhz)
+    return None if step is None or not timed else 100.0 * (step / timed - 1.0)
+
+
 def miss_cause(row: dict, insitu_kernels, kernel_err: float | None) -> str | None:
     """What the measurements say about a call outside +-WITHIN_PCT of in situ (None inside it,
-    or without an error): the first that holds of other kernels, kernels slower or faster
-    alone, the host's pace, another timer, noisy samples, else the gaps between kernels."""
+    or without an error): the first that holds of other kernels, the SM clock, kernels slower
+    or faster alone, the host's pace, another timer, noisy samples, else the gaps between
+    kernels."""
     err = _num(row.get("error_pct"))
     if err is None or abs(err) <= WITHIN_PCT:
         return None
     alone, step = _num(row.get("kernel_count")), _num(insitu_kernels)
     if alone is not None and step is not None and step > 0 and round(alone) != round(step):
         return f"other kernels: {round(alone)} alone, {round(step)} in the step"
+    clock = _num(row.get("clock_error_pct"))
+    if (clock is not None and abs(clock) >= CLOCK_MIN_PCT and clock * err > 0
+            and abs(err - clock) <= WITHIN_PCT and row.get("error_basis") in (None, "busy")):
+        return (f"SM clock: timed at {_num(row.get('timed_clock_mhz')):.0f} MHz, the step's "
+                f"{_num(row.get('step_clock_mhz')):.0f} MHz ({clock:+.1f} % from the clocks; "
+                f"{err - clock:+.1f} % besides)")
     if kernel_err is not None and abs(kernel_err) > WITHIN_PCT:
         side = "slower" if kernel_err > 0 else "faster"
         return (f"its kernels ran {abs(kernel_err):.0f} % {side} alone than in the step "

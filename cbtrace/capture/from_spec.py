@@ -128,12 +128,16 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
             except Exception as e:  # noqa: BLE001 - the capture stands without this figure
                 announce(f"{cap.out}: the plain repeat of the step failed ({one_line(e)}); "
                          "its root is compared with the captured step")
-        plain = None
+        plain = clock = None
         if device.type == "cuda" and cap.trace_path is not None:
             try:  # the in-situ times' step: no input copies, no hooks but a range per call
                 with guard.call():
-                    plain = plain_trace(model, [r.fqn for r in cap.records],
-                                        lambda: run_step(provider, model, batch, step), cap.out)
+                    plain, clock = plain_trace(model, [r.fqn for r in cap.records],
+                                               lambda: run_step(provider, model, batch, step),
+                                               cap.out, device)
+                if clock is not None:
+                    for r in cap.records:
+                        by_call.setdefault(r.call_id, {})["step_clock_mhz"] = clock
             except Exception as e:  # noqa: BLE001 - the capture trace's times stand instead
                 announce(f"{cap.out}: the plain profiled step failed ({one_line(e)}); in-situ "
                          "times come from the captured step")

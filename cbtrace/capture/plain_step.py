@@ -6,7 +6,9 @@ and the hooks slow the host, so the kernels there run in another cache state, an
 another host, than in the user's step. This step runs the same calls with only a
 ``cbtrace::<fqn>`` range around each (no copies, no gradient hooks, no shapes or stacks
 recorded); attribution reads it like the capture trace, and ``cbtrace profile`` compares the
-isolated figures with its times (``attribution.join``).
+isolated figures with its times (``attribution.join``). Right after the step, still in its trace,
+the SM clock the step left is read (``device.sm_clock_mhz``): a call timed alone at a higher
+clock reads faster by that much, whatever its cache state (``attribution.miss``).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from cbtrace import module_tree
 from cbtrace.capture import boundaries
 from cbtrace.capture.recorder import RANGE_ENTER, RANGE_EXIT, export_trace, profiler_activities
 from cbtrace.console import quiet_kineto
+from cbtrace.device import sm_clock_mhz
 from cbtrace.rundir.layout import PLAIN_TRACE
 
 
@@ -50,18 +53,23 @@ def ranged_calls(model, fqns: list[str]) -> list:
     return handles
 
 
-def plain_trace(model, fqns: list[str], run_step, out: Path) -> Path:
+def plain_trace(model, fqns: list[str], run_step, out: Path,
+                device=None) -> tuple[Path, float | None]:
     """Run ``run_step`` once under torch.profiler with only ranges around the calls of
-    ``fqns``; write its trace as the run's ``PLAIN_TRACE``. The caller keeps the model's state
-    (a StateGuard) and runs this after the step is warm."""
+    ``fqns``; write its trace as the run's ``PLAIN_TRACE``. Returns its path and the SM clock
+    (MHz) right after the step on a CUDA ``device`` (None elsewhere). The caller keeps the
+    model's state (a StateGuard) and runs this after the step is warm."""
     handles = ranged_calls(model, fqns)
+    clock = None
     try:
         with quiet_kineto(), torch.profiler.profile(activities=profiler_activities()) as prof:
             with module_tree.eager(model):  # compiled parts eagerly, as the capture ran them
                 run_step()
+            if device is not None:
+                clock = sm_clock_mhz(device)  # queued behind the step's kernels
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
     finally:
         for h in handles:
             h.remove()
-    return export_trace(prof, Path(out) / PLAIN_TRACE)
+    return export_trace(prof, Path(out) / PLAIN_TRACE), clock

@@ -79,6 +79,9 @@ class ModuleRecord:
         HOST_INSITU, "ms", "the root of a step captured from a spec: its forward run as "
         "the user runs it, in a loop (no hooks, no profiler, compiled parts compiled), CUDA events around "
         "it on a GPU, wall time on a CPU", default=None)
+    step_clock_mhz: float | None = column(
+        HOST_INSITU, "MHz", "the SM clock right after the plain step (a GPU step captured from a "
+        "spec; the same on every row)", default=None)
 
     status: str | None = column(REPLAY, doc="ok | skipped | error", default=None)
     status_reason: str | None = column(REPLAY, doc="why skipped or failed", default=None)
@@ -110,6 +113,8 @@ class ModuleRecord:
     device_ms: float | None = column(REPLAY, "ms", "the time the device was busy per call, from "
                                      "the profiler (kernels overlapping on several streams count "
                                      "once)", default=None)
+    timed_clock_mhz: float | None = column(REPLAY, "MHz", "the SM clock right after the call was "
+                                           "timed (GPU)", default=None)
     wall_ms: float | None = column(REPLAY, "ms", "synchronised host wall time per call",
                                    default=None)
     launch_overhead_ms: float | None = column(REPLAY, "ms", "wall_ms - device_ms, floored at 0",
@@ -229,6 +234,9 @@ class ModuleRecord:
     kernel_error_pct: float | None = column(INSITU, "%", "100 * (device_ms / insitu_ms - 1): its "
                                             "kernels alone against in the step, both "
                                             "device-busy", default=None)
+    clock_error_pct: float | None = column(INSITU, "%", "100 * (step_clock_mhz / timed_clock_mhz "
+                                           "- 1): the error a call whose time follows the SM "
+                                           "clock reads from the clocks alone", default=None)
     miss_cause: str | None = column(INSITU, doc="outside +-5 % of in situ: what the "
                                                 "measurements say it comes from", default=None)
     bwd_insitu_ms: float | None = column(INSITU, "ms", "the call's backward in the step (the "

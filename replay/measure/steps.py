@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from cbtrace.cost.opcount import OpCounter
+from cbtrace.device import sm_clock_mhz
 from cbtrace.nested import flat_tensors
 from cbtrace.replay.measure.context import in_step_cache_state
 from cbtrace.replay.measure.prepare import CallUnderTest
@@ -93,8 +94,10 @@ class Timed:
         finally:
             if run.release is not None:
                 run.release()
+        # the clock its runs left, beside the step's (``attribution.miss``)
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
-                      isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy)
+                      isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy,
+                      timed_clock_mhz=sm_clock_mhz(c.device))
         check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
         return dict(fields, **profiled, runs=t.runs, timed_ms=t.timed_ms, timer_notes=join_notes(
             c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, c.context_note,
