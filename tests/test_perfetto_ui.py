@@ -80,22 +80,31 @@ def page(viewer):
 def _query(page, token: str, sql: str) -> str:
     """Run ``select '<token>=' || (sql)`` in the omnibox's SQL mode; return the value shown.
 
-    The omnibox re-renders while a query runs, so typing is retried until the result shows.
+    The omnibox re-renders when it switches to SQL mode, and drops an Enter while it is busy
+    (a trace just loaded, a query running): the query is typed once the SQL placeholder shows,
+    and Enter is pressed again every two seconds until the result shows.
     """
     box = page.locator(".pf-omnibox input").first
     pattern = token + "=([^'\\n]+)"  # the echoed query text has a quote right after '='
-    for _ in range(4):
+    query = f"select '{token}=' || ({sql})"
+    for _ in range(3):
         box.click()
         if "for SQL mode" in (box.get_attribute("placeholder") or ""):
             page.keyboard.type(":")
-        box.fill(f"select '{token}=' || ({sql})")
-        page.keyboard.press("Enter")
-        try:
-            page.wait_for_function(f"new RegExp({pattern!r}).test(document.body.innerText)",
-                                   timeout=10_000)
-            return re.search(pattern, page.locator("body").inner_text()).group(1).strip()
-        except Exception:  # playwright's TimeoutError
-            continue
+            page.wait_for_function("!document.querySelector('.pf-omnibox input')"
+                                   ".placeholder.includes('for SQL mode')", timeout=10_000)
+        box.fill(query)
+        page.wait_for_function("q => document.querySelector('.pf-omnibox input').value === q",
+                               arg=query, timeout=10_000)
+        for _ in range(10):
+            page.keyboard.press("Enter")
+            try:
+                page.wait_for_function(f"new RegExp({pattern!r}).test(document.body.innerText)",
+                                       timeout=2_000)
+                return re.search(pattern, page.locator("body").inner_text()).group(1).strip()
+            except Exception:  # playwright's TimeoutError
+                if box.input_value() != query:  # the box was cleared: type it again
+                    break
     raise AssertionError(f"no result for {sql!r}; page ends with: "
                          + page.locator("body").inner_text()[-600:])
 
