@@ -117,24 +117,32 @@ def steps_ms(step, device, *, k: int = 20, repeats: int = 5, warmup: int = 3) ->
 # Spin cycles of the clock reading's shorter kernel: long enough that a CUDA event's resolution
 # is small beside it, short enough that the clock has no time to move while it spins.
 CLOCK_CYCLES = 200_000
+# Cycles of the spin queued first: it keeps the device busy while the host queues the rest, so
+# that no launch gap falls between the events. A gap shows as the longer spin taking less
+# than twice the shorter; such a reading is taken again, and dropped after three.
+CLOCK_LEAD_CYCLES = 2_000_000
+CLOCK_RATIO_TOL = 0.02
 
 
 def sm_clock_mhz(device) -> float | None:
     """The SM clock (MHz) the device runs at once the work already queued on it is done; None on
-    a CPU. Two spin kernels of N and 2N cycles between CUDA events: the difference of their times
-    is N cycles alone, without the launch and event costs both carry. A first spin keeps the
-    device busy while the host queues the rest, so no launch gap falls between the events."""
+    a CPU, or where no reading holds together. Two spin kernels of N and 2N cycles between CUDA
+    events: the difference of their times is N cycles alone, without the launch and event
+    costs both carry."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     with torch.cuda.device(device):
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        torch.cuda._sleep(CLOCK_CYCLES // 2)
-        events[0].record()
-        torch.cuda._sleep(CLOCK_CYCLES)
-        events[1].record()
-        torch.cuda._sleep(2 * CLOCK_CYCLES)
-        events[2].record()
-        events[2].synchronize()
-        ms = events[1].elapsed_time(events[2]) - events[0].elapsed_time(events[1])
-    return CLOCK_CYCLES / ms / 1e3 if ms > 0 else None
+        for _ in range(3):
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            torch.cuda._sleep(CLOCK_LEAD_CYCLES)
+            events[0].record()
+            torch.cuda._sleep(CLOCK_CYCLES)
+            events[1].record()
+            torch.cuda._sleep(2 * CLOCK_CYCLES)
+            events[2].record()
+            events[2].synchronize()
+            one, two = events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
+            if one > 0 and abs(two / one - 2) <= 2 * CLOCK_RATIO_TOL and two > one:
+                return CLOCK_CYCLES / (two - one) / 1e3
+    return None

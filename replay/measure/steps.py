@@ -75,6 +75,7 @@ class Timed:
             return {**fields, "runs": 0, "timed_ms": 0.0, "timer_notes": join_notes(
                 c.row.get("timer_notes"), f"{COPIED}{fqn or '(root)'} (--reuse-timing)")}
         in_step_cache_state(c)
+        eager = {k: c.row.get(k) for k in ("kernel_count", "device_ms")}
         profiled = self._profile_as_timed(c)
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")
@@ -94,13 +95,27 @@ class Timed:
         finally:
             if run.release is not None:
                 run.release()
+        context_note = c.context_note
+        if with_context and t.timer not in ("graph", "stream") and "stream" in self.chain:
+            # the graph cannot hold it, and its context would land between back-to-back runs:
+            # the host's pace, which only a back-to-back window keeps, decides its time more
+            # than the cache state its context gives; timed alone, profiled alone
+            alone, more = choice.measure(dataclasses.replace(c.run.timed(), expected_ms=None),
+                                         c.n_copies, c.device,
+                                         self.chain[self.chain.index("stream"):],
+                                         self.backends, self.tcfg)
+            if alone.timer == "stream":
+                t, fallback = alone, "; ".join(x for x in (fallback, more) if x)
+                context_note = "no context: timed back to back, which a context would break"
+                c.row.update(eager)
+                profiled = {}
         # the clock its runs left, beside the step's (``attribution.miss``)
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy,
                       timed_clock_mhz=sm_clock_mhz(c.device))
         check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
         return dict(fields, **profiled, runs=t.runs, timed_ms=t.timed_ms, timer_notes=join_notes(
-            c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, c.context_note,
+            c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, context_note,
             "profiled as timed" if profiled else None, check))
 
     def _profile_as_timed(self, c: CallUnderTest) -> dict:
