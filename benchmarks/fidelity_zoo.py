@@ -79,10 +79,10 @@ ROW_COLUMNS = ("call_id", "parent_call_id", "fqn", "module_type", "status", "sta
                "bwd_timer_notes", "host_syncs", "insitu_span_ms", "insitu_hooked_ms",
                "bwd_insitu_hooked_ms", "error_basis", "step_compiled",
                "eager_ms", "insitu_kernel_count", "kernel_error_pct", "miss_cause",
-               "step_clock_mhz", "timed_clock_mhz", "clock_error_pct", "insitu_slot_ms")
+               "step_clock_mhz", "timed_clock_mhz", "clock_error_pct")
 COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
            "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named",
-           "hooked_within5%", "slot_within5%", "step/timed_MHz", "clock_free_within5%")
+           "hooked_within5%", "step/timed_MHz", "clock_free_within5%")
 
 
 def _pct(x) -> float:
@@ -112,7 +112,6 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
         row["causes"] = (miss["miss_cause"].dropna().str.split(":| \\(| \\d").str[0]
                          .value_counts().to_dict())
         row.update(clock_columns(big, err))
-        row["slot_within5%"] = slot_within(big)
     g = big.groupby("module_type")
     classes = [{"phase": phase, "module_type": t, "count": len(d),
                 "median_err%": float(d[err].median()),
@@ -135,18 +134,6 @@ def clock_columns(big, err: str) -> dict:
     return {"step/timed_MHz": f"{big['step_clock_mhz'].median():.0f}/"
                               f"{big['timed_clock_mhz'].median():.0f}",
             "clock_free_within5%": 100 * float(((big[err] - clock).abs() <= WITHIN_PCT).mean())}
-
-
-def slot_within(big) -> float:
-    """Share (%) of ``big``'s forward calls within 5 % of their slot in the step (busy time
-    plus the device's gaps after their kernels, each up to 2 us: what a back-to-back replay
-    holds too) where they are compared with their busy time: the A/B of the in-situ basis, on
-    one capture. NaN without the column."""
-    if "insitu_slot_ms" not in big or big["insitu_slot_ms"].isna().all():
-        return float("nan")
-    alt = 100 * (big["isolated_ms"] / big["insitu_slot_ms"] - 1)
-    use = big["insitu_slot_ms"].notna() & (big["error_basis"] == "busy")
-    return 100 * float((alt.where(use, big["error_pct"]).abs() <= WITHIN_PCT).mean())
 
 
 def hooked_within(big, phase: str) -> float:

@@ -97,7 +97,7 @@ def test_across_ranks_uses_device_time_where_there_is_some():
         "call_index": 0, "phase": "fwd", "kernel_count": [2, 2, 0, 0],
         "cpu_ms": [5.0, 1.0, 1.0, 3.0], "cpu_self_ms": 0.0, "gpu_ms": [2.0, 4.0, 0.0, 0.0],
         "gpu_busy_ms": [2.0, 4.0, 0.0, 0.0], "gpu_self_ms": 0.0, "gpu_span_ms": 0.0,
-        "gpu_slot_ms": 0.0, "comm_ms": 0.0, "comm_exposed_ms": 0.0})
+        "comm_ms": 0.0, "comm_exposed_ms": 0.0})
     a = across_ranks(df).set_index("fqn")
     assert a.loc["a", "metric"] == "gpu_busy_ms" and a.loc["a", "slowest_rank"] == 1
     assert (a.loc["a", "min_ms"], a.loc["a", "median_ms"], a.loc["a", "max_ms"]) == (2, 3, 4)

@@ -12,7 +12,6 @@ from click.testing import CliRunner
 from cbtrace.attribution.attribute import attribute, summarize
 from cbtrace.attribution.join import insitu_for_run
 from cbtrace.attribution.identity import class_index_map, hierarchy_path
-from cbtrace.attribution import intervals
 from cbtrace.errors import CbtraceError
 
 TRACE = Path(__file__).parent / "data" / "cbtrace_capture_cpu.pt.trace.json.gz"
@@ -100,7 +99,7 @@ def test_insitu_for_run(tmp_path):
     shutil.copy(TRACE, tmp_path / TRACE.name)
     out = insitu_for_run(tmp_path, manifest(trace=TRACE.name))
     assert list(out.columns) == ["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_busy_ms",
-                                 "gpu_span_ms", "gpu_slot_ms", "kernel_count", "insitu_ms"]
+                                 "gpu_span_ms", "kernel_count", "insitu_ms"]
     assert len(out) == 15  # 14 modules, head called twice; the first step only
     assert (out.insitu_ms == out.cpu_ms).all()  # CPU trace: no device events
 
@@ -374,21 +373,6 @@ def _naive_union(spans) -> float:
     return total
 
 
-def _naive_gaps(kernels, cap) -> dict:
-    """id(kernel) -> the idle time after it on its device up to the next kernel's start, at
-    most ``cap``, for the kernel that ends each run of overlapping ones (one at a time)."""
-    out = {}
-    for pid in {k["pid"] for k in kernels}:
-        mine = sorted((k for k in kernels if k["pid"] == pid), key=lambda k: k["ts"])
-        reach, owner = -float("inf"), None
-        for k in mine:
-            if owner is not None and k["ts"] > reach:
-                out[id(owner)] = min(k["ts"] - reach, cap)
-            if k["ts"] + k["dur"] > reach:
-                reach, owner = k["ts"] + k["dur"], k
-    return out
-
-
 def _nested_trace(seed: int):
     """One step of nested module ranges on one host thread, each launching kernels onto three
     streams of one device (they overlap at random) and one kernel onto a second device, and
@@ -427,17 +411,13 @@ def _nested_trace(seed: int):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_busy_time_is_the_union_of_the_calls_kernels(seed, tmp_path, monkeypatch):
-    # this trace's gaps run to milliseconds: a cap among them leaves some under it, some over
-    monkeypatch.setattr(intervals, "GAP_CAP_US", 3000.0)
+def test_busy_time_is_the_union_of_the_calls_kernels(seed, tmp_path):
     events, ranges = _nested_trace(seed)
     launched = {e["args"]["correlation"]: e["ts"] for e in events if e["cat"] == "cuda_runtime"}
     kernels = [e for e in events if e["cat"] == "kernel"]
     p = tmp_path / "nested.json"
     p.write_text(json.dumps({"traceEvents": events}))
     df = attribute(p, aggregate=False)
-    gaps = _naive_gaps(kernels, 3000.0)
-    assert 0 < sum(g < 3000.0 for g in gaps.values()) < len(gaps)  # some capped, some not
     overlapped = 0
     for fqn, (a, b) in ranges.items():
         mine = [k for k in kernels if a <= launched.get(k.get("args", {}).get("correlation"),
@@ -447,9 +427,6 @@ def test_busy_time_is_the_union_of_the_calls_kernels(seed, tmp_path, monkeypatch
         r = _row(df, 1, fqn)
         assert r.gpu_ms * 1e3 == pytest.approx(sum(k["dur"] for k in mine))
         assert r.gpu_busy_ms * 1e3 == pytest.approx(busy), fqn
-        # the slot: busy plus the device's gaps after its kernels, each capped
-        slot = busy + sum(gaps.get(id(k), 0.0) for k in mine)
-        assert r.gpu_slot_ms * 1e3 == pytest.approx(slot), fqn
         overlapped += busy < r.gpu_ms * 1e3 - 1e-6
     assert overlapped >= 3  # the trace does overlap kernels, in most calls
     stray = _row(df, 1, "<unattributed>")

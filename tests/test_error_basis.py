@@ -27,7 +27,6 @@ def test_the_join_compares_each_call_with_the_figure_its_basis_names(monkeypatch
     table = pd.DataFrame(dict(fqn=[f"m{i}" for i in range(n)], call_index=[0] * n,
                               cpu_ms=[9.0] * n, gpu_ms=[4.0, 1.0, 1.0, 1.0, 1.0, 1.0],
                               gpu_span_ms=[9.0, 2.0, 1.5, 1.0, 3.0, 3.0],
-                              gpu_slot_ms=[4.5, 1.0, 1.0, 1.0, 1.0, 1.0],
                               kernel_count=[5, 1, 1, 1, 1, 1],
                               insitu_ms=[4.0, 1.0, 1.0, 1.0, 1.0, 1.0]))
     monkeypatch.setattr(join, "insitu_for_run", lambda run, manifest, phase="fwd": table)

@@ -12,7 +12,7 @@ from helpers.paths import REPO
 SCRIPT = REPO / "benchmarks" / "fidelity_zoo.py"
 COLUMNS = ["model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
            "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named",
-           "hooked_within5%", "slot_within5%", "step/timed_MHz", "clock_free_within5%"]
+           "hooked_within5%", "step/timed_MHz", "clock_free_within5%"]
 # the script's own functions, called in a process of its own: the tests import nothing from
 # benchmarks/ (argv: the script, then a modules table or the script's arguments)
 FIGURES = """import json, runpy, sys

@@ -114,7 +114,7 @@ def _insitu(monkeypatch, timers_, isolated, gpu_ms, span_ms):
     n = len(timers_)
     table = pd.DataFrame(dict(fqn=[f"m{i}" for i in range(n)], call_index=[0] * n,
                               cpu_ms=[9.0] * n, gpu_ms=gpu_ms, gpu_span_ms=span_ms,
-                              gpu_slot_ms=gpu_ms, kernel_count=[1] * n, insitu_ms=gpu_ms))
+                              kernel_count=[1] * n, insitu_ms=gpu_ms))
     monkeypatch.setattr(join, "insitu_for_run", lambda run, manifest, phase="fwd": table)
     df = pd.DataFrame(dict(call_id=list(range(n)), fqn=list(table["fqn"]), call_index=[0] * n,
                            timer=timers_, timer_fallback=[None] * n, isolated_ms=isolated,

@@ -80,10 +80,9 @@ def _join(monkeypatch, tmp_path, with_plain: bool, listed: bool = True, plain_ke
     if with_plain:
         (run / PLAIN_TRACE).write_bytes(b"{}")  # read through insitu_for_run, stood in below
     hooked = pd.DataFrame(dict(fqn=["m0", "m1", "m2"], call_index=0, gpu_ms=1.0,
-                               gpu_span_ms=1.2, gpu_slot_ms=1.1, kernel_count=1,
-                               insitu_ms=1.0))
+                               gpu_span_ms=1.2, kernel_count=1, insitu_ms=1.0))
     plain = pd.DataFrame(dict(fqn=["m0", "m1"], call_index=0, gpu_ms=0.8, gpu_span_ms=0.9,
-                              gpu_slot_ms=0.85, kernel_count=plain_kernels, insitu_ms=0.8))
+                              kernel_count=plain_kernels, insitu_ms=0.8))
 
     def insitu_for_run(run_dir, manifest, phase="fwd", grad_sums=None, trace=None):
         assert trace is None or trace == run / PLAIN_TRACE
@@ -103,10 +102,9 @@ def test_the_join_takes_the_plain_steps_times_and_keeps_the_captured_ones(monkey
     out = _join(monkeypatch, tmp_path, with_plain=True)
     assert out[0]["insitu_ms"] == 0.8 and out[0]["insitu_hooked_ms"] == 1.0
     assert out[0]["error_pct"] == pytest.approx(5.0)  # 0.84 against the plain step's 0.8
-    assert out[0]["insitu_span_ms"] == 0.9 and out[0]["insitu_slot_ms"] == 0.85
+    assert out[0]["insitu_span_ms"] == 0.9
     # a call the plain step has no figure for keeps the captured step's
     assert out[2]["insitu_ms"] == 1.0 and out[2]["error_pct"] == pytest.approx(-16.0)
-    assert out[2]["insitu_slot_ms"] == 1.1
 
 
 @pytest.mark.parametrize("case", [dict(with_plain=False),      # none profiled

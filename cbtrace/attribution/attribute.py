@@ -13,9 +13,7 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
   launched inside; ``gpu_busy_ms``: the time the device was busy with them (inclusive; the
   union of their intervals per device: less than gpu_ms where they overlap on several
   streams); ``gpu_span_ms``: first device event start to last end (inclusive);
-  ``gpu_slot_ms``: gpu_busy_ms plus the device's idle gaps after each run of them, each up to
-  ``intervals.GAP_CAP_US`` (what a back-to-back replay of the call also holds: the device's own
-  gaps inside and right after it, not its waits on the host); ``kernel_count`` (inclusive).
+  ``kernel_count`` (inclusive).
 - ``comm_ms``: device time of communication (NCCL) kernels launched inside (inclusive; part of
   gpu_ms); ``comm_exposed_ms``: the part of it that no non-communication kernel on another
   stream of the same device overlaps (comm.py).
@@ -38,7 +36,7 @@ One row per (rank, step, module call, phase). Columns (times in ms, from µs in 
 
 Aggregation over steps (``aggregate=True``): every row also carries ``<col>_median``,
 ``<col>_min``, ``<col>_max`` for cpu_ms, cpu_self_ms, gpu_ms, gpu_self_ms, gpu_busy_ms,
-gpu_span_ms, gpu_slot_ms, comm_ms, comm_exposed_ms over the steps >= 0 of its (rank, fqn, call_index, phase);
+gpu_span_ms, comm_ms, comm_exposed_ms over the steps >= 0 of its (rank, fqn, call_index, phase);
 ``summarize(df)`` keeps one row per group.
 
 Many ranks (ranks.py): files are attributed in worker processes (``workers=``, default one per

@@ -18,12 +18,12 @@ from cbtrace.attribution.op_costs import OpCoster
 from cbtrace.errors import TraceError
 
 AGG_COLUMNS = ("cpu_ms", "cpu_self_ms", "gpu_ms", "gpu_self_ms", "gpu_busy_ms", "gpu_span_ms",
-               "gpu_slot_ms", "comm_ms", "comm_exposed_ms")
+               "comm_ms", "comm_exposed_ms")
 GROUP = ["rank", "fqn", "call_index", "phase"]
 _RANK_IN_NAME = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
 COLUMNS = ["rank", "step", "fqn", "source", "call_index", "depth", "parent_fqn", "phase",
            "cpu_ms", "cpu_self_ms", "gpu_ms", "gpu_self_ms", "gpu_busy_ms", "gpu_span_ms",
-           "gpu_slot_ms", "kernel_count", "comm_ms", "comm_exposed_ms", "flops", "flops_executed", "bytes",
+           "kernel_count", "comm_ms", "comm_exposed_ms", "flops", "flops_executed", "bytes",
            "ops_without_formula", "compute_dtype", "mfu", "mbu", "figures_suspect",
            "module_label", "pid", "tid", "ts_us", "dur_us", "ev_index", "trace"]
 

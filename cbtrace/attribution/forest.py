@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import numpy as np
 
-from cbtrace.attribution import comm, intervals
+from cbtrace.attribution import comm
 from cbtrace.attribution.loader import Columns
 
 # Device activity whose durations make up "device time". GPU-side annotations
@@ -64,10 +64,6 @@ class Forest:
         d_corr, d_pid, d_tid = cols.corr[device], cols.pid[device], cols.tid[device]
         self.d_comm, self.d_exposed = _comm(cols, device, d_pid, d_tid)
         self.d_dev = np.asarray(d_pid, np.int64)
-        # the idle time after each, from every device event loaded (a window's too, which
-        # keep_device drops): intervals.gaps_after
-        self.d_gap = intervals.gaps_after(self.d_dev, self.d_ts, self.d_dur,
-                                          intervals.GAP_CAP_US)
         self.host = host
         for k in ("ts", "dur", "idx", "name", "cat", "seq", "hier", "cost", "corr", "pid",
                   "tid"):
@@ -88,8 +84,7 @@ class Forest:
         """Drop the device events where ``mask`` is False (another window counts them)."""
         self.d_ts, self.d_dur, self.d_idx = self.d_ts[mask], self.d_dur[mask], self.d_idx[mask]
         self.d_comm, self.d_exposed = self.d_comm[mask], self.d_exposed[mask]
-        self.d_dev, self.launcher, self.d_gap = self.d_dev[mask], self.launcher[mask], \
-            self.d_gap[mask]
+        self.d_dev, self.launcher = self.d_dev[mask], self.launcher[mask]
 
     def step_at(self, ts: np.ndarray) -> np.ndarray:
         """Profiler step whose window contains each ``ts``, -1 outside every step."""

@@ -183,7 +183,6 @@ class _Buckets:
                "comm": np.bincount(i_dev, np.where(forest.d_comm, d_dur, 0.0), nb),
                "comm_exp": np.bincount(i_dev, forest.d_exposed, nb),
                "kernels": np.bincount(i_dev, minlength=nb).astype(float),
-               "gaps": np.bincount(i_dev, forest.d_gap, nb),
                "nof": np.bincount(i_nof, minlength=nb).astype(float),
                "first": np.full(nb, np.inf), "last": np.full(nb, -np.inf)}
         np.minimum.at(acc["first"], i_dev, d_ts)
@@ -429,7 +428,6 @@ def _finish(cols, figs, ucols, ufig, dtypes, device_name, with_shapes) -> dict:
                phase=out["phase"], cpu_ms=out["cpu"] / 1e3, cpu_self_ms=out["cpu_self"] / 1e3,
                gpu_ms=gpu_ms, gpu_self_ms=out["gpu_self"] / 1e3, gpu_busy_ms=busy_ms,
                gpu_span_ms=np.where(kernels > 0, (f["last"] - f["first"]) / 1e3, 0.0),
-               gpu_slot_ms=np.where(kernels > 0, (f["busy"] + f["gaps"]) / 1e3, 0.0),
                comm_ms=f["comm"] / 1e3, comm_exposed_ms=f["comm_exp"] / 1e3,
                kernel_count=kernels, flops=flops,
                flops_executed=f["flops_x"] if with_shapes else np.full(len(gpu_ms), nan),

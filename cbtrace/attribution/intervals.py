@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-# A device's own gap between kernels queued back to back stays under this (about a microsecond
-# on the GPUs replay is measured on); a longer one waits on the host, which a call replayed back
-# to back does not. A call's ``gpu_slot_ms`` counts each gap after its kernels up to it.
-GAP_CAP_US = 2.0
-
 
 def union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The intervals [start, end) merged into sorted disjoint ones: (lo, hi)."""
@@ -74,30 +69,6 @@ def busy(group: np.ndarray, start: np.ndarray, dur: np.ndarray, ngroups: int) ->
     first = np.r_[True, g[1:] != g[:-1]]
     prev = np.where(first, -np.inf, np.r_[-np.inf, reach[:-1]])
     np.add.at(out, g, np.maximum(e - np.maximum(s, prev), 0.0))
-    return out
-
-
-def gaps_after(device: np.ndarray, start: np.ndarray, dur: np.ndarray,
-               cap: float) -> np.ndarray:
-    """Per interval: the idle time on its ``device`` between the end of the run of overlapping
-    intervals it ends last and the next interval's start, at most ``cap`` (0 for the others,
-    and after each device's last run). Summed over a call's kernels, this is the device's own
-    gaps inside and right after the call that a back-to-back replay also holds, without the
-    longer waits on the host the cap leaves out."""
-    n = len(start)
-    out = np.zeros(n)
-    if n < 2:
-        return out
-    o = np.lexsort((start, device))
-    g, s = device[o], start[o] - start.min()
-    e = s + dur[o]
-    reach = _segmented_max(g, e)
-    ends_run = np.r_[(g[1:] != g[:-1]) | (s[1:] > reach[:-1]), True]
-    gap = np.where(np.r_[g[1:] == g[:-1], False], np.r_[s[1:], 0.0] - reach, 0.0)
-    run = np.cumsum(np.r_[True, ends_run[:-1]])  # run id per sorted interval
-    last = np.lexsort((e, run))  # within each run, the interval ending last comes last
-    owner = last[np.r_[run[last][1:] != run[last][:-1], True]]  # one per run, in run order
-    out[o[owner]] = np.clip(gap[ends_run], 0.0, cap)
     return out
 
 

@@ -27,7 +27,7 @@ from cbtrace.schema.modules import INSITU
 
 
 def insitu_columns(run, manifest, df) -> dict[int, dict]:
-    """call_id -> {insitu_ms, insitu_span_ms, insitu_slot_ms, error_basis, error_pct, insitu_kernel_count,
+    """call_id -> {insitu_ms, insitu_span_ms, error_basis, error_pct, insitu_kernel_count,
     kernel_error_pct, clock_error_pct, miss_cause, bwd_insitu_ms, bwd_error_pct, recompute_insitu_ms} for every
     row of the modules table ``df`` (the backward's only where replay measured it); miss_cause
     from ``attribution.miss``. error_pct compares the isolated figure with the in-situ figure
@@ -43,18 +43,17 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     sums = {"grad_sums": own_grad_sums(df)} if df["bwd_ms"].notna().any() else {}
     if not on_gpu and df["insitu_host_ms"].notna().all():
         insitu = dict(zip(df["call_id"], df["insitu_host_ms"]))  # CPU: unprofiled repeats
-        span, kernels, slot = {}, {}, {}
+        span, kernels = {}, {}
     else:
         table = insitu_for_run(run, manifest, **sums)
         insitu, span = _by_call(df, table), _by_call(df, table, "gpu_span_ms")
-        kernels, slot = _by_call(df, table, "kernel_count"), _by_call(df, table, "gpu_slot_ms")
+        kernels = _by_call(df, table, "kernel_count")
         ptable = _plain_table(run, manifest, plain, table, **sums)
         if ptable is not None:  # the plain step's figures, the captured step's where it has none
             hooked = insitu
             use = {cid: _number(v) is not None for cid, v in _by_call(df, ptable).items()}
-            insitu, span, kernels, slot = (_either(use, _by_call(df, ptable, c), d) for c, d in (
-                ("insitu_ms", insitu), ("gpu_span_ms", span), ("kernel_count", kernels),
-                ("gpu_slot_ms", slot)))
+            insitu, span, kernels = (_either(use, _by_call(df, ptable, c), d) for c, d in (
+                ("insitu_ms", insitu), ("gpu_span_ms", span), ("kernel_count", kernels)))
     bwd = {}
     if df["bwd_ms"].notna().any():
         bwd = _by_call(df, insitu_for_run(run, manifest, phase="bwd", **sums))
@@ -86,7 +85,6 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis,
                                  "clock_error_pct": clock}, kernels.get(cid), kerr)
         out[int(cid)] = {"insitu_ms": ins, "insitu_span_ms": spn,
-                         "insitu_slot_ms": _number(slot.get(cid)) or None,
                          "insitu_hooked_ms": _number(hooked.get(cid)),
                          "bwd_insitu_hooked_ms": _number(bwd_hooked.get(cid)),
                          "error_basis": basis if err is not None else None, "error_pct": err,
@@ -187,9 +185,9 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None
     """In-situ time per captured call from the run's own capture trace (or ``trace``, another
     trace of the run: its plain step).
 
-    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_busy_ms, gpu_span_ms, gpu_slot_ms,
-    kernel_count, insitu_ms] of the module rows of ``phase`` (fwd, or bwd: the autograd ops
-    attribution maps to each call by sequence number); ``insitu_ms`` is gpu_busy_ms (the time the device was
+    Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_busy_ms, gpu_span_ms, kernel_count,
+    insitu_ms] of the module rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps
+    to each call by sequence number); ``insitu_ms`` is gpu_busy_ms (the time the device was
     busy with the call's own kernels: kernels overlapping on several streams count once;
     cbtrace's input copies excluded) when the trace has device events, else cpu_ms. Not the
     span, except where the isolated figure holds the host's gaps too (``insitu_columns``): during
@@ -206,7 +204,7 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None
         df = df[df["step"] == df.loc[df["step"] >= 0, "step"].min()]
     has_device = df["kernel_count"].sum() > 0
     out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_busy_ms", "gpu_span_ms",
-              "gpu_slot_ms", "kernel_count"]].copy()
+              "kernel_count"]].copy()
     out["insitu_ms"] = out["gpu_busy_ms"] if has_device else out["cpu_ms"]
     return out.reset_index(drop=True)
 

@@ -222,9 +222,6 @@ class ModuleRecord:
     insitu_span_ms: float | None = column(INSITU, "ms", "the call's span in the step: its first "
                                           "kernel's start to its last's end, gaps included",
                                           default=None)
-    insitu_slot_ms: float | None = column(INSITU, "ms", "its busy time plus the device's gaps "
-                                          "after its kernels, each up to 2 us (what a call "
-                                          "replayed back to back also holds)", default=None)
     insitu_hooked_ms: float | None = column(
         INSITU, "ms", "the call's busy time in the captured step itself (input copies and hooks "
         "around it), where insitu_ms comes from the plain step", default=None)
