@@ -430,3 +430,47 @@ def test_an_activation_gets_its_context_up_to_its_own_limit():
     assert small(nn.Linear(32, 32), 0.01) and not small(nn.Linear(32, 32), 0.05)
     assert not small(nn.ReLU(), 0.05, context_activation_max_ms=0.0)
     assert not small(nn.ReLU(), None)
+
+
+def test_a_call_like_one_profiled_as_timed_after_the_same_context_takes_its_figures(monkeypatch):
+    """The re-profile in the cache state a call is timed in (``profile_as_timed``) runs once per
+    kind of call and kind of context: DLRM's hundreds of ReLUs after Linears are few kinds."""
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure import steps
+    from cbtrace.replay.measure.prepare import CallUnderTest
+    from cbtrace.replay.timer.contract import CallRunner
+
+    profiled = []
+
+    def fake_profile(runner, device, runs):  # the GPU's part, stood in: which runner it got
+        profiled.append(runner)
+        return 1, 0.01 * len(profiled)
+
+    monkeypatch.setattr(steps, "profile_as_timed", fake_profile)
+    timed = steps.Timed(["graph"], {}, ReplayConfig())
+    cost = dict(flops=0.0, flops_executed=0.0, bytes=4096.0, unknown_ops=0, compute_dtype=None)
+
+    def call(fqn, key):
+        rec = ModuleRecord(fqn=fqn, call_index=0, call_id=0, parent_call_id=-1, parent_fqn=None,
+                           depth=0, module_type="ReLU", module_class="torch.nn.ReLU",
+                           param_bytes=0, buffer_bytes=0, input_bytes=4096, input_shapes="[]",
+                           input_meta='[{"shape": [1024]}]', output_meta="[]", training=False,
+                           grad_enabled=False, autocast_dtype=None, inputs_ref="{}")
+        c = CallUnderTest(module=nn.ReLU(), rec=rec, run=None, n_copies=4,
+                          device=torch.device("cuda"), cfg=ReplayConfig(), row=dict(cost))
+        c.timed, c.context_key = CallRunner(run=lambda j: None, n_copies=4), key
+        return c
+
+    after_linear = ("context", (("Linear", '[{"shape": [1024]}]'),), 1, None)
+    first = timed._profile_as_timed(call("a.relu", after_linear))
+    again = timed._profile_as_timed(call("b.relu", after_linear))
+    other = timed._profile_as_timed(call("c.relu", ("tables", 8)))
+    assert len(profiled) == 2  # a.relu, then c.relu after another context
+    assert first == ({"kernel_count": 1, "device_ms": 0.01}, "profiled as timed")
+    assert again == ({"kernel_count": 1, "device_ms": 0.01}, "profiled as timed as a.relu")
+    assert other[0]["device_ms"] == 0.02 and other[1] == "profiled as timed"
+    # off with the counts' reuse, as the profiled pass's own cache is
+    alone = steps.Timed(["graph"], {}, ReplayConfig(reuse_counts=False))
+    alone._profile_as_timed(call("a.relu", after_linear))
+    alone._profile_as_timed(call("b.relu", after_linear))
+    assert len(profiled) == 4

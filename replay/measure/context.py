@@ -393,6 +393,8 @@ def in_context(c: CallUnderTest, context) -> None:
         return run_on(inputs, j)
 
     c.timed = CallRunner(run=timed, n_copies=n, before=before, release=slots.clear)
+    c.context_key = ("context", tuple((x.rec.module_type, x.rec.input_meta) for x in context),
+                     len(chained), c.cfg.context_rewrite if rewrite is not None else None)
     c.context_note = describe(context, chained) + (
         f"; its inputs rewritten after them ({REWRITTEN_AS[c.cfg.context_rewrite]})"
         if rewrite is not None else "")
@@ -458,4 +460,5 @@ def with_table_copies(c: CallUnderTest) -> None:
         return runs[j % len(runs)](j)
 
     c.timed = CallRunner(run=timed, n_copies=max(c.n_copies, len(runs)))
+    c.context_key = ("tables", len(tables))
     c.context_note = f"{len(tables)} copies of the table, one a run"

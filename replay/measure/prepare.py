@@ -75,6 +75,10 @@ class CallUnderTest:
     outputs: object = None         # HostIssue's last run's, for OutputCheck (no run of its own)
     timed: CallRunner | None = None  # what the timers run: ``run`` in its in-step cache state
     context_note: str | None = None  # how ``timed`` differs from ``run`` (the row's timer_notes)
+    # what decides ``timed``'s cache state apart from the call itself: the context's calls by
+    # kind and inputs, or its table copies (two calls of one kind with equal keys are profiled
+    # once as timed: ``steps.Timed``)
+    context_key: tuple | None = None
     writes_inputs: bool = False    # a forward moves its inputs' version counters (in place)
     context: object = None  # its predecessors (replay.measure.context), or their loader; None: off
 

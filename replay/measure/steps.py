@@ -63,6 +63,9 @@ class Timed:
         self.chain, self.backends, self.eager_kernels = chain, backends, eager_kernels
         self.tcfg, self.cold = cfg.timing(), cfg.cold
         self.profile_runs = cfg.profile_runs if cfg.profile_as_timed and eager_kernels else 0
+        # a call of the same work as one profiled as timed before, after a context of the same
+        # kinds of call on the same inputs (or as many table copies), takes its figures
+        self.as_timed = ProfileCache() if cfg.count_flops and cfg.reuse_counts else None
         self.reuse = None
         if cfg.reuse_timing:
             self.reuse = TimingReuse()
@@ -76,7 +79,7 @@ class Timed:
                 c.row.get("timer_notes"), f"{COPIED}{fqn or '(root)'} (--reuse-timing)")}
         in_step_cache_state(c)
         eager = {k: c.row.get(k) for k in ("kernel_count", "device_ms")}
-        profiled = self._profile_as_timed(c)
+        profiled, profiled_note = self._profile_as_timed(c)
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")
         with_context = c.timed is not None and c.timed.before is not None
@@ -108,7 +111,7 @@ class Timed:
                 t, fallback = alone, "; ".join(x for x in (fallback, more) if x)
                 context_note = "no context: timed back to back, which a context would break"
                 c.row.update(eager)
-                profiled = {}
+                profiled, profiled_note = {}, None
         # the clock its runs left, beside the step's (``attribution.miss``)
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy,
@@ -116,19 +119,32 @@ class Timed:
         check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
         return dict(fields, **profiled, runs=t.runs, timed_ms=t.timed_ms, timer_notes=join_notes(
             c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, context_note,
-            "profiled as timed" if profiled else None, check))
+            profiled_note, check))
 
-    def _profile_as_timed(self, c: CallUnderTest) -> dict:
-        """kernel_count and device_ms of a call timed in its context or on table copies,
-        profiled so (``profile_as_timed``): its kernels in the cache state its isolated time
-        has, not warm on copy 0. Empty when not asked, not so timed, or not found."""
+    def _profile_as_timed(self, c: CallUnderTest) -> tuple[dict, str | None]:
+        """(kernel_count and device_ms, the row's note) of a call timed in its context or on
+        table copies, profiled so (``profile_as_timed``): its kernels in the cache state its
+        isolated time has, not warm on copy 0; or those of a call of the same work profiled so
+        before, after the same kinds of context call (``context_key``). ({}, None) when not
+        asked, not so timed, or not found."""
         if not self.profile_runs or c.timed is None or c.device.type != "cuda":
-            return {}
-        got = profile_as_timed(c.timed, c.device, self.profile_runs)
-        if got is None:
-            return {}
+            return {}, None
+        key = None
+        if self.as_timed is not None and c.context_key is not None:
+            base = ProfileCache.key(signature(c.module, c.rec), c.row)
+            key = None if base is None else (*base, c.context_key)
+        hit = self.as_timed.get(key) if key is not None else None
+        note = "profiled as timed"
+        if hit is not None:
+            got, note = hit[1], f"profiled as timed as {hit[0] or '(root)'}"
+        else:
+            got = profile_as_timed(c.timed, c.device, self.profile_runs)
+            if got is None:
+                return {}, None
+            if key is not None:
+                self.as_timed.put(key, c.rec.fqn, got)
         c.row["kernel_count"], c.row["device_ms"] = got
-        return dict(kernel_count=got[0], device_ms=got[1])
+        return dict(kernel_count=got[0], device_ms=got[1]), note
 
     def _key(self, c: CallUnderTest):
         if self.reuse is None or not c.value_free:
