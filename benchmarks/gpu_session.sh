@@ -30,8 +30,9 @@
 # copies: probes/probe_input_copies.py (a call's rotating input copies made one by one vs at once);
 # fresh: bench_replay_fresh.py (a plain `cbtrace replay` beside the replay inside `profile`; FRESH_MODELS,
 # FRESH_REPEATS, FRESH_DTYPE);
-# step-clock: probes/probe_step_clock.py (NanoGPT's GELU kernels and the SM clock: a step after idle, a
-# steady step, the GELU alone, after its producer, after a flush); pos-conv: probes/probe_pos_conv.py
+# step-clock: probes/probe_step_clock.py (a call's kernels and the SM clock: a step after idle, a
+# steady step, the call alone, after steps, after a flush; NanoGPT's GELU, or CLOCK_SPEC (a zoo
+# spec relative to the repo, e.g. benchmarks/zoo.py:timm_convnext_tiny) and CLOCK_FQN); pos-conv: probes/probe_pos_conv.py
 # (wav2vec2's grouped Conv1d: its kernels call by call, back to back, cudnn.benchmark);
 # bn-train: probes/probe_bn_train_graph.py (a train-mode BatchNorm2d's kernels and gaps inside a graph);
 # root-host: probes/probe_root_host.py (a root's host issue as the user runs it, beside a reader thread,
@@ -105,7 +106,7 @@ fresh)
     timeout ${FRESH_TIMEOUT:-300} python3 $R/benchmarks/bench_replay_fresh.py --model $M --device cuda ${FRESH_DTYPE:+--dtype $FRESH_DTYPE} --repeats ${FRESH_REPEATS:-2} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_replay_fresh_${M/:/_}.log | tail -30
   done ;;
 step-clock)
-  timeout ${CLOCK_TIMEOUT:-120} python3 $R/benchmarks/probes/probe_step_clock.py 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_step_clock.log | tail -12 ;;
+  timeout ${CLOCK_TIMEOUT:-120} python3 $R/benchmarks/probes/probe_step_clock.py ${CLOCK_SPEC:+$R/$CLOCK_SPEC} ${CLOCK_FQN:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_step_clock${CLOCK_FQN:+_$CLOCK_FQN}.log | tail -12 ;;
 pos-conv)
   timeout ${POSCONV_TIMEOUT:-120} python3 $R/benchmarks/probes/probe_pos_conv.py 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_pos_conv.log | tail -20 ;;
 root-host)

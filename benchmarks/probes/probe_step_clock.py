@@ -1,19 +1,24 @@
-"""Device probe: why NanoGPT's GELUs run ~6 % slower in the plain step than replayed.
+"""Device probe: whether a call reads faster alone than in the step by the SM clock the step
+leaves, or by its cache state. Default: NanoGPT's first GELU (6 % slower in the plain step);
+any spec and module fqn (ConvNeXt-T's depthwise convolutions read 10-18 % faster alone).
 
-Reads the GELU kernels' durations (torch.profiler) and the SM clock (NVML, sampled every ~1 ms
-in a thread) in situations that differ in one thing each:
+Reads the call's kernels' durations (torch.profiler) and the SM clock (NVML, sampled every ~1
+ms in a thread) in situations that differ in one thing each:
 
 - ``step after idle``: one forward step after 1 s idle (what the plain step is like);
 - ``step, steady``: a step after 1.5 s of back-to-back steps (a clock the step's GEMMs pulled down);
-- ``gelu alone``: 50 back-to-back GELUs on block 0's input after 1 s idle (what the graph timer does);
-- ``gelu alone, after steps``: the same straight after 1.5 s of back-to-back steps;
-- ``c_fc then gelu``: block 0's c_fc and GELU in turn, 50 times (its producer just before it);
-- ``gelu after a flush``: a 256 MB write, then the GELU, 50 times (its input out of the L2).
+- ``alone``: 50 back-to-back calls on the input it had in the step, after 1 s idle (what the
+  graph timer does);
+- ``alone, after steps``: the same straight after 1.5 s of back-to-back steps;
+- ``producer then call`` (NanoGPT's GELU only): c_fc and the GELU in turn, 50 times;
+- ``after a flush``: a 256 MB write, then the call, 50 times (its input out of the L2).
 
-The SM clock at the end of each comes from a spin kernel of known cycles queued right after it
-(cycles over its duration), and from NVML (which averages over 1/6 to 1 s).
+The call's kernels in a step are those whose names its kernels alone have. The SM clock at the
+end of each comes from a spin kernel of known cycles queued right after it (cycles over its
+duration), and from NVML (which averages over 1/6 to 1 s).
 
-Run: python benchmarks/probes/probe_step_clock.py [SPEC]   (GPU; default nanogpt, batch 8, bf16)
+Run: python benchmarks/probes/probe_step_clock.py [SPEC [FQN]]   (GPU; batch 8, bf16)
+e.g. benchmarks/zoo.py:timm_convnext_tiny stages.2.blocks.0.conv_dw
 """
 import statistics
 import sys
@@ -56,8 +61,8 @@ class ClockSampler:
 SPIN_CYCLES = 100_000  # ~50 us at 2 GHz: the clock from a spin kernel's cycles over its time
 
 
-def kernels(fn, before, names=("gelu",)):
-    """(device µs of the kernels whose name holds one of ``names``, SM MHz at the end) running
+def kernels(fn, before, names):
+    """(device µs of the kernels whose name is one of ``names``, SM MHz at the end) running
     ``before`` then ``fn`` under the profiler, counting ``fn``'s kernels alone; the clock from a
     spin kernel of SPIN_CYCLES queued right after ``fn``'s work (its cycles over its duration:
     the clock the SMs ran at then, to ~1 %)."""
@@ -79,7 +84,18 @@ def kernels(fn, before, names=("gelu",)):
         print(f"{len(spins)} spin kernels, not 2: fn's kernels not told from before's")
     mhz = SPIN_CYCLES / dev[spins[-1]].device_time if spins else float("nan")
     dev = dev[spins[0] + 1:spins[-1]] if len(spins) == 2 else dev
-    return [e.device_time for e in dev if any(n in e.name.lower() for n in names)], mhz
+    return [e.device_time for e in dev if names is None or e.name in names], mhz
+
+
+def kernel_names(fn) -> set:
+    """The names of the kernels ``fn`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
 def busy(step, seconds):
@@ -97,23 +113,28 @@ def main(argv):
     from cbtrace.model.spec import resolve
 
     spec = argv[0] if argv else "nanogpt"
+    fqn = argv[1] if len(argv) > 1 else "transformer.h.0.mlp.gelu"
     model, batch = resolve(spec, options={"batch_size": 8}).model_and_batch(
         "cuda", torch.bfloat16)
     model.eval()
     step = (lambda: model(**batch)) if isinstance(batch, dict) else (lambda: model(*batch))
-    gelu = dict(model.named_modules())["transformer.h.0.mlp.gelu"]
-    c_fc = dict(model.named_modules())["transformer.h.0.mlp.c_fc"]
+    mods = dict(model.named_modules())
+    target = mods[fqn]
+    producer = mods.get("transformer.h.0.mlp.c_fc") if fqn == "transformer.h.0.mlp.gelu" else None
     seen = {}
-    def keep_input(m, a, out):  # returns None: a forward hook's value would replace the output
-        seen.setdefault("x", a[0].detach().clone())
 
-    h = c_fc.register_forward_hook(keep_input)
+    def keep_input(m, args, kwargs):  # returns None: the call runs on as it would
+        if "in" not in seen:
+            seen["in"] = ([a.detach().clone() if torch.is_tensor(a) else a for a in args],
+                          kwargs)
+
+    h = target.register_forward_pre_hook(keep_input, with_kwargs=True)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     clocks = ClockSampler()
     rows = []
 
-    def phase(name, before, fn):
-        got, spin_mhz = kernels(fn, lambda: (before(), setattr(clocks, "phase", name)))
+    def phase(name, before, fn, names):
+        got, spin_mhz = kernels(fn, lambda: (before(), setattr(clocks, "phase", name)), names)
         clocks.phase = ""
         mhz, low, n = clocks.median(name)
         rows.append((name, statistics.median(got) if got else float("nan"), len(got), spin_mhz,
@@ -124,26 +145,30 @@ def main(argv):
         for _ in range(5):
             step()
         h.remove()
-        x = seen["x"]
-        y = c_fc(x)
-        gelu_alone = lambda: [gelu(y) for _ in range(50)]  # noqa: E731
-        pairs = lambda: [gelu(c_fc(x)) for _ in range(50)]  # noqa: E731
-        flushed = lambda: [(flush.zero_(), gelu(y)) for _ in range(50)]  # noqa: E731
-        phase("step after idle", idle, step)
-        phase("step, steady", lambda: busy(step, 1.5), lambda: [step() for _ in range(3)])
-        phase("gelu alone", idle, gelu_alone)
-        phase("gelu alone, after steps", lambda: busy(step, 1.5), gelu_alone)
-        phase("c_fc then gelu", idle, pairs)
-        phase("gelu after a flush", idle, flushed)
-        phase("step after idle (again)", idle, step)
+        args, kwargs = seen["in"]
+        once = lambda: target(*args, **kwargs)  # noqa: E731
+        names = kernel_names(once)
+        alone = lambda: [once() for _ in range(50)]  # noqa: E731
+        flushed = lambda: [(flush.zero_(), once()) for _ in range(50)]  # noqa: E731
+        phase("step after idle", idle, step, names)
+        phase("step, steady", lambda: busy(step, 1.5), lambda: [step() for _ in range(3)], names)
+        phase("alone", idle, alone, names)
+        phase("alone, after steps", lambda: busy(step, 1.5), alone, names)
+        if producer is not None:
+            x = args[0]
+            pairs = lambda: [target(producer(x)) for _ in range(50)]  # noqa: E731
+            phase("producer then call", idle, pairs, names)
+        phase("after a flush", idle, flushed, names)
+        phase("step after idle (again)", idle, step, names)
     clocks.stop = True
-    print(f"{spec} bf16 batch 8 on {torch.cuda.get_device_name()}: GELU kernels and the SM clock")
+    print(f"{spec} {fqn} bf16 batch 8 on {torch.cuda.get_device_name()}: its kernels "
+          f"({len(names)} names; in a step, those of every call with them) and the SM clock")
     print("SM MHz after: a spin kernel queued right after the phase; NVML: its sampled clock "
           "(averaged over 1/6-1 s by the driver)")
-    print(f"{'situation':<26}{'GELU med us':>12}{'n':>5}{'SM MHz after':>13}{'NVML med':>9}"
+    print(f"{'situation':<26}{'kernel med us':>14}{'n':>5}{'SM MHz after':>13}{'NVML med':>9}"
           f"{'min':>6}{'samples':>8}")
     for name, us, n, spin_mhz, mhz, low, ns in rows:
-        print(f"{name:<26}{us:>12.2f}{n:>5}{spin_mhz:>13.0f}{mhz:>9.0f}{low:>6.0f}{ns:>8}")
+        print(f"{name:<26}{us:>14.2f}{n:>5}{spin_mhz:>13.0f}{mhz:>9.0f}{low:>6.0f}{ns:>8}")
 
 
 if __name__ == "__main__":
