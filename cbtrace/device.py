@@ -117,10 +117,11 @@ def steps_ms(step, device, *, k: int = 20, repeats: int = 5, warmup: int = 3) ->
 # Spin cycles of the clock reading's shorter kernel: long enough that a CUDA event's resolution
 # is small beside it, short enough that the clock has no time to move while it spins.
 CLOCK_CYCLES = 200_000
-# Cycles of the spin queued first: it keeps the device busy while the host queues the rest, so
-# that no launch gap falls between the events. A gap shows as the longer spin taking less
-# than twice the shorter; such a reading is taken again, and dropped after three.
-CLOCK_LEAD_CYCLES = 2_000_000
+# Cycles of the spin queued first (a quarter of a millisecond): it keeps the device busy while
+# the host queues the rest, so that no launch gap falls between the events, and is short beside
+# the time the clock takes to move. A gap shows as the longer spin taking other than twice the
+# shorter; such a reading is taken again, and dropped after three.
+CLOCK_LEAD_CYCLES = 500_000
 CLOCK_RATIO_TOL = 0.02
 
 
