@@ -133,6 +133,13 @@ def sm_clock_mhz(device) -> float | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
+    try:
+        return _read_clock(device)
+    except RuntimeError:  # no spin kernel on this build (a figure beside the row, never its error)
+        return None
+
+
+def _read_clock(device) -> float | None:
     with torch.cuda.device(device):
         for _ in range(3):
             events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
