@@ -107,8 +107,9 @@ class Timed:
                                          c.n_copies, c.device,
                                          self.chain[self.chain.index("stream"):],
                                          self.backends, self.tcfg)
-            if alone.timer == "stream":
-                t, fallback = alone, "; ".join(x for x in (fallback, more) if x)
+            if alone.timer == "stream":  # the stream timer's refusal above no longer holds
+                why_not_graph = (fallback or "").split("; stream: ")[0]
+                t, fallback = alone, "; ".join(x for x in (why_not_graph, more) if x)
                 context_note = "no context: timed back to back, which a context would break"
                 c.row.update(eager)
                 profiled, profiled_note = {}, None
