@@ -322,3 +322,66 @@ def test_gpu_a_syncing_call_and_one_that_asks_about_capture_are_timed_back_to_ba
     assert df.loc["asks", "host_syncs"] == 0
     assert df.loc["reads.lin", "timer"] == "graph" and df.loc["reads.lin", "host_syncs"] == 0
     assert df.loc["reads.lin", "error_basis"] == "busy"
+
+
+class _FakeTimer:
+    """A timer of the chain that refuses a call when ``refuse(call)`` says why."""
+
+    fallback_rank = None
+
+    def __init__(self, name, refuse):
+        self.name, self.refuse, self.runs = name, refuse, 0
+
+    def unavailable_reason(self, device):
+        return None
+
+    def measure(self, call, n_copies, device, cfg):
+        from cbtrace.replay.timer.contract import Timing, TimerUnavailable
+
+        self.runs += 1
+        why = self.refuse(call)
+        if why:
+            raise TimerUnavailable(why)
+        return Timing(1.0, 0.9, 1.1, 5, self.name, notes=f"{self.name} ran")
+
+
+@pytest.mark.parametrize("stream_refuses_plain", [False, True])
+def test_a_call_the_graph_refuses_is_timed_back_to_back_without_its_context(
+        stream_refuses_plain):
+    """Its host's pace, which only a back-to-back window keeps, decides its time more than the
+    cache state its context gives; single events time it only where no window can."""
+    import types
+
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure.prepare import CallUnderTest
+    from cbtrace.replay.measure.steps import Timed
+    from cbtrace.replay.timer.contract import CallRunner
+    from cbtrace.schema.modules import ModuleRecord
+
+    backends = {
+        "graph": _FakeTimer("graph", lambda call: "the call asks whether it is captured; timed "
+                                                  "without a graph"),
+        "stream": _FakeTimer("stream", lambda call: (
+            "untimed work before each run cannot leave a back-to-back window"
+            if call.before is not None or stream_refuses_plain else None)),
+        "events": _FakeTimer("events", lambda call: None)}
+    rec = ModuleRecord(fqn="asks", call_index=0, call_id=1, parent_call_id=0, parent_fqn="",
+                       depth=1, module_type="Linear", module_class="torch.nn.Linear",
+                       param_bytes=0, buffer_bytes=0, input_bytes=0, input_shapes="[]",
+                       input_meta="[]", output_meta="[]", training=False, grad_enabled=False,
+                       autocast_dtype=None, inputs_ref="{}")
+    plain = types.SimpleNamespace(timed=lambda: CallRunner(run=lambda j: None, n_copies=2))
+    c = CallUnderTest(module=torch.nn.Linear(2, 2), rec=rec, run=plain, n_copies=2,
+                      device=torch.device("meta"), cfg=ReplayConfig())
+    c.timed = CallRunner(run=lambda j: None, n_copies=2, before=lambda j: None)
+    c.context_note = "context: 1 call before (reads)"
+    got = Timed(["graph", "stream", "events"], backends, ReplayConfig()).run(c)
+    if stream_refuses_plain:  # no window for it either way: events, in its context, once
+        assert got["timer"] == "events" and "context: 1 call before" in got["timer_notes"]
+        assert backends["events"].runs == 1
+        return
+    assert got["timer"] == "stream"
+    assert got["timer_fallback"] == ("graph: the call asks whether it is captured; timed "
+                                     "without a graph")
+    assert "no context: timed back to back" in got["timer_notes"]
+    assert "context: 1 call before" not in got["timer_notes"]

@@ -24,7 +24,7 @@ from cbtrace.replay.measure.profiler_pass import profile_as_timed, profile_call
 from cbtrace.replay.measure.reuse import (COPIED, CountCache, ProfileCache, TimingReuse,
                                           call_key, signature, value_free)
 from cbtrace.replay.timer import choice
-from cbtrace.replay.timer.contract import host_paced, join_notes
+from cbtrace.replay.timer.contract import TimerUnavailable, host_paced, join_notes
 
 
 # A CUDA graph replay of a call shorter than this share of its kernels' eager busy time (the
@@ -103,13 +103,14 @@ class Timed:
             # the graph cannot hold it, and its context would land between back-to-back runs:
             # the host's pace, which only a back-to-back window keeps, decides its time more
             # than the cache state its context gives; timed alone, profiled alone
-            alone, more = choice.measure(dataclasses.replace(c.run.timed(), expected_ms=None),
-                                         c.n_copies, c.device,
-                                         self.chain[self.chain.index("stream"):],
-                                         self.backends, self.tcfg)
-            if alone.timer == "stream":  # the stream timer's refusal above no longer holds
-                why_not_graph = (fallback or "").split("; stream: ")[0]
-                t, fallback = alone, "; ".join(x for x in (why_not_graph, more) if x)
+            try:
+                alone, _ = choice.measure(dataclasses.replace(c.run.timed(), expected_ms=None),
+                                          c.n_copies, c.device, ["stream"], self.backends,
+                                          self.tcfg)
+            except TimerUnavailable:  # no window for it either: the figure above stands
+                alone = None
+            if alone is not None:  # the stream timer's refusal above no longer holds
+                t, fallback = alone, (fallback or "").split("; stream: ")[0] or None
                 context_note = "no context: timed back to back, which a context would break"
                 c.row.update(eager)
                 profiled, profiled_note = {}, None
