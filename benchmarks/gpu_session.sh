@@ -86,7 +86,7 @@ overhead)
     head -${OVERHEAD_LINES:-30} $OUT/overhead_${M/:/_}.log
   done ;;
 fidelity)
-  timeout ${FIDELITY_TIMEOUT:-580} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/${FIDELITY_OUT:-fidelity} --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models ${FIDELITY_MODELS:-nanogpt,dlrm,dcn,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base} ${FIDELITY_ARGS:-} $(for V in ${FIDELITY_VARIANTS:-}; do printf -- '--variant %s ' "$V"; done) 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/${FIDELITY_OUT:-fidelity}_zoo.log | tail -${FIDELITY_LINES:-60}
+  timeout ${FIDELITY_TIMEOUT:-580} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/${FIDELITY_OUT:-fidelity} --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models ${FIDELITY_MODELS:-nanogpt,dlrm,dcn,hstu,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base} ${FIDELITY_ARGS:-} $(for V in ${FIDELITY_VARIANTS:-}; do printf -- '--variant %s ' "$V"; done) 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/${FIDELITY_OUT:-fidelity}_zoo.log | tail -${FIDELITY_LINES:-60}
   # one archive: the device tool brings back only a few files a call
   tar czf $OUT/${FIDELITY_OUT:-fidelity}.tgz -C $OUT ${FIDELITY_OUT:-fidelity} && rm -rf $OUT/${FIDELITY_OUT:-fidelity} ;;
 opportunity)
