@@ -401,7 +401,7 @@ def _meta(*shapes, dtype="torch.float32"):
     (nn.Linear(32, 32), [(8, 32)], [(8, 32)], False),                    # parameters
     (nn.BatchNorm1d(32), [(8, 32)], [(8, 32)], False),
     (nn.Sequential(nn.ReLU()), [(8, 32)], [(8, 32)], False),             # a parent
-    (nn.Identity(), [(2, 4, 16, 8)] * 3, [(2, 4, 16, 8)], False),        # an attention core's q, k, v
+    (nn.Identity(), [(2, 4, 16, 8)] * 3, [(2, 4, 16, 8)], False),  # attention's q, k, v
 ])
 def test_an_activation_is_told_by_structure(module, ins, outs, expected):
     from cbtrace.replay.measure.context import activation

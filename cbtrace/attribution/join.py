@@ -28,13 +28,13 @@ from cbtrace.schema.modules import INSITU
 
 def insitu_columns(run, manifest, df) -> dict[int, dict]:
     """call_id -> {insitu_ms, insitu_span_ms, error_basis, error_pct, insitu_kernel_count,
-    kernel_error_pct, clock_error_pct, miss_cause, bwd_insitu_ms, bwd_error_pct, recompute_insitu_ms} for every
-    row of the modules table ``df`` (the backward's only where replay measured it); miss_cause
-    from ``attribution.miss``. error_pct compares the isolated figure with the in-situ figure
-    ``error_basis`` names (``metrics.error_basis``): the plain repeat of the step for a root
-    timed back to back or run compiled, the eager figure against the step (run eagerly by
-    capture) for a call the step ran compiled, for a call timed back to back the larger of its
-    host issue time and its busy time (else its span), else the busy time."""
+    kernel_error_pct, clock_error_pct, miss_cause, bwd_insitu_ms, bwd_error_pct,
+    recompute_insitu_ms} for every row of the modules table ``df`` (the backward's only where
+    replay measured it); miss_cause from ``attribution.miss``. error_pct compares the isolated
+    figure with the in-situ figure ``error_basis`` names (``metrics.error_basis``): the plain
+    repeat of the step for a root timed back to back or run compiled, the eager figure against the
+    step (run eagerly by capture) for a call the step ran compiled, for a call timed back to back
+    the larger of its host issue time and its busy time (else its span), else the busy time."""
     on_gpu = manifest.device.startswith("cuda")
     plain = plain_trace(run, manifest) if on_gpu else None
     hooked, bwd_hooked = {}, {}

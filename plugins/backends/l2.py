@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from cbtrace.device import sm_clock_mhz
+
 _cycles_per_ms: dict[int, float] = {}  # device index -> spin-kernel clock cycles per ms (measured)
+NOMINAL_MHZ = 1500.0  # where no clock reading holds together: a spin only spaces runs
 
 
 class L2Flusher:
@@ -29,18 +32,13 @@ class L2Flusher:
 
 
 def cycles_per_ms(device: torch.device) -> float:
-    """Clock cycles of ``torch.cuda._sleep`` per millisecond on this device, measured once."""
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on this device, read once
+    (``cbtrace.device.sm_clock_mhz``; a spin only spaces runs, so a nominal clock stands in
+    where no reading holds together)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _cycles_per_ms:
-        with torch.cuda.device(index):
-            torch.cuda._sleep(1000)  # load the kernel
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            cycles = 2_000_000
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-            _cycles_per_ms[index] = cycles / max(start.elapsed_time(end), 1e-3)
+        mhz = sm_clock_mhz(torch.device("cuda", index))
+        _cycles_per_ms[index] = (mhz or NOMINAL_MHZ) * 1e3
     return _cycles_per_ms[index]
 
 
