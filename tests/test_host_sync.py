@@ -385,3 +385,4 @@ def test_a_call_the_graph_refuses_is_timed_back_to_back_without_its_context(
                                      "without a graph")
     assert "no context: timed back to back" in got["timer_notes"]
     assert "context: 1 call before" not in got["timer_notes"]
+    assert backends["events"].runs == 0  # no timing in its context that the figure drops

@@ -85,35 +85,40 @@ class Timed:
         with_context = c.timed is not None and c.timed.before is not None
         expected = expected * (2 if with_context else 1) if expected else None
         run = dataclasses.replace(c.timed or c.run.timed(), expected_ms=expected)
+        # a call in a context that the graph refuses is timed back to back without it (below)
+        # before any timer after the stream one times it in its context
+        head, tail = self.chain, []
+        if with_context and "stream" in self.chain:
+            cut = self.chain.index("stream") + 1
+            head, tail = self.chain[:cut], self.chain[cut:]
+        context_note = c.context_note
         try:
-            t, fallback = choice.measure(run, c.n_copies, c.device, self.chain, self.backends,
-                                         self.tcfg)
-            other = (graph_ran_other_kernels(t, c.row.get("device_ms"), c.row.get("kernel_count"))
-                     if self.eager_kernels else None)
-            rest = self.chain[self.chain.index(t.timer) + 1:] if t.timer in self.chain else []
-            if other and rest:  # time what the step ran: the call's eager kernels
-                t, more = choice.measure(run, c.n_copies, c.device, rest, self.backends,
-                                         self.tcfg)
-                fallback = "; ".join(x for x in (fallback, other, more) if x)
+            try:
+                t, fallback = self._measure(c, run, head)
+            except TimerUnavailable as e:
+                if not tail:
+                    raise
+                t, fallback = None, e.reasons
+            if t is None:  # the graph cannot hold it, and its context would land between
+                # back-to-back runs: the host's pace, which only a back-to-back window keeps,
+                # decides its time more than the cache state its context gives; timed alone,
+                # profiled alone
+                try:
+                    t, _ = choice.measure(dataclasses.replace(c.run.timed(), expected_ms=None),
+                                          c.n_copies, c.device, ["stream"], self.backends,
+                                          self.tcfg)
+                    fallback = "; ".join(r for r in fallback if not r.startswith("stream: "))
+                    context_note = "no context: timed back to back, which a context would break"
+                    c.row.update(eager)
+                    profiled, profiled_note = {}, None
+                except TimerUnavailable:  # no window for it either: in its context, by the rest
+                    t, more = choice.measure(run, c.n_copies, c.device, tail, self.backends,
+                                             self.tcfg)
+                    fallback = "; ".join([*fallback, *([more] if more else [])])
+                fallback = fallback or None
         finally:
             if run.release is not None:
                 run.release()
-        context_note = c.context_note
-        if with_context and t.timer not in ("graph", "stream") and "stream" in self.chain:
-            # the graph cannot hold it, and its context would land between back-to-back runs:
-            # the host's pace, which only a back-to-back window keeps, decides its time more
-            # than the cache state its context gives; timed alone, profiled alone
-            try:
-                alone, _ = choice.measure(dataclasses.replace(c.run.timed(), expected_ms=None),
-                                          c.n_copies, c.device, ["stream"], self.backends,
-                                          self.tcfg)
-            except TimerUnavailable:  # no window for it either: the figure above stands
-                alone = None
-            if alone is not None:  # the stream timer's refusal above no longer holds
-                t, fallback = alone, (fallback or "").split("; stream: ")[0] or None
-                context_note = "no context: timed back to back, which a context would break"
-                c.row.update(eager)
-                profiled, profiled_note = {}, None
         # the clock its runs left, beside the step's (``attribution.miss``)
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy,
@@ -122,6 +127,24 @@ class Timed:
         return dict(fields, **profiled, runs=t.runs, timed_ms=t.timed_ms, timer_notes=join_notes(
             c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, context_note,
             profiled_note, check))
+
+    def _measure(self, c: CallUnderTest, run, chain: list[str]):
+        """(Timing, why the timers before it refused) by the first of ``chain`` that can; a
+        graph whose capture ran other kernels than the step's gives way to the rest of
+        ``chain``. TimerUnavailable, with every reason (``reasons``), where none can."""
+        t, fallback = choice.measure(run, c.n_copies, c.device, chain, self.backends, self.tcfg)
+        other = (graph_ran_other_kernels(t, c.row.get("device_ms"), c.row.get("kernel_count"))
+                 if self.eager_kernels else None)
+        rest = chain[chain.index(t.timer) + 1:] if t.timer in chain else []
+        if other and rest:  # time what the step ran: the call's eager kernels
+            try:
+                t, more = choice.measure(run, c.n_copies, c.device, rest, self.backends,
+                                         self.tcfg)
+            except TimerUnavailable as e:
+                e.reasons = [*([fallback] if fallback else []), other, *e.reasons]
+                raise
+            fallback = "; ".join(x for x in (fallback, other, more) if x)
+        return t, fallback
 
     def _profile_as_timed(self, c: CallUnderTest) -> tuple[dict, str | None]:
         """(kernel_count and device_ms, the row's note) of a call timed in its context or on

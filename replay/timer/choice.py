@@ -58,7 +58,8 @@ def measure(call: CallRunner, n_copies: int, device, timers: list[str], backends
                 torch.cuda.synchronize()
             if call.release is not None:  # what a failed capture left (its context's outputs)
                 call.release()
-    raise TimerUnavailable("no timer could measure this call (" + "; ".join(reasons) + ")")
+    raise TimerUnavailable("no timer could measure this call (" + "; ".join(reasons) + ")",
+                           reasons)
 
 
 def _rank(backend) -> int | None:
