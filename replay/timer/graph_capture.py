@@ -133,5 +133,12 @@ def end_pool_routing(g: torch.cuda.CUDAGraph) -> None:
     with contextlib.suppress(Exception):
         torch._C._cuda_endAllocateToPool(device, g.pool())
     gen = torch.cuda.default_generators[device]
+    # capture_begin names the generator's state in the graph before it names the graph in the
+    # state; where the second step raised (it refuses while the stream is capturing, and
+    # allocates on the device), the graph's destructor raises from a destructor and the
+    # process aborts ("The graph should be registered to the state"). Registering the same
+    # state again (not capturing now) completes both sides; it is a no-op where they agree.
     with contextlib.suppress(Exception):  # torch without graph-safe generator states
+        g.register_generator_state(gen)
+    with contextlib.suppress(Exception):
         gen.graphsafe_set_state(gen.clone_state())
