@@ -35,6 +35,7 @@ from cbtrace.replay.run_io import rebuild, shard
 from cbtrace.replay.run_io.rebuild import TrainingFlags
 from cbtrace.replay.run_io.prefetch import ReadAhead
 from cbtrace.replay.run_io.progress import ProgressLog, clear_progress, read_done
+from cbtrace.replay.timer.graph_capture import MainThreadCollection
 from cbtrace.replay.timer.contract import join_notes
 from cbtrace.rundir.files import check_writable, sha256_file
 from cbtrace.rundir.layout import MODULES
@@ -177,9 +178,11 @@ class ReplayLoop:
         """Every call of ``order`` not done yet, then (CPU) the noisy ones again."""
         t0 = time.perf_counter()
         try:
-            for cid in self.order:
-                if cid not in self.done:
-                    self._replay_and_log(cid)
+            with MainThreadCollection() as collection:  # CUDA graphs die on this thread
+                for cid in self.order:
+                    if cid not in self.done:
+                        self._replay_and_log(cid)
+                        collection.between()
             if self.device.type == "cpu":  # a busy machine slows calls at random: retime
                 self._time_again()
         finally:

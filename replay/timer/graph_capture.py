@@ -5,6 +5,7 @@ being captured, the op that really broke a failed capture, and the allocator's r
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 
 import torch
@@ -142,3 +143,42 @@ def end_pool_routing(g: torch.cuda.CUDAGraph) -> None:
         g.register_generator_state(gen)
     with contextlib.suppress(Exception):
         gen.graphsafe_set_state(gen.clone_state())
+
+
+class MainThreadCollection:
+    """Cyclic garbage collected on this thread only, between calls: automatic collection off
+    inside the block, ``between()`` collecting what is due as the interpreter would have.
+
+    A graph in a reference cycle (a failed capture's frames hold it) is destroyed by the
+    collection that finds it, run by whichever thread's allocation triggered it: the
+    read-ahead thread's, while this thread is inside capture_begin or replay, which torch
+    runs without the GIL. The destructor and capture_begin both edit the generator state's
+    set of registered graphs, and a graph that set has lost aborts the process when it is
+    destroyed. Timing gains too: no collection pauses inside a call's timed runs (as timeit
+    turns collection off). Collection is put back as it was found."""
+
+    def __enter__(self):
+        self.was_enabled = gc.isenabled()
+        gc.disable()
+        return self
+
+    def between(self) -> None:
+        """The collection the interpreter would have run by now, if any: the youngest
+        generation once its count passes its threshold, an older one as its own count does."""
+        counts, thresholds = gc.get_count(), gc.get_threshold()
+        if not thresholds[0] or counts[0] < thresholds[0]:
+            return
+        gen = 0
+        for i in (2, 1):
+            if i < len(counts) and thresholds[i] and counts[i] >= thresholds[i]:
+                gen = i
+                break
+        gc.collect(gen)
+
+    def __exit__(self, *exc):
+        try:
+            gc.collect(1)  # the last calls' cycles, here rather than on another thread
+        finally:
+            if self.was_enabled:
+                gc.enable()
+        return False
