@@ -470,13 +470,15 @@ def capture_graphs(c: CallUnderTest, warmup_runs: int, stream=None, pool=None) -
             end_pool_routing(g)
             for x in graphs:
                 x.reset()
-            cause = root_cause(e)
+            # the message, not the exception: one kept in a local of this frame, which its
+            # traceback holds, is a cycle that keeps these graphs until a collection
+            cause = one_line(root_cause(e))
             try:
                 torch.cuda.synchronize()
             except Exception as e2:  # noqa: BLE001
-                raise GraphUnavailable(f"graph capture failed ({one_line(cause)}) and left "
+                raise GraphUnavailable(f"graph capture failed ({cause}) and left "
                                        f"CUDA unusable ({one_line(e2)})") from e
-            raise GraphUnavailable(f"graph capture failed: {one_line(cause)}") from e
+            raise GraphUnavailable(f"graph capture failed: {cause}") from e
         graphs.append(g)
         pool = g.pool()
         if asked:
