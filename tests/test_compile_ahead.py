@@ -65,8 +65,8 @@ def test_the_loop_compiles_from_what_the_workers_compiled(spec_run):
     df = cbtrace.replay(spec_run, modes=("compile",), compile_workers=1,
                         **{**FAST_REPLAY, "timeout_s": None})
     info = read_manifest(spec_run).replay
-    # the root, three blocks of two kinds: three kinds
-    assert info.compile_ahead.startswith("compiled ahead: 3 of 3 kinds of call in 1 process")
+    # the root, three blocks of two kinds: four calls of three kinds
+    assert info.compile_ahead.startswith("compiled ahead: 4 of 4 calls (3 kinds) in 1 process")
     assert info.outside_s["compile_ahead"] > 0
     assert (df["compile_status"] == "ok").all(), df["compile_status"].tolist()
     new_hits, new_misses = _fx_counts()
@@ -97,7 +97,7 @@ def test_no_workers_by_default_on_a_cpu_and_none_below_zero():
         ReplayConfig(compile_workers=-1)
 
 
-def test_each_kind_once_and_shares_weighed_by_subtree(spec_run):
+def test_every_module_by_kind_and_shares_weighed_by_subtree(spec_run):
     records = read_records(spec_run)
     model = torch.nn.Sequential(*[torch.nn.Conv2d(c, 6, 3, padding=1) for c in (4, 6, 6)])
     fqn = {r.call_id: r.fqn for r in records}
@@ -106,10 +106,11 @@ def test_each_kind_once_and_shares_weighed_by_subtree(spec_run):
     # the same layout of kinds as the captured blocks: "1" and "2" are one kind
     recs = precompile.candidates(records, model, ReplayConfig(modes=("compile",)),
                                  torch.device("cpu"))
-    assert [fqn[r.call_id] for r in recs] == ["", "0", "1"]
+    assert [[fqn[r.call_id] for r in g] for g in recs] == [[""], ["0"], ["1", "2"]]
     shares = precompile.shares(recs, records, 2)
-    # the root (a subtree of four) alone; the two blocks on the other worker
-    assert sorted([fqn[c] for c in s] for s in shares) == [[""], ["0", "1"]]
+    # the root (a subtree of four) alone; the three blocks, "1" and "2" on one worker as one
+    # kind, on the other
+    assert sorted([fqn[c] for c in s] for s in shares) == [[""], ["0", "1", "2"]]
     assert precompile.candidates(records, model, ReplayConfig(), torch.device("cpu")) == []
 
 

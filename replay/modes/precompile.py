@@ -8,8 +8,9 @@ The compile mode (and a call the step ran compiled) compiles each kind of call o
 330-call CNN spent two minutes compiling on the H200 host. A compile whose FX graph inductor
 has compiled before (same graph, input metadata and settings, in any process: its FX graph,
 AOTAutograd and Triton caches live on disk) only traces and loads, about a tenth of the time
-(``benchmarks/bench_compile_ahead.py``). So the first call of each kind is handed to one of N
-workers (``python -m cbtrace.replay.modes.precompile JOB``), largest subtrees first, each
+(``benchmarks/bench_compile_ahead.py``). So each module's first call is handed to one of N
+workers (``python -m cbtrace.replay.modes.precompile JOB``), a kind's modules to one worker
+(where dynamo's guards pass, the modules after the first cost a run), largest first, each
 worker with its own rebuild of the run's model (from the run's spec, as replay would rebuild
 it: a run from elsewhere still needs ``trust`` or ``model_spec``); the loop waits for them,
 then compiles as before, now mostly from the caches. Nothing else runs on the device while the
@@ -74,11 +75,15 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
 
 
-def candidates(records, model, cfg, device) -> list:
-    """The calls the loop will compile, the first of each kind (``call_key``; a call without
-    one is its own kind): every call under the compile mode, else those the step ran compiled;
-    on a GPU, parents only."""
-    out, seen = [], set()
+def candidates(records, model, cfg, device) -> list[list]:
+    """The calls the loop will compile, by kind (``call_key``; a call without one is its own
+    kind): the first call of each module, every call under the compile mode, else those the
+    step ran compiled; on a GPU, parents only. Every module, not the first of its kind alone:
+    a kind whose modules differ in what dynamo guards on (a float attribute such as a drop
+    path's rate) compiles a graph per module, and a graph no worker compiled misses the cache
+    in the loop; where the guards pass, a module after the first of its kind costs its worker
+    one run."""
+    groups: dict = {}
     compiling = "compile" in cfg.modes
     for rec in sorted(records, key=lambda r: r.call_id):
         if (rec.capture_error or "").startswith(COPY_FAILED):
@@ -92,27 +97,27 @@ def candidates(records, model, cfg, device) -> list:
         if device.type == "cuda" and next(module.children(), None) is None:
             continue
         key = call_key(module, rec)
-        key = ("module", rec.fqn) if key is None else key
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(rec)
-    return out
+        group = groups.setdefault(("module", rec.fqn) if key is None else key, [])
+        if all(r.fqn != rec.fqn for r in group):
+            group.append(rec)
+    return list(groups.values())
 
 
-def shares(recs, records, n: int) -> list[list[int]]:
-    """``recs`` split among ``n`` workers, each call weighed by its subtree's size (a parent's
-    compile traces all of it), largest first to the least loaded worker; in each share, the
-    call order of the step."""
+def shares(groups: list[list], records, n: int) -> list[list[int]]:
+    """The kinds of ``groups`` split among ``n`` workers, each kind to one worker (its modules
+    after the first then hit that worker's dynamo cache where their guards pass), weighed by
+    its calls' subtree sizes (a parent's compile traces all of it), largest first to the least
+    loaded worker; in each share, the call order of the step."""
     tree = CallTree({r.call_id: r.parent_call_id for r in records})
     size: dict[int, int] = {}
     for cid in sorted(tree.parent, reverse=True):  # children begin after their parent
         size[cid] = 1 + sum(size[c] for c in tree.children[cid])
     loads = [[0, []] for _ in range(max(n, 1))]
-    for rec in sorted(recs, key=lambda r: -size.get(r.call_id, 1)):
+    weight = {id(g): sum(size.get(r.call_id, 1) for r in g) for g in groups}
+    for group in sorted(groups, key=lambda g: -weight[id(g)]):
         least = min(loads, key=lambda x: x[0])
-        least[0] += size.get(rec.call_id, 1)
-        least[1].append(rec.call_id)
+        least[0] += weight[id(group)]
+        least[1].extend(r.call_id for r in group)
     return [sorted(ids) for _, ids in loads if ids]
 
 
@@ -138,10 +143,11 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *,
     if cfg.compile_workers == 0 or not (
             "compile" in cfg.modes or any(r.step_compiled for r in records)):
         return None
-    recs = candidates(records, model, cfg, device)
-    if not recs:
+    groups = candidates(records, model, cfg, device)
+    if not groups:
         return None
-    n = workers_for(cfg, device, model, len(recs))
+    calls = sum(len(g) for g in groups)
+    n = workers_for(cfg, device, model, len(groups))
     if n <= 0:
         return None
     if sharded:
@@ -150,14 +156,14 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *,
         return ("no compile ahead: the workers could not rebuild the model (a live model with "
                 "no spec, or a run from elsewhere: model_spec= or trust=True)")
     if cfg.progress is not False:
-        announce(f"compiling {len(recs)} kinds of call ahead in {_processes(n)}")
+        announce(f"compiling {calls} calls of {len(groups)} kinds ahead in {_processes(n)}")
     threads = torch.get_num_threads()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cbtrace-compile-") as tmp:
         procs = []
         try:
-            for i, calls in enumerate(shares(recs, records, n)):
-                job = Job(run=str(Path(run).resolve()), device=str(device), calls=calls,
+            for i, share in enumerate(shares(groups, records, n)):
+                job = Job(run=str(Path(run).resolve()), device=str(device), calls=share,
                           compile_mode=cfg.compile_mode, trust=cfg.trust,
                           model_spec=cfg.model_spec, threads=threads, timeout_s=cfg.timeout_s)
                 path = Path(tmp) / f"job{i}.json"
@@ -172,7 +178,8 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *,
     compiled = sum(o.compiled for o in outcomes)
     failed = sum(o.failed for o in outcomes)
     errors = [e for o in outcomes for e in o.errors]
-    note = (f"compiled ahead: {compiled} of {len(recs)} kinds of call in {_processes(len(procs))}"
+    note = (f"compiled ahead: {compiled} of {calls} calls ({len(groups)} kinds) in "
+            f"{_processes(len(procs))}"
             f", {time.perf_counter() - t0:.1f} s")
     if failed:
         note += f"; {failed} failed ({errors[0] if errors else 'no reason given'})"
