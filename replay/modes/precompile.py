@@ -79,8 +79,8 @@ def candidates(records, model, cfg, device) -> list[list]:
     """The calls the loop will compile, by kind (``call_key``; a call without one is its own
     kind): the first call of each module, every call under the compile mode, else those the
     step ran compiled; on a GPU, parents only. Every module, not the first of its kind alone:
-    a kind whose modules differ in what dynamo guards on (a float attribute such as a drop
-    path's rate) compiles a graph per module, and a graph no worker compiled misses the cache
+    a kind whose modules differ in what dynamo guards on and the key does not see (a
+    convolution's stride, a flag, a rate) compiles a graph per module, and a graph no worker compiled misses the cache
     in the loop; where the guards pass, a module after the first of its kind costs its worker
     one run."""
     groups: dict = {}
