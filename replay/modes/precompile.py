@@ -80,9 +80,9 @@ def candidates(records, model, cfg, device) -> list[list]:
     kind): the first call of each module, every call under the compile mode, else those the
     step ran compiled; on a GPU, parents only. Every module, not the first of its kind alone:
     a kind whose modules differ in what dynamo guards on and the key does not see (a
-    convolution's stride, a flag, a rate) compiles a graph per module, and a graph no worker compiled misses the cache
-    in the loop; where the guards pass, a module after the first of its kind costs its worker
-    one run."""
+    convolution's stride, a flag, a rate) compiles a graph per module, and a graph no worker
+    compiled misses the cache in the loop; where the guards pass, a module after the first of
+    its kind costs its worker one run."""
     groups: dict = {}
     compiling = "compile" in cfg.modes
     for rec in sorted(records, key=lambda r: r.call_id):
