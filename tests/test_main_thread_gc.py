@@ -84,3 +84,51 @@ def test_a_replay_leaves_collection_as_it_found_it(tmp_path):
     df = cbtrace.replay(tmp_path / "run", model=model, budget_s=0.002)
     assert (df["status"] == "ok").all()
     assert gc.isenabled()
+
+
+HALF_REGISTERED = r'''
+import gc, sys, torch
+from cbtrace.replay.timer.graph_capture import end_pool_routing
+
+repair = sys.argv[1] == "repair"
+torch.cuda.init()
+side = torch.cuda.Stream()
+outer = torch.cuda.CUDAGraph()
+with torch.cuda.stream(side):
+    outer.capture_begin(capture_error_mode="thread_local")
+    inner = torch.cuda.CUDAGraph()
+    try:  # the stream is capturing: the state refuses the graph the graph already names
+        inner.capture_begin(capture_error_mode="thread_local")
+    except RuntimeError as e:
+        print("refused:", str(e).splitlines()[0])
+    outer.capture_end()
+if repair:
+    end_pool_routing(inner)
+del inner
+gc.collect()
+torch.cuda.synchronize()
+print("survived")
+'''
+
+
+@pytest.mark.gpu
+def test_gpu_a_half_registered_graph_is_destroyed_without_aborting_after_a_failed_capture(
+        tmp_path):
+    """capture_begin names the generator state in the graph, then the graph in the state; the
+    second half refuses while the stream is capturing. Destroyed so, the graph raises from its
+    destructor ("The graph should be registered to the state") and the process aborts;
+    ``end_pool_routing``, which every failed capture runs, completes the registration."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "half.py"
+    script.write_text(HALF_REGISTERED)
+    repaired = subprocess.run([sys.executable, str(script), "repair"], capture_output=True,
+                              text=True, timeout=120)
+    assert repaired.returncode == 0 and "survived" in repaired.stdout, repaired.stderr[-2000:]
+    assert "refused:" in repaired.stdout  # the half registration happened
+    # and without the repair this torch aborts: what the repair is for
+    bare = subprocess.run([sys.executable, str(script), "bare"], capture_output=True, text=True,
+                          timeout=120)
+    assert bare.returncode != 0 and "registered to the state" in bare.stderr, (
+        bare.returncode, bare.stderr[-2000:])
