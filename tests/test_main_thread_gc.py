@@ -127,8 +127,9 @@ def test_gpu_a_half_registered_graph_is_destroyed_without_aborting_after_a_faile
                               text=True, timeout=120)
     assert repaired.returncode == 0 and "survived" in repaired.stdout, repaired.stderr[-2000:]
     assert "refused:" in repaired.stdout  # the half registration happened
-    # and without the repair this torch aborts: what the repair is for
+    # without the repair this torch aborts, else the test above tried nothing
     bare = subprocess.run([sys.executable, str(script), "bare"], capture_output=True, text=True,
                           timeout=120)
-    assert bare.returncode != 0 and "registered to the state" in bare.stderr, (
-        bare.returncode, bare.stderr[-2000:])
+    if bare.returncode == 0:
+        pytest.skip("this torch destroys a half-registered graph without aborting")
+    assert "registered to the state" in bare.stderr, (bare.returncode, bare.stderr[-2000:])
