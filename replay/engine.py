@@ -183,8 +183,8 @@ class ReplayLoop:
                     if cid not in self.done:
                         self._replay_and_log(cid)
                         collection.between()
-            if self.device.type == "cpu":  # a busy machine slows calls at random: retime
-                self._time_again()
+                if self.device.type == "cpu":  # a busy machine slows calls at random: retime
+                    self._time_again(collection)
         finally:
             self.guard.undo()  # what a call wrote outside its subtree other than in place
             self.ahead.close()
@@ -209,7 +209,7 @@ class ReplayLoop:
         self.done[cid] = row
         self.bar.advance(rec.fqn or "(root)")
 
-    def _time_again(self) -> None:
+    def _time_again(self, collection: MainThreadCollection) -> None:
         """CPU: calls timed in more windows once every call had its first (``cpu_windows``; at
         1, the calls ``recheck`` picks), the time step alone; the fastest window is kept."""
         done, windows = self.done, self.cfg.cpu_windows
@@ -225,6 +225,7 @@ class ReplayLoop:
             for cid in again:
                 self._keep_faster(cid, self.replay_one(self.by_id[cid], plan=plan))
                 self.bar.advance(self.by_id[cid].fqn or "(root)")
+                collection.between()
 
     def _keep_faster(self, cid: int, row: dict) -> None:
         first = self.done[cid]

@@ -345,26 +345,15 @@ class _FakeTimer:
         return Timing(1.0, 0.9, 1.1, 5, self.name, notes=f"{self.name} ran")
 
 
-@pytest.mark.parametrize("stream_refuses_plain", [False, True])
-def test_a_call_the_graph_refuses_is_timed_back_to_back_without_its_context(
-        stream_refuses_plain):
-    """Its host's pace, which only a back-to-back window keeps, decides its time more than the
-    cache state its context gives; single events time it only where no window can."""
+def _in_a_context():
+    """A call (a stand-in of Timed's input) whose timed runs each follow a context call."""
     import types
 
     from cbtrace.replay.config import ReplayConfig
     from cbtrace.replay.measure.prepare import CallUnderTest
-    from cbtrace.replay.measure.steps import Timed
     from cbtrace.replay.timer.contract import CallRunner
     from cbtrace.schema.modules import ModuleRecord
 
-    backends = {
-        "graph": _FakeTimer("graph", lambda call: "the call asks whether it is captured; timed "
-                                                  "without a graph"),
-        "stream": _FakeTimer("stream", lambda call: (
-            "untimed work before each run cannot leave a back-to-back window"
-            if call.before is not None or stream_refuses_plain else None)),
-        "events": _FakeTimer("events", lambda call: None)}
     rec = ModuleRecord(fqn="asks", call_index=0, call_id=1, parent_call_id=0, parent_fqn="",
                        depth=1, module_type="Linear", module_class="torch.nn.Linear",
                        param_bytes=0, buffer_bytes=0, input_bytes=0, input_shapes="[]",
@@ -375,6 +364,25 @@ def test_a_call_the_graph_refuses_is_timed_back_to_back_without_its_context(
                       device=torch.device("meta"), cfg=ReplayConfig())
     c.timed = CallRunner(run=lambda j: None, n_copies=2, before=lambda j: None)
     c.context_note = "context: 1 call before (reads)"
+    return c
+
+
+@pytest.mark.parametrize("stream_refuses_plain", [False, True])
+def test_a_call_the_graph_refuses_is_timed_back_to_back_without_its_context(
+        stream_refuses_plain):
+    """Its host's pace, which only a back-to-back window keeps, decides its time more than the
+    cache state its context gives; single events time it only where no window can."""
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure.steps import Timed
+
+    backends = {
+        "graph": _FakeTimer("graph", lambda call: "the call asks whether it is captured; timed "
+                                                  "without a graph"),
+        "stream": _FakeTimer("stream", lambda call: (
+            "untimed work before each run cannot leave a back-to-back window"
+            if call.before is not None or stream_refuses_plain else None)),
+        "events": _FakeTimer("events", lambda call: None)}
+    c = _in_a_context()
     got = Timed(["graph", "stream", "events"], backends, ReplayConfig()).run(c)
     if stream_refuses_plain:  # no window for it either way: events, in its context, once
         assert got["timer"] == "events" and "context: 1 call before" in got["timer_notes"]
@@ -386,3 +394,31 @@ def test_a_call_the_graph_refuses_is_timed_back_to_back_without_its_context(
     assert "no context: timed back to back" in got["timer_notes"]
     assert "context: 1 call before" not in got["timer_notes"]
     assert backends["events"].runs == 0  # no timing in its context that the figure drops
+
+
+def test_without_timers_after_the_stream_one_the_call_is_still_timed_without_its_context():
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure.steps import Timed
+
+    backends = {"graph": _FakeTimer("graph", lambda call: "capture refused"),
+                "stream": _FakeTimer("stream", lambda call: (
+                    "a context cannot leave a window" if call.before is not None else None))}
+    got = Timed(["graph", "stream"], backends, ReplayConfig()).run(_in_a_context())
+    assert got["timer"] == "stream" and "no context: timed back to back" in got["timer_notes"]
+    assert got["timer_fallback"] == "graph: capture refused"
+
+
+def test_a_call_no_timer_can_time_names_every_refusal():
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure.steps import Timed
+    from cbtrace.replay.timer.contract import TimerUnavailable
+
+    backends = {"graph": _FakeTimer("graph", lambda call: "capture refused"),
+                "stream": _FakeTimer("stream", lambda call: "no window"),
+                "events": _FakeTimer("events", lambda call: "no events here")}
+    with pytest.raises(TimerUnavailable) as got:
+        Timed(["graph", "stream", "events"], backends, ReplayConfig()).run(_in_a_context())
+    message = str(got.value)
+    for reason in ("graph: capture refused", "stream: no window",
+                   "without its context, stream: no window", "events: no events here"):
+        assert reason in message, message

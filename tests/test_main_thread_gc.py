@@ -38,10 +38,12 @@ def test_another_threads_allocations_collect_nothing_and_between_collects_here()
     if not gc.isenabled():
         pytest.skip("collection is off in this interpreter")
     died: list = []
+    gc.collect()  # counts at zero: this thread allocates too little to collect before the other
     _Cycle(died)  # without the guard: the thread that allocates collects it
     assert died == [_in_a_thread()]
     died.clear()
     with MainThreadCollection() as collection:
+        gc.collect()
         _Cycle(died)
         _in_a_thread()
         assert died == []  # no automatic collection, on any thread
@@ -64,12 +66,26 @@ def test_collection_is_put_back_as_found_even_on_error():
         (gc.enable if was else gc.disable)()
 
 
-def test_between_collects_nothing_before_it_is_due():
+def _collections() -> int:
+    return sum(g["collections"] for g in gc.get_stats())
+
+
+def test_between_collects_nothing_before_it_is_due_nor_where_collection_was_off():
     with MainThreadCollection() as collection:
         gc.collect()  # the counts start at zero
-        before = gc.get_stats()[0]["collections"]
+        before = _collections()
         collection.between()
-        assert gc.get_stats()[0]["collections"] == before
+        assert _collections() == before
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with MainThreadCollection() as collection:
+            held = [[i] for i in range(4 * gc.get_threshold()[0])]  # due, were it on
+            before = _collections()
+            collection.between()
+        assert _collections() == before and len(held) and not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_a_replay_leaves_collection_as_it_found_it(tmp_path):
@@ -81,9 +97,21 @@ def test_a_replay_leaves_collection_as_it_found_it(tmp_path):
     with cbtrace.capture(model, tmp_path / "run", trace=False):
         model(torch.randn(2, 4))
     assert gc.isenabled()
-    df = cbtrace.replay(tmp_path / "run", model=model, budget_s=0.002)
+    during = []
+    seen = torch.nn.ReLU.forward
+
+    def noting(self, x):  # collection while the replay runs a call
+        during.append(gc.isenabled())
+        return seen(self, x)
+
+    torch.nn.ReLU.forward = noting
+    try:
+        df = cbtrace.replay(tmp_path / "run", model=model, budget_s=0.002)
+    finally:
+        torch.nn.ReLU.forward = seen
     assert (df["status"] == "ok").all()
-    assert gc.isenabled()
+    assert during and not any(during)  # off for the calls
+    assert gc.isenabled()  # and on again after
 
 
 HALF_REGISTERED = r'''
@@ -118,18 +146,22 @@ def test_gpu_a_half_registered_graph_is_destroyed_without_aborting_after_a_faile
     second half refuses while the stream is capturing. Destroyed so, the graph raises from its
     destructor ("The graph should be registered to the state") and the process aborts;
     ``end_pool_routing``, which every failed capture runs, completes the registration."""
+    import resource
     import subprocess
     import sys
 
     script = tmp_path / "half.py"
     script.write_text(HALF_REGISTERED)
-    repaired = subprocess.run([sys.executable, str(script), "repair"], capture_output=True,
-                              text=True, timeout=120)
-    assert repaired.returncode == 0 and "survived" in repaired.stdout, repaired.stderr[-2000:]
-    assert "refused:" in repaired.stdout  # the half registration happened
-    # without the repair this torch aborts, else the test above tried nothing
-    bare = subprocess.run([sys.executable, str(script), "bare"], capture_output=True, text=True,
-                          timeout=120)
+
+    def run(mode):
+        return subprocess.run([sys.executable, str(script), mode], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path,  # a core file lands there
+                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))
+
+    bare = run("bare")  # without the repair this torch aborts, else there is nothing to test
     if bare.returncode == 0:
         pytest.skip("this torch destroys a half-registered graph without aborting")
     assert "registered to the state" in bare.stderr, (bare.returncode, bare.stderr[-2000:])
+    repaired = run("repair")
+    assert repaired.returncode == 0 and "survived" in repaired.stdout, repaired.stderr[-2000:]
+    assert "refused:" in repaired.stdout  # the half registration happened

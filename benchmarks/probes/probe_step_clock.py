@@ -162,7 +162,8 @@ def main(argv):
         phase("after a flush", idle, flushed, names)
         phase("step after idle (again)", idle, step, names)
     clocks.stop = True
-    print(f"{spec} {fqn} bf16 batch 8 on {torch.cuda.get_device_name()}: its kernels "
+    size = "batch 8" if options else "its default size"
+    print(f"{spec} {fqn} bf16 {size} on {torch.cuda.get_device_name()}: its kernels "
           f"({len(names)} names; in a step, those of every call with them) and the SM clock")
     print("SM MHz after: a spin kernel queued right after the phase; NVML: its sampled clock "
           "(averaged over 1/6-1 s by the driver)")

@@ -96,7 +96,7 @@ class Timed:
             try:
                 t, fallback = self._measure(c, run, head)
             except TimerUnavailable as e:
-                if not tail:
+                if not with_context or "stream" not in self.chain:
                     raise
                 t, fallback = None, e.reasons
             if t is None:  # the graph cannot hold it, and its context would land between
@@ -111,9 +111,19 @@ class Timed:
                     context_note = "no context: timed back to back, which a context would break"
                     c.row.update(eager)
                     profiled, profiled_note = {}, None
-                except TimerUnavailable:  # no window for it either: in its context, by the rest
-                    t, more = choice.measure(run, c.n_copies, c.device, tail, self.backends,
-                                             self.tcfg)
+                except TimerUnavailable as alone:  # no window for it either: in its context,
+                    # by the timers after the stream one; each refusal in the message
+                    try:
+                        if not tail:
+                            raise
+                        t, more = choice.measure(run, c.n_copies, c.device, tail,
+                                                 self.backends, self.tcfg)
+                    except TimerUnavailable as last:
+                        reasons = [*fallback, *(f"without its context, {r}"
+                                                for r in alone.reasons),
+                                   *(last.reasons if last is not alone else [])]
+                        raise TimerUnavailable("no timer could measure this call ("
+                                               + "; ".join(reasons) + ")", reasons) from last
                     fallback = "; ".join([*fallback, *([more] if more else [])])
                 fallback = fallback or None
         finally:

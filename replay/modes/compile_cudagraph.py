@@ -161,14 +161,15 @@ class DynamoCounts:
     reasons: tuple = ()  # first lines of new graph-break / unimplemented reasons
 
 
-def _counters() -> dict:
+def dynamo_counters() -> dict:
+    """Dynamo's counters now, the ``before`` of ``counted_since``."""
     from torch._dynamo.utils import counters  # dynamo loads only when a call is compiled
 
     return {g: dict(counters[g]) for g in ("frames", "stats", "graph_break", "unimplemented")}
 
 
 def counted_since(before: dict) -> DynamoCounts:
-    now = _counters()
+    now = dynamo_counters()
 
     def moved(group, key):
         return now[group].get(key, 0) - before[group].get(key, 0)
@@ -328,7 +329,7 @@ class Compiled:
             return self._measure(c, cold)
 
     def _measure(self, c: CallUnderTest, cold: bool) -> tuple[dict, dict | None]:
-        before = _counters()
+        before = dynamo_counters()
         key = self.cache.key(c.module, c.rec)
         try:
             run = c.run.with_fn(self.cache.runner_fn(key, c.module))
@@ -468,6 +469,7 @@ def capture_graphs(c: CallUnderTest, warmup_runs: int, stream=None, pool=None) -
                     c.run(i)
         except Exception as e:  # noqa: BLE001 - RuntimeError, AcceleratorError, OOM, ...
             end_pool_routing(g)
+            del g  # destroyed here, on this thread, not when the traceback goes
             for x in graphs:
                 x.reset()
             # the message, not the exception: one kept in a local of this frame, which its

@@ -42,7 +42,8 @@ from cbtrace.errors import one_line
 from cbtrace.replay.measure.prepare import call_context
 from cbtrace.replay.measure.reuse import call_key
 from cbtrace.replay.measure.time_limit import time_limit
-from cbtrace.replay.modes.compile_cudagraph import EntryCache, stance
+from cbtrace.replay.modes.compile_cudagraph import (EntryCache, counted_since,
+                                                    dynamo_counters, stance)
 from cbtrace.replay.run_io.rebuild import TrainingFlags, rebuild_model, refusal
 from cbtrace.rundir.read import load_run
 from cbtrace.schema.modules import COPY_FAILED, frame_to_records
@@ -106,14 +107,17 @@ def candidates(records, model, cfg, device) -> list[list]:
 def shares(groups: list[list], records, n: int) -> list[list[int]]:
     """The kinds of ``groups`` split among ``n`` workers, each kind to one worker (its modules
     after the first then hit that worker's dynamo cache where their guards pass), weighed by
-    its calls' subtree sizes (a parent's compile traces all of it), largest first to the least
-    loaded worker; in each share, the call order of the step."""
+    its first call's subtree size (a parent's compile traces all of it) and a quarter of the
+    others', largest first to the least loaded worker; in each share, the call order of the
+    step."""
     tree = CallTree({r.call_id: r.parent_call_id for r in records})
     size: dict[int, int] = {}
     for cid in sorted(tree.parent, reverse=True):  # children begin after their parent
         size[cid] = 1 + sum(size[c] for c in tree.children[cid])
     loads = [[0, []] for _ in range(max(n, 1))]
-    weight = {id(g): sum(size.get(r.call_id, 1) for r in g) for g in groups}
+    # a kind's first module compiles; the others mostly pass its guards and cost a run
+    weight = {id(g): size.get(g[0].call_id, 1) + sum(size.get(r.call_id, 1) for r in g[1:]) / 4
+              for g in groups}
     for group in sorted(groups, key=lambda g: -weight[id(g)]):
         least = min(loads, key=lambda x: x[0])
         least[0] += weight[id(group)]
@@ -235,10 +239,14 @@ def work(job: Job) -> Outcome:
             module = module_tree.get_submodule(model, rec.fqn)
             args, kwargs = load.load_call_inputs(run, rec.inputs_ref, device=device)
             flags.apply(module, rec)
-            fn = cache.runner_fn(cache.key(module, rec), module)
+            key = cache.key(module, rec)
+            fn = cache.runner_fn(key, module)
+            before = dynamo_counters()
             with time_limit(job.timeout_s), stance("default"), \
                     call_context(rec, device.type):
                 fn(*args, **kwargs)
+            if counted_since(before).graphs:  # as the loop does: past SHARE_MISSES of a kind
+                cache.compiled_again(key, module)  # a module of it gets an entry of its own
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             outcome.compiled += 1

@@ -32,9 +32,9 @@ class TimerUnavailable(CbtraceError):
     """This timer cannot time this call here; the message (the fallback reason) says why.
     ``reasons``: each timer's, where a chain of them refused."""
 
-    def __init__(self, message: str, reasons: list[str] | None = None):
-        super().__init__(message)
-        self.reasons = list(reasons) if reasons is not None else [message]
+    def __init__(self, message: str = "", reasons: list[str] | None = None, **kwargs):
+        super().__init__(message, **kwargs)
+        self.reasons = list(reasons) if reasons is not None else [str(self)]
 
 
 @dataclass(frozen=True, kw_only=True)

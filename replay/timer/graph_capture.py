@@ -155,7 +155,8 @@ class MainThreadCollection:
     runs without the GIL. The destructor and capture_begin both edit the generator state's
     set of registered graphs, and a graph that set has lost aborts the process when it is
     destroyed. Timing gains too: no collection pauses inside a call's timed runs (as timeit
-    turns collection off). Collection is put back as it was found."""
+    turns collection off). Collection is put back as it was found. Cycles made inside one call
+    wait for the end of the call."""
 
     def __enter__(self):
         self.was_enabled = gc.isenabled()
@@ -163,22 +164,21 @@ class MainThreadCollection:
         return self
 
     def between(self) -> None:
-        """The collection the interpreter would have run by now, if any: the youngest
-        generation once its count passes its threshold, an older one as its own count does."""
-        counts, thresholds = gc.get_count(), gc.get_threshold()
-        if not thresholds[0] or counts[0] < thresholds[0]:
+        """The young collections the interpreter would have run by now, if any: generation 0
+        once its count passes its threshold, generation 1 as its own count does. Never a full
+        one (the interpreter holds those back while the long-lived heap, here torch and the
+        model, is large); nothing where collection was off already."""
+        if not self.was_enabled:
             return
-        gen = 0
-        for i in (2, 1):
-            if i < len(counts) and thresholds[i] and counts[i] >= thresholds[i]:
-                gen = i
-                break
-        gc.collect(gen)
+        counts, thresholds = gc.get_count(), gc.get_threshold()
+        if not thresholds[0] or counts[0] <= thresholds[0]:
+            return
+        gc.collect(1 if len(counts) > 1 and thresholds[1] and counts[1] > thresholds[1] else 0)
 
     def __exit__(self, *exc):
-        try:
-            gc.collect(1)  # the last calls' cycles, here rather than on another thread
-        finally:
-            if self.was_enabled:
+        if self.was_enabled:
+            try:
+                gc.collect(1)  # the last calls' cycles, here rather than on another thread
+            finally:
                 gc.enable()
         return False
