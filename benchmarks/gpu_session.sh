@@ -20,6 +20,8 @@
 # FIDELITY_OUT names the output folder (brought back as FIDELITY_OUT.tgz) and log, for two runs in one call; FIDELITY_VARIANTS,
 # space-separated NAME:KEY=VALUE[,KEY=VALUE], replays each capture again with those settings and
 # compares call by call, e.g. "sum:context_rewrite=sum again:context_rewrite=off");
+# train-set: fidelity_zoo.py --step train, one process a model (TRAIN_MODELS, TRAIN_TIMEOUT;
+# PYTHONFAULTHANDLER on: an abort prints its Python stack);
 # opportunity: bench_opportunity.py per model (the root and top 5 modules compiled in place, estimated vs
 # measured saving; the replay's modes wall and out-of-memory rows; OPP_MODELS, OPP_MODES, OPP_ARGS
 # e.g. --back-to-back-host-issue);
@@ -89,6 +91,17 @@ fidelity)
   timeout ${FIDELITY_TIMEOUT:-580} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/${FIDELITY_OUT:-fidelity} --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models ${FIDELITY_MODELS:-nanogpt,dlrm,dcn,hstu,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base} ${FIDELITY_ARGS:-} $(for V in ${FIDELITY_VARIANTS:-}; do printf -- '--variant %s ' "$V"; done) 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/${FIDELITY_OUT:-fidelity}_zoo.log | tail -${FIDELITY_LINES:-60}
   # one archive: the device tool brings back only a few files a call
   tar czf $OUT/${FIDELITY_OUT:-fidelity}.tgz -C $OUT ${FIDELITY_OUT:-fidelity} && rm -rf $OUT/${FIDELITY_OUT:-fidelity} ;;
+train-set)
+  # one process a model: a crash (with its Python stack, faulthandler) loses that model alone
+  TRAIN_DIRS=""
+  for M in ${TRAIN_MODELS:-gpt2 llama t5-base mixtral fasterrcnn gnn compiled-gpt2}; do
+    echo "=== $M"
+    PYTHONFAULTHANDLER=1 timeout ${TRAIN_TIMEOUT:-150} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/train_$M --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models $M --step train 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |^frame #" > $OUT/train_${M}_zoo.log
+    echo "exit ${PIPESTATUS[0]}" >> $OUT/train_${M}_zoo.log
+    tail -${TRAIN_LINES:-12} $OUT/train_${M}_zoo.log
+    [ -d $OUT/train_$M ] && TRAIN_DIRS="$TRAIN_DIRS train_$M"
+  done
+  [ -n "$TRAIN_DIRS" ] && tar czf $OUT/train_rows.tgz -C $OUT $TRAIN_DIRS && (cd $OUT && rm -rf $TRAIN_DIRS) ;;
 opportunity)
   for M in ${OPP_MODELS:-efficientnet_b0 nanogpt dlrm}; do
     timeout ${OPP_TIMEOUT:-580} python3 $R/benchmarks/bench_opportunity.py --model $M --top 5 --modes ${OPP_MODES:-compile,cudagraph} ${OPP_ARGS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_opportunity_$M.log | tail -16
