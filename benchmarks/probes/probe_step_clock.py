@@ -11,13 +11,15 @@ ms in a thread) in situations that differ in one thing each:
   graph timer does);
 - ``alone, after steps``: the same straight after 1.5 s of back-to-back steps;
 - ``producer then call`` (NanoGPT's GELU only): c_fc and the GELU in turn, 50 times;
-- ``after a flush``: a 256 MB write, then the call, 50 times (its input out of the L2).
+- ``after a flush``: a 256 MB write, then the call, 50 times (its input out of the L2);
+- the clock right after the call inside a step (after idle, and steady): a spin a forward hook
+  queues there, where the reading after the whole step may have recovered over a light tail.
 
 The call's kernels in a step are those whose names its kernels alone have. The SM clock at the
 end of each comes from a spin kernel of known cycles queued right after it (cycles over its
 duration), and from NVML (which averages over 1/6 to 1 s).
 
-Run: python benchmarks/probes/probe_step_clock.py [SPEC [FQN]]   (GPU; batch 8, bf16)
+Run: python benchmarks/probes/probe_step_clock.py [SPEC [FQN]]   (GPU; bf16; NanoGPT at batch 8)
 e.g. benchmarks/zoo.py:timm_convnext_tiny stages.2.blocks.0.conv_dw
 """
 import statistics
@@ -85,6 +87,38 @@ def kernels(fn, before, names):
     mhz = SPIN_CYCLES / dev[spins[-1]].device_time if spins else float("nan")
     dev = dev[spins[0] + 1:spins[-1]] if len(spins) == 2 else dev
     return [e.device_time for e in dev if names is None or e.name in names], mhz
+
+
+MID_CYCLES = 50_000  # the spin a hook queues right after the call inside a step
+
+
+def clock_at_call(before, step, target) -> float:
+    """SM MHz right after ``target``'s kernels inside one step, run after ``before`` (both under
+    the profiler, as ``kernels`` does): a spin of MID_CYCLES queued by a forward hook on the
+    step's first call of ``target``, the profile's only spin kernel, its cycles over its
+    duration. The clock the step's earlier GEMMs left at that call, where the reading after
+    the whole step may have recovered over a light tail."""
+    from torch.profiler import ProfilerActivity, profile
+
+    done = []
+
+    def spin_after(module, args, out):  # returns None: the output goes on as it was
+        if not done:
+            done.append(True)
+            torch.cuda._sleep(MID_CYCLES)
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        before()
+        h = target.register_forward_hook(spin_after)
+        try:
+            step()
+        finally:
+            h.remove()
+        torch.cuda.synchronize()
+    spins = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+             and "spin" in e.name.lower()]
+    return MID_CYCLES / spins[0].device_time if len(spins) == 1 else float("nan")
 
 
 def kernel_names(fn) -> set:
@@ -161,6 +195,8 @@ def main(argv):
             phase("producer then call", idle, pairs, names)
         phase("after a flush", idle, flushed, names)
         phase("step after idle (again)", idle, step, names)
+        at_call = {"step after idle": clock_at_call(idle, step, target),
+                   "step, steady": clock_at_call(lambda: busy(step, 1.5), step, target)}
     clocks.stop = True
     size = "batch 8" if options else "its default size"
     print(f"{spec} {fqn} bf16 {size} on {torch.cuda.get_device_name()}: its kernels "
@@ -171,6 +207,8 @@ def main(argv):
           f"{'min':>6}{'samples':>8}")
     for name, us, n, spin_mhz, mhz, low, ns in rows:
         print(f"{name:<26}{us:>14.2f}{n:>5}{spin_mhz:>13.0f}{mhz:>9.0f}{low:>6.0f}{ns:>8}")
+    print("SM MHz right after the call inside a step (a hook's spin): " + ", ".join(
+        f"{k} {v:.0f}" for k, v in at_call.items()))
     for name in sorted(names):
         print(f"kernel: {name[:160]}")
 
