@@ -98,34 +98,11 @@ class Timed:
             except TimerUnavailable as e:
                 if not with_context or "stream" not in self.chain:
                     raise
-                t, fallback = None, e.reasons
-            if t is None:  # the graph cannot hold it, and its context would land between
-                # back-to-back runs: the host's pace, which only a back-to-back window keeps,
-                # decides its time more than the cache state its context gives; timed alone,
-                # profiled alone
-                try:
-                    t, _ = choice.measure(dataclasses.replace(c.run.timed(), expected_ms=None),
-                                          c.n_copies, c.device, ["stream"], self.backends,
-                                          self.tcfg)
-                    fallback = "; ".join(r for r in fallback if not r.startswith("stream: "))
+                t, fallback, alone = self._without_context(c, run, tail, e.reasons)
+                if alone:
                     context_note = "no context: timed back to back, which a context would break"
                     c.row.update(eager)
                     profiled, profiled_note = {}, None
-                except TimerUnavailable as alone:  # no window for it either: in its context,
-                    # by the timers after the stream one; each refusal in the message
-                    try:
-                        if not tail:
-                            raise
-                        t, more = choice.measure(run, c.n_copies, c.device, tail,
-                                                 self.backends, self.tcfg)
-                    except TimerUnavailable as last:
-                        reasons = [*fallback, *(f"without its context, {r}"
-                                                for r in alone.reasons),
-                                   *(last.reasons if last is not alone else [])]
-                        raise TimerUnavailable("no timer could measure this call ("
-                                               + "; ".join(reasons) + ")", reasons) from last
-                    fallback = "; ".join([*fallback, *([more] if more else [])])
-                fallback = fallback or None
         finally:
             if run.release is not None:
                 run.release()
@@ -137,6 +114,27 @@ class Timed:
         return dict(fields, **profiled, runs=t.runs, timed_ms=t.timed_ms, timer_notes=join_notes(
             c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, context_note,
             profiled_note, check))
+
+    def _without_context(self, c: CallUnderTest, run, tail: list[str], refused: list[str]):
+        """(Timing, timer_fallback, whether it ran without its context) of a call in a context
+        that no timer up to the stream one could time: the graph cannot hold it, and its
+        context would land between back-to-back runs. The host's pace, which only a
+        back-to-back window keeps, decides its time more than the cache state its context
+        gives: timed back to back without it (and profiled so), else in its context by the
+        timers after the stream one (``tail``); TimerUnavailable naming every refusal."""
+        try:
+            t, _ = choice.measure(dataclasses.replace(c.run.timed(), expected_ms=None),
+                                  c.n_copies, c.device, ["stream"], self.backends, self.tcfg)
+            return t, "; ".join(r for r in refused if not r.startswith("stream: ")) or None, True
+        except TimerUnavailable as alone:
+            refused = [*refused, *(f"without its context, {r}" for r in alone.reasons)]
+        if not tail:
+            raise choice.refused(refused)
+        try:
+            t, more = choice.measure(run, c.n_copies, c.device, tail, self.backends, self.tcfg)
+        except TimerUnavailable as e:
+            raise choice.refused([*refused, *e.reasons]) from e
+        return t, "; ".join([*refused, *([more] if more else [])]), False
 
     def _measure(self, c: CallUnderTest, run, chain: list[str]):
         """(Timing, why the timers before it refused) by the first of ``chain`` that can; a
@@ -151,8 +149,8 @@ class Timed:
                 t, more = choice.measure(run, c.n_copies, c.device, rest, self.backends,
                                          self.tcfg)
             except TimerUnavailable as e:
-                e.reasons = [*([fallback] if fallback else []), other, *e.reasons]
-                raise
+                raise choice.refused([*([fallback] if fallback else []), other,
+                                      *e.reasons]) from e
             fallback = "; ".join(x for x in (fallback, other, more) if x)
         return t, fallback
 

@@ -58,8 +58,13 @@ def measure(call: CallRunner, n_copies: int, device, timers: list[str], backends
                 torch.cuda.synchronize()
             if call.release is not None:  # what a failed capture left (its context's outputs)
                 call.release()
-    raise TimerUnavailable("no timer could measure this call (" + "; ".join(reasons) + ")",
-                           reasons)
+    raise refused(reasons)
+
+
+def refused(reasons: list[str]) -> TimerUnavailable:
+    """The error of a call no timer could measure, each timer's reason in its message."""
+    return TimerUnavailable("no timer could measure this call (" + "; ".join(reasons) + ")",
+                            reasons)
 
 
 def _rank(backend) -> int | None:
