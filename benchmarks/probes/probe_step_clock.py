@@ -190,7 +190,9 @@ def main(argv):
         phase("alone", idle, alone, names)
         phase("alone, after steps", lambda: busy(step, 1.5), alone, names)
         if producer is not None:
-            x = args[0]
+            # the producer's own input: the target's has its output's width
+            x = torch.randn(*args[0].shape[:-1], producer.in_features, device="cuda",
+                            dtype=args[0].dtype)
             pairs = lambda: [target(producer(x)) for _ in range(50)]  # noqa: E731
             phase("producer then call", idle, pairs, names)
         phase("after a flush", idle, flushed, names)
