@@ -40,10 +40,6 @@ class ReplayConfig:
     timed one; more cost wall time without moving the figures: benchmarks/RESULTS.md)."""
     graph_k: int = TimingConfig.graph_k
     """Calls captured in one CUDA graph by the graph timer."""
-    graph_marks: bool = TimingConfig.graph_marks
-    """Graph timer: a call in its context (or with its inputs rewritten first) timed by events
-    inside the graph around it, not by the replay of its context alone subtracted (off until
-    measured against in situ on a GPU)."""
     cold: bool = False
     """Time each call alone after an L2 flush, as ``triton.testing.do_bench`` does, instead of
     ``graph_k`` calls back to back: the graph timer then captures one call per graph (host
@@ -191,5 +187,4 @@ class ReplayConfig:
                 else dict(budget_s=self.budget_s, graph_k=self.graph_k,
                           converge_spread=self.converge_spread, converge_ci=self.converge_ci,
                           converge_ci_floor=self.converge_ci_floor))
-        return TimingConfig(min_runs=self.min_runs, warmup_runs=self.warmup_runs,
-                            graph_marks=self.graph_marks, **mode)
+        return TimingConfig(min_runs=self.min_runs, warmup_runs=self.warmup_runs, **mode)

@@ -20,13 +20,11 @@ from .stats import EVENT_JITTER_MS, graph_calls
 
 
 def capture(call, n_copies: int, k: int, touch=None, stream=None,
-            slots: bool = False, marks=None) -> torch.cuda.CUDAGraph:
+            slots: bool = False) -> torch.cuda.CUDAGraph:
     """Capture k calls (cycling input copies; each after ``touch(j)`` when given) into one
     graph on ``stream`` (a fresh one by default); TimerUnavailable if capture fails or the
     call looks at whether it is being captured. ``slots``: the call was staged (see
-    ``staged``) and is called with its slot j, which it maps to a copy itself. ``marks``: k
-    (start, end) pairs of external timing events, recorded inside the graph around each call
-    (after its touch), so that a replay times the calls alone."""
+    ``staged``) and is called with its slot j, which it maps to a copy itself."""
     g = torch.cuda.CUDAGraph()
     asked: list = []
     try:
@@ -38,11 +36,7 @@ def capture(call, n_copies: int, k: int, touch=None, stream=None,
                 for j in range(k):
                     if touch is not None:
                         touch(j % n_copies)
-                    if marks is not None:
-                        marks[j][0].record()
                     call(j if slots else j % n_copies)
-                    if marks is not None:
-                        marks[j][1].record()
     except Exception as e:  # capture errors come as RuntimeError, AcceleratorError, OOM, ...
         end_pool_routing(g)
         del g
@@ -60,7 +54,7 @@ def capture(call, n_copies: int, k: int, touch=None, stream=None,
 
 
 def staged(call: CallRunner, n_copies: int, k: int, touch=None,
-           stream=None, marks=None) -> torch.cuda.CUDAGraph:
+           stream=None) -> torch.cuda.CUDAGraph:
     """``capture`` of k calls; a call with ``stage(j)`` (untimed work its slot j needs first,
     such as the forward whose backward the call is) has it run eagerly for every slot on the
     capture stream, so that only the call itself is in the graph: work an op does on its
@@ -71,18 +65,17 @@ def staged(call: CallRunner, n_copies: int, k: int, touch=None,
     (no cudaFree while capturing), and earlier calls' graph pools leave many cached."""
     stream = stream or torch.cuda.Stream()
     try:
-        return _staged(call, n_copies, k, touch, stream, marks)
+        return _staged(call, n_copies, k, touch, stream)
     except TimerUnavailable as e:
         if "out of memory" not in str(e).lower():
             raise
     if call.unstage is not None:
         call.unstage()
     hand_back(stream.device)  # graphs in reference cycles hold their pools until collected
-    return _staged(call, n_copies, k, touch, stream, marks)
+    return _staged(call, n_copies, k, touch, stream)
 
 
-def _staged(call: CallRunner, n_copies: int, k: int, touch, stream,
-            marks) -> torch.cuda.CUDAGraph:
+def _staged(call: CallRunner, n_copies: int, k: int, touch, stream) -> torch.cuda.CUDAGraph:
     stage = call.stage
     if stage is not None:
         call.unstage()
@@ -95,7 +88,7 @@ def _staged(call: CallRunner, n_copies: int, k: int, touch, stream,
             call.unstage()
             raise TimerUnavailable(f"staging {k} forwards ran out of memory "
                                    f"({one_line(e)})") from e
-    return capture(call.run, n_copies, k, touch, stream, slots=stage is not None, marks=marks)
+    return capture(call.run, n_copies, k, touch, stream, slots=stage is not None)
 
 
 def slots_that_fit(device, per_slot_bytes: int, share: float = 0.5) -> int:
@@ -160,22 +153,18 @@ class GraphTimer(CudaTimer):
                     expected = replay_ms(graphs[0])
                 k = graph_calls(per_call_ms=expected, k_max=k_max,
                                 max_replay_ms=cfg.graph_max_ms)
-                # the untimed work in the graph, marks around each call; else replayed alone
-                # and subtracted
-                marks = inner_marks(k) if touch is not None and cfg.graph_marks else None
-                if not graphs or k > 1 or marks is not None:
-                    graphs.append(staged(call, n_copies, k, touch, stream, marks))
+                if not graphs or k > 1:
+                    graphs.append(staged(call, n_copies, k, touch, stream))
                 g = graphs[-1]
-                t = (capture(lambda i: None, n_copies, k, touch)
-                     if touch is not None and marks is None else None)
+                # warm inputs: the same touches alone, timed beside the calls and subtracted
+                t = capture(lambda i: None, n_copies, k, touch) if touch else None
                 graphs.append(t)
                 for x in (g, t):
                     if x is not None:
                         x.replay()
                 torch.cuda.synchronize()
                 flusher = L2Flusher(device, cfg.flush_bytes, cfg.flush_l2)
-                sampler = (self._marked_sampler(g, marks, device, cfg, flusher) if marks
-                           else self._sampler(g, t, k, device, cfg, flusher))
+                sampler = self._sampler(g, t, k, device, cfg, flusher)
                 settle = warm_until_settled(sampler, cfg)
                 samples = collect(sampler, cfg, floor_ms=EVENT_JITTER_MS / k)
             finally:
@@ -185,8 +174,7 @@ class GraphTimer(CudaTimer):
                 if call.unstage is not None:
                     call.unstage()
         notes = join_notes(f"K={k}", flusher.note, settle,
-                           "warm inputs" if touch is not None and call.warms_inputs else None,
-                           "marked in the graph" if marks else None)
+                           "warm inputs" if touch is not None and call.warms_inputs else None)
         return timing_from_samples(samples, self.name, notes, calls_per_run=k)
 
     @staticmethod
@@ -217,28 +205,3 @@ class GraphTimer(CudaTimer):
             return [m / k for m in ms]
 
         return sample
-
-    @staticmethod
-    def _marked_sampler(g, marks, device, cfg: TimingConfig, flusher: L2Flusher):
-        """Per-call times of replays of ``g`` read from its inner marks: each replay records
-        the same events again, so each is read before the next is queued."""
-        spin_ms = gap_ms(cfg, flusher.buf is not None)
-        last = marks[-1][1]
-
-        def sample(first: int, n: int) -> list[float]:
-            ms = []
-            for _ in range(n):
-                flusher.flush()
-                spin(device, spin_ms)
-                g.replay()
-                last.synchronize()
-                ms.append(sum(s.elapsed_time(e) for s, e in marks) / len(marks))
-            return ms
-
-        return sample
-
-
-def inner_marks(k: int) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
-    """k (start, end) pairs of timing events that a capture records as nodes of the graph."""
-    return [(torch.cuda.Event(enable_timing=True, external=True),
-             torch.cuda.Event(enable_timing=True, external=True)) for _ in range(k)]

@@ -71,8 +71,6 @@ class TimingConfig:
     """Longest warm-up when waiting for the time to settle (s); the row then says so."""
     graph_k: int = 20
     """Calls captured back-to-back in one CUDA graph; per-call time = replay time / K."""
-    graph_marks: bool = False
-    """Graph timer, work before a call: events inside the graph time it (else subtracted)."""
     graph_max_ms: float = 1.0
     """K shrinks (to >= 1) to keep one replay under this (ms): long GEMM runs drop the SM clock."""
     flush_l2: bool = True
