@@ -59,6 +59,9 @@ MODELS = {
     "llama": (f"{ZOO}:hf_llama", TINY, f"{ZOO}:hf_llama", REAL, "transformers"),
     "mixtral": (f"{ZOO}:hf_mixtral", TINY, f"{ZOO}:hf_mixtral", REAL, "transformers"),
     "fasterrcnn": (f"{ZOO}:tv_fasterrcnn", TINY, f"{ZOO}:tv_fasterrcnn", REAL, "torchvision"),
+    # a training step passes boxes and labels (the model then returns its losses)
+    "fasterrcnn-train": (f"{ZOO}:tv_fasterrcnn", {**TINY, "targets": True},
+                         f"{ZOO}:tv_fasterrcnn", {**REAL, "targets": True}, "torchvision"),
     "gnn": (f"{ZOO}:pyg_gnn", TINY, f"{ZOO}:pyg_gnn", REAL, "torch_geometric"),
     "wav2vec2": (f"{ZOO}:hf_wav2vec2", TINY, f"{ZOO}:hf_wav2vec2", REAL, "transformers"),
     "compiled-gpt2": ("nanogpt:tiny", {}, f"{ZOO}:compiled_nanogpt", REAL, None),
@@ -66,7 +69,7 @@ MODELS = {
 DEFAULT_MODELS = "nanogpt,dlrm,dcn,hstu,resnet50,efficientnet_b0,convnext_tiny,vit_b16,bert-base"
 # models that run only in their own dtype: --dtype is not applied to them (torchvision's nms has
 # no bf16 kernel)
-OWN_DTYPE = {"fasterrcnn"}
+OWN_DTYPE = {"fasterrcnn", "fasterrcnn-train"}
 # the modules table's columns of each phase: status, in-situ ms, error %
 PHASES = {"fwd": ("status", "insitu_ms", "error_pct"),
           "bwd": ("bwd_status", "bwd_insitu_ms", "bwd_error_pct")}
@@ -276,7 +279,7 @@ def table(rows) -> str:
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
     cells = [[cell(r.get(c, "")) for c in COLUMNS] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(COLUMNS)]
+    widths = [max([len(c), *(len(x[i]) for x in cells)]) for i, c in enumerate(COLUMNS)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths))]
     lines += ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in cells]
     return "\n".join(lines)

@@ -94,7 +94,7 @@ fidelity)
 train-set)
   # one process a model: a crash (with its Python stack, faulthandler) loses that model alone
   TRAIN_DIRS=""
-  for M in ${TRAIN_MODELS:-gpt2 llama t5-base mixtral fasterrcnn gnn compiled-gpt2}; do
+  for M in ${TRAIN_MODELS:-gpt2 llama t5-base mixtral fasterrcnn-train gnn compiled-gpt2}; do
     echo "=== $M"
     PYTHONFAULTHANDLER=1 timeout ${TRAIN_TIMEOUT:-150} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/train_$M --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models $M --step train 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |^frame #" > $OUT/train_${M}_zoo.log
     echo "exit ${PIPESTATUS[0]}" >> $OUT/train_${M}_zoo.log

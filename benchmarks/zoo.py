@@ -304,16 +304,26 @@ def timm_convnext_tiny(size: str = "real"):
     return model, (torch.randn(_pick(size, 2, 64), 3, 224, 224),)
 
 
-def tv_fasterrcnn(size: str = "real"):
+def tv_fasterrcnn(size: str = "real", targets: bool = False):
     """A detection model: host copies and data-dependent shapes in its heads, an ImageList
-    passed between its modules."""
+    passed between its modules. ``targets``: each image with boxes and labels, as a training
+    step passes them (in train mode the model returns its losses)."""
     import torchvision
 
     torch.manual_seed(0)
     model = torchvision.models.detection.fasterrcnn_resnet50_fpn(
         weights=None, weights_backbone=None).eval()
-    side = _pick(size, 128, 640)
-    return model, ([torch.rand(3, side, side) for _ in range(_pick(size, 1, 4))],)
+    side, n = _pick(size, 128, 640), _pick(size, 1, 4)
+    images = [torch.rand(3, side, side) for _ in range(n)]
+    if not targets:
+        return model, (images,)
+    g = torch.Generator().manual_seed(0)
+    boxes = []
+    for _ in range(n):  # 3 boxes an image: corners ordered, inside the image
+        xy = torch.rand(3, 2, 2, generator=g) * side
+        boxes.append(torch.cat([xy.amin(1), xy.amax(1) + 1], dim=1))
+    return model, (images, [{"boxes": b, "labels": torch.randint(1, 91, (3,), generator=g)}
+                            for b in boxes])
 
 
 class GNN(nn.Module):
