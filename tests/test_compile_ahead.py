@@ -137,3 +137,30 @@ def test_an_interrupted_compile_ahead_leaves_no_worker_running(spec_run, monkeyp
     with pytest.raises(KeyboardInterrupt):
         precompile.compile_ahead(spec_run, manifest, records, model, cfg, torch.device("cpu"))
     assert len(started) == 2 and all(p.poll() is not None for p, _, _ in started)
+
+
+def test_on_a_gpu_a_leaf_that_ran_one_kernel_in_the_step_is_left_to_the_loop(spec_run):
+    records = read_records(spec_run)
+    model = torch.nn.Sequential(*[torch.nn.Conv2d(c, 6, 3, padding=1) for c in (4, 6, 6)])
+    fqn = {r.call_id: r.fqn for r in records}
+    cid = {f: c for c, f in fqn.items()}
+    cfg = ReplayConfig(modes=("compile",))
+    # "0" ran one kernel (the loop skips it: nothing to fuse), "1" two, "2" is not in the trace
+    groups = precompile.candidates(records, model, cfg, torch.device("cuda"),
+                                   {cid["0"]: 1, cid["1"]: 2})
+    assert [[fqn[r.call_id] for r in g] for g in groups] == [[""], ["1", "2"]]
+
+
+def test_kernels_in_step_read_from_the_capture_trace(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    with cbtrace.capture(model, tmp_path / "traced"):
+        model(torch.randn(4, 8))
+    with cbtrace.capture(model, tmp_path / "untraced", trace=False):
+        model(torch.randn(4, 8))
+    run = tmp_path / "traced"
+    records = read_records(run)
+    # a CPU step: every call in the trace, with no device kernel
+    assert precompile.kernels_in_step(run, read_manifest(run), records) == {
+        r.call_id: 0 for r in records}
+    run = tmp_path / "untraced"
+    assert precompile.kernels_in_step(run, read_manifest(run), read_records(run)) == {}

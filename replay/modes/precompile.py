@@ -19,8 +19,9 @@ workers do: their compiles run the call once, and Triton tunes kernels on the de
 Workers only warm caches: what the loop measures is its own compile, whether the workers
 finished, failed or were never started (not asked for: ``compile_workers`` is 0 by default
 until an H200 measures it; a live model with no spec to rebuild; a sharded replay; ``auto`` on
-a CPU). On a GPU a leaf is left to the loop: most leaves are
-one kernel, which the compile mode does not compile (``nothing_to_fuse``).
+a CPU). On a GPU a leaf that ran one kernel in the captured step is left out: the compile mode
+does not compile it (``nothing_to_fuse``); one that ran more is compiled ahead like a parent
+(the loop compiles it, and a leaf no worker compiled misses the cache).
 """
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ from pathlib import Path
 import torch
 
 from cbtrace import module_tree
+from cbtrace.attribution.join import insitu_for_run
 from cbtrace.calltree import CallTree
 from cbtrace.console import announce
-from cbtrace.errors import one_line
+from cbtrace.errors import CbtraceError, one_line
 from cbtrace.replay.measure.prepare import call_context
 from cbtrace.replay.measure.reuse import call_key
 from cbtrace.replay.measure.time_limit import time_limit
@@ -76,10 +78,12 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
 
 
-def candidates(records, model, cfg, device) -> list[list]:
+def candidates(records, model, cfg, device, step_kernels: dict | None = None) -> list[list]:
     """The calls the loop will compile, by kind (``call_key``; a call without one is its own
     kind): the first call of each module, every call under the compile mode, else those the
-    step ran compiled; on a GPU, parents only. Every module, not the first of its kind alone:
+    step ran compiled; on a GPU, no leaf that ran at most one kernel in the step
+    (``step_kernels``: call_id -> kernels; a leaf not in it counts as more). Every module, not
+    the first of its kind alone:
     a kind whose modules differ in what dynamo guards on and the key does not see (a
     convolution's stride, a flag, a rate) compiles a graph per module, and a graph no worker
     compiled misses the cache in the loop; where the guards pass, a module after the first of
@@ -95,7 +99,8 @@ def candidates(records, model, cfg, device) -> list[list]:
             module = module_tree.get_submodule(model, rec.fqn)
         except AttributeError:
             continue
-        if device.type == "cuda" and next(module.children(), None) is None:
+        if (device.type == "cuda" and next(module.children(), None) is None
+                and (step_kernels or {}).get(rec.call_id, 2) <= 1):
             continue
         key = call_key(module, rec)
         group = groups.setdefault(("module", rec.fqn) if key is None else key, [])
@@ -147,7 +152,8 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *,
     if cfg.compile_workers == 0 or not (
             "compile" in cfg.modes or any(r.step_compiled for r in records)):
         return None
-    groups = candidates(records, model, cfg, device)
+    kernels = kernels_in_step(run, manifest, records) if device.type == "cuda" else {}
+    groups = candidates(records, model, cfg, device, kernels)
     if not groups:
         return None
     calls = sum(len(g) for g in groups)
@@ -188,6 +194,22 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *,
     if failed:
         note += f"; {failed} failed ({errors[0] if errors else 'no reason given'})"
     return note
+
+
+def kernels_in_step(run: Path, manifest, records) -> dict[int, int]:
+    """call_id -> the kernels the call ran in the captured step (its trace); {} where the run
+    has no trace to read them from."""
+    try:
+        table = insitu_for_run(run, manifest)
+    except CbtraceError:
+        return {}
+    by_key = dict(zip(zip(table["fqn"], table["call_index"]), table["kernel_count"]))
+    out = {}
+    for r in records:
+        k = by_key.get((r.fqn, r.call_index))
+        if k is not None and k == k:  # NaN: the trace has no range for the call
+            out[r.call_id] = int(k)
+    return out
 
 
 def _processes(n: int) -> str:
