@@ -15,7 +15,8 @@ ms in a thread) in situations that differ in one thing each:
 - the clock right after the call inside a step (after idle, and steady): a spin a forward hook
   queues there, where the reading after the whole step may have recovered over a light tail.
 
-The call's kernels in a step are those whose names its kernels alone have. The SM clock at the
+A call's kernels, in a step as alone, are those between the marker kernels its forward
+pre-hook and hook queue (its durations summed per call). The SM clock at the
 end of each comes from a spin kernel of known cycles queued right after it (cycles over its
 duration), and from NVML (which averages over 1/6 to 1 s).
 
@@ -63,30 +64,40 @@ class ClockSampler:
 SPIN_CYCLES = 100_000  # ~50 us at 2 GHz: the clock from a spin kernel's cycles over its time
 
 
-def kernels(fn, before, names):
-    """(device µs of the kernels whose name is one of ``names``, SM MHz at the end) running
-    ``before`` then ``fn`` under the profiler, counting ``fn``'s kernels alone; the clock from a
-    spin kernel of SPIN_CYCLES queued right after ``fn``'s work (its cycles over its duration:
-    the clock the SMs ran at then, to ~1 %)."""
+def kernels(fn, before, target):
+    """(device µs of ``target``'s own kernels, per call: their durations summed; SM MHz at the
+    end) running ``before`` then ``fn`` under the profiler. A call's kernels are those between
+    the markers (one-cycle spin kernels) its forward pre-hook and hook queue, in a step as
+    alone; the clock from a spin kernel of SPIN_CYCLES queued right after ``fn``'s work (its
+    cycles over its duration: the clock the SMs ran at then, to ~1 %)."""
     from torch.profiler import ProfilerActivity, profile
+
+    def mark(*_):  # returns None: the call and its output go on as they were
+        torch.cuda._sleep(1)
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         # inside: the profiler's start (CUPTI set-up, ms) would idle the GPU between a busy
         # ``before`` and ``fn``, and no sync: ``fn`` queues straight behind it
         before()
-        torch.cuda._sleep(1)  # a marker: the kernels after it are fn's
-        fn()
+        hooks = [target.register_forward_pre_hook(mark), target.register_forward_hook(mark)]
+        try:
+            fn()
+        finally:
+            for h in hooks:
+                h.remove()
         torch.cuda._sleep(SPIN_CYCLES)
         torch.cuda.synchronize()
     dev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.time_range.start)
     spins = [i for i, e in enumerate(dev) if "spin" in e.name.lower()]
-    if len(spins) != 2:
-        print(f"{len(spins)} spin kernels, not 2: fn's kernels not told from before's")
     mhz = SPIN_CYCLES / dev[spins[-1]].device_time if spins else float("nan")
-    dev = dev[spins[0] + 1:spins[-1]] if len(spins) == 2 else dev
-    return [e.device_time for e in dev if names is None or e.name in names], mhz
+    marks = spins[:-1]  # (pre, post) per call of target, then the clock's spin
+    if len(marks) % 2:
+        print(f"{len(marks)} markers, not pairs: a call's kernels not told apart")
+        return [], mhz
+    return [sum(e.device_time for e in dev[a + 1:b])
+            for a, b in zip(marks[::2], marks[1::2])], mhz
 
 
 MID_CYCLES = 50_000  # the spin a hook queues right after the call inside a step
@@ -168,8 +179,8 @@ def main(argv):
     clocks = ClockSampler()
     rows = []
 
-    def phase(name, before, fn, names):
-        got, spin_mhz = kernels(fn, lambda: (before(), setattr(clocks, "phase", name)), names)
+    def phase(name, before, fn):
+        got, spin_mhz = kernels(fn, lambda: (before(), setattr(clocks, "phase", name)), target)
         clocks.phase = ""
         mhz, low, n = clocks.median(name)
         rows.append((name, statistics.median(got) if got else float("nan"), len(got), spin_mhz,
@@ -185,27 +196,27 @@ def main(argv):
         names = kernel_names(once)
         alone = lambda: [once() for _ in range(50)]  # noqa: E731
         flushed = lambda: [(flush.zero_(), once()) for _ in range(50)]  # noqa: E731
-        phase("step after idle", idle, step, names)
-        phase("step, steady", lambda: busy(step, 1.5), lambda: [step() for _ in range(3)], names)
-        phase("alone", idle, alone, names)
-        phase("alone, after steps", lambda: busy(step, 1.5), alone, names)
+        phase("step after idle", idle, step)
+        phase("step, steady", lambda: busy(step, 1.5), lambda: [step() for _ in range(3)])
+        phase("alone", idle, alone)
+        phase("alone, after steps", lambda: busy(step, 1.5), alone)
         if producer is not None:
             # the producer's own input: the target's has its output's width
             x = torch.randn(*args[0].shape[:-1], producer.in_features, device="cuda",
                             dtype=args[0].dtype)
             pairs = lambda: [target(producer(x)) for _ in range(50)]  # noqa: E731
-            phase("producer then call", idle, pairs, names)
-        phase("after a flush", idle, flushed, names)
-        phase("step after idle (again)", idle, step, names)
+            phase("producer then call", idle, pairs)
+        phase("after a flush", idle, flushed)
+        phase("step after idle (again)", idle, step)
         at_call = {"step after idle": clock_at_call(idle, step, target),
                    "step, steady": clock_at_call(lambda: busy(step, 1.5), step, target)}
     clocks.stop = True
     size = "batch 8" if options else "its default size"
-    print(f"{spec} {fqn} bf16 {size} on {torch.cuda.get_device_name()}: its kernels "
-          f"({len(names)} names; in a step, those of every call with them) and the SM clock")
+    print(f"{spec} {fqn} bf16 {size} on {torch.cuda.get_device_name()}: its own kernels per "
+          f"call (summed; between markers its hooks queue, in a step as alone) and the SM clock")
     print("SM MHz after: a spin kernel queued right after the phase; NVML: its sampled clock "
           "(averaged over 1/6-1 s by the driver)")
-    print(f"{'situation':<26}{'kernel med us':>14}{'n':>5}{'SM MHz after':>13}{'NVML med':>9}"
+    print(f"{'situation':<26}{'call med us':>14}{'n':>5}{'SM MHz after':>13}{'NVML med':>9}"
           f"{'min':>6}{'samples':>8}")
     for name, us, n, spin_mhz, mhz, low, ns in rows:
         print(f"{name:<26}{us:>14.2f}{n:>5}{spin_mhz:>13.0f}{mhz:>9.0f}{low:>6.0f}{ns:>8}")
