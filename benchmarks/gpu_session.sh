@@ -7,8 +7,9 @@
 # replay: calibrate, then bench_replay_gpu.py (default and cold replay vs do_bench and in situ);
 # modes: bench_modes_gpu.py (eager vs compile vs cudagraph per module, whole-model compile);
 # nproc: bench_nproc.py (torchrun --nproc 1 against in-process replay);
-# probe-backward: probes/probe_backward.py (a train step's backward kernels in situ vs replayed, three
-# backward timing methods); overhead: probes/probe_replay_overhead.py (replay wall in laps; cProfile too
+# probe-backward: probes/probe_backward.py (a train step's backward kernels in situ vs replayed, two
+# backward timing methods, a failed capture's C++ stack; PROBE_SPEC a zoo spec relative to the repo,
+# e.g. benchmarks/zoo.py:hf_llama, PROBE_FQNS space-separated); overhead: probes/probe_replay_overhead.py (replay wall in laps; cProfile too
 # with OVERHEAD_CPROFILE=1; OVERHEAD_VARIANTS as FIDELITY_VARIANTS, e.g. "ci:converge_ci=0.01"); capture-probe: probes/probe_capture_step.py (a captured step's cost above
 # the floor, by variant; PROBE_CASE); plan-call: probes/bench_plan_call.py (capture's planning alone, with
 # and without another thread profiled); pinned: probes/bench_pinned_ring.py (the read-ahead ring's first
@@ -67,7 +68,7 @@ modes)
 nproc)
   timeout ${NPROC_TIMEOUT:-150} python3 $R/benchmarks/bench_nproc.py /tmp/nproc 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_nproc.log | tail -6 ;;
 probe-backward)
-  timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_backward.py /tmp/probe 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -40 ;;
+  TORCH_SHOW_CPP_STACKTRACES=1 timeout ${PROBE_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_backward.py /tmp/probe ${PROBE_SPEC:+$R/$PROBE_SPEC} ${PROBE_FQNS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_backward.log | tail -${PROBE_LINES:-40} ;;
 memory)
   timeout ${MEMORY_TIMEOUT:-300} python3 $R/benchmarks/probes/probe_memory.py /tmp/pmem ${MEMORY_VARIANTS:-} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |F.linear" | tee $OUT/probe_memory.log | tail -8 ;;
 digest)

@@ -63,13 +63,31 @@ def methods(c, backward, backends, tcfg):
     out = {}
     bwd = _backward_runner(c, backward)
 
-    for name, fn, chain in (("staged", bwd, ["graph"]), ("events", bwd, ["events"])):
-        try:
-            t, fb = timers.measure(fn, c.n_copies, c.device, chain, backends, tcfg)
+    for name, fn, timer in (("staged", bwd, "graph"), ("events", bwd, "events")):
+        try:  # the timer itself, not the chain: its error keeps the one under it
+            why = backends[timer].unavailable_reason(c.device)
+            if why:
+                raise timers.TimerUnavailable(why)
+            t = backends[timer].measure(fn, c.n_copies, c.device, tcfg)
             out[name] = (t.median_ms, t.timer, t.notes or "")
         except Exception as e:  # noqa: BLE001 - report and go on
             out[name] = (float("nan"), "failed", f"{type(e).__name__}: {str(e)[:120]}")
+            print_cause(name, e)
     return out
+
+
+def print_cause(name: str, e: BaseException) -> None:
+    """The error under a failed timer's, whole: with TORCH_SHOW_CPP_STACKTRACES=1 its C++ stack
+    names the op (and the autograd node) that broke the capture."""
+    import traceback
+
+    from cbtrace.replay.timer.graph_capture import root_cause
+
+    cause = e.__cause__ or e.__context__ or e
+    cause = root_cause(cause)
+    print(f"  {name} failed; the error under it:")
+    text = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+    print("    " + text[-4000:].replace("\n", "\n    "))
 
 
 def spec_options(spec: str, gpu: bool) -> dict:
