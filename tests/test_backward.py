@@ -301,3 +301,27 @@ def test_a_backward_out_of_memory_runs_once_more_after_the_cache_goes_back(tmp_p
     assert "out of memory" in df.loc["1", "bwd_status_reason"] and \
         "twice" in df.loc["1", "bwd_status_reason"]
     assert df.loc["0", "bwd_status"] == "ok"
+
+
+def test_a_forward_on_fresh_parameters_computes_the_same_and_leaves_the_modules_alone():
+    from cbtrace.replay.modes.backward import _on_fresh_parameters
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+    lin.bias.requires_grad_(False)  # only parameters that require grad are made anew
+    x = torch.randn(3, 8)
+    out = _on_fresh_parameters(lin)(x)
+    assert torch.equal(out, lin(x))
+    out.sum().backward()
+    assert lin.weight.grad is None and lin.bias.grad is None
+    # the gradient went to a leaf over the weight's own bytes, made by this call
+    leaves, stack = [], [out.grad_fn]
+    while stack:
+        for fn, _ in stack.pop().next_functions:
+            if fn is not None and hasattr(fn, "variable"):  # AccumulateGrad
+                leaves.append(fn.variable)
+            elif fn is not None:
+                stack.append(fn)
+    (leaf,) = leaves
+    assert leaf is not lin.weight and leaf.data_ptr() == lin.weight.data_ptr()
+    assert leaf.grad is not None

@@ -172,12 +172,16 @@ class _FreshBackward:
         return self._leaves[i]
 
 
-def _backward_runner(c: CallUnderTest, backward: _FreshBackward) -> CallRunner:
+def _backward_runner(c: CallUnderTest, backward: _FreshBackward,
+                     fresh_params: bool = False) -> CallRunner:
     """bwd(i): the backward of copy i's forward. Its forward ran untimed before it: staged
     for slot i (``bwd.stage(i)``, the graph timer: kept until ``bwd.unstage()``, every
     backward over it retains it), or just before (``bwd.before(i)``, the events timer's
     untimed work, used by the next backward of the same copy only, inside the same CUDA graph
-    capture or outside one); without either (a warm-up call) bwd runs the forward itself."""
+    capture or outside one); without either (a warm-up call) bwd runs the forward itself.
+    ``fresh_params``: each staged forward runs on parameters that are leaves of their own over
+    the same bytes, made on the capture stream, as its inputs are (``_on_fresh_parameters``;
+    probes/probe_backward.py tries it against capture failures)."""
     n = c.n_copies
     last: dict = {}
     slots: dict[int, tuple] = {}  # slot -> (outputs, the slot's own input leaves)
@@ -195,7 +199,8 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward) -> CallRunner:
     def stage(j: int) -> None:
         # its own autograd leaves: their nodes made now, on the capture stream
         fresh = _fresh_autograd(c.run.copies[j % n], view=not c.writes_inputs)
-        slots[j] = _grad_outputs(c.run.on(fresh, j % n)), _input_leaves(fresh)
+        run = c.run.with_fn(_on_fresh_parameters(c.module)) if fresh_params else c.run
+        slots[j] = _grad_outputs(run.on(fresh, j % n)), _input_leaves(fresh)
 
     def bwd(i: int) -> None:
         if i in slots:
@@ -211,6 +216,16 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward) -> CallRunner:
     # the forward is the backward's input state: timers skip it in warm-up, as a rewrite's
     return CallRunner(run=bwd, n_copies=n, before=forward, warms_inputs=True, stage=stage,
                       unstage=slots.clear)
+
+
+def _on_fresh_parameters(module):
+    """``module``'s call on its parameters that require grad each detached and made a leaf
+    again (the same bytes; their AccumulateGrad nodes made by this call, on its stream)."""
+    from torch.func import functional_call
+
+    params = {name: p.detach().requires_grad_(True)
+              for name, p in module.named_parameters() if p.requires_grad}
+    return lambda *a, **k: functional_call(module, params, a, k, strict=False)
 
 
 def _note_inplace(c: CallUnderTest) -> None:
