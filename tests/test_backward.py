@@ -146,6 +146,14 @@ def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_pat
                        "aten::add_", "aten::add", "aten::as_strided_scatter"}
         assert not extra, ops
     bwd.unstage()
+    # staged on the parameters made leaves anew: the same ops, the module's .grad untouched
+    fresh = _backward_runner(c, _FreshBackward(c, g), fresh_params=True)
+    fresh.stage(0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fresh(0)
+    assert {e.name for e in prof.events() if e.name.startswith("aten::")} == ops
+    assert all(p.grad is None for p in model[1].parameters())
+    fresh.unstage()
 
 
 class _Res(nn.Module):
