@@ -333,3 +333,17 @@ def test_a_forward_on_fresh_parameters_computes_the_same_and_leaves_the_modules_
     (leaf,) = leaves
     assert leaf is not lin.weight and leaf.data_ptr() == lin.weight.data_ptr()
     assert leaf.grad is not None
+
+
+def test_backward_fresh_params_is_a_setting_of_the_rows(tmp_path):
+    from cbtrace.replay.run_io.progress import read_done
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)).train()
+    _capture_train(model, torch.randn(16, 32), tmp_path / "r")
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, backward_fresh_params=True,
+                        **FAST_REPLAY)
+    assert (df["bwd_status"] == "ok").all() and (df["bwd_ms"] > 0).all()
+    # the rows say it: a resume with other settings times them again
+    rows = read_done(tmp_path / "r")
+    assert rows and all(r["settings"].get("backward_fresh_params") for r in rows.values())

@@ -36,6 +36,7 @@ class BackwardStep:
     def __init__(self, cfg, chain: list[str], backends: dict):
         self.chain, self.backends = chain, backends
         self.tcfg = cfg.timing()
+        self.fresh_params = cfg.backward_fresh_params
 
     def run(self, c: CallUnderTest) -> dict:
         targets = grad_targets(flat_tensors(c.run.copies[0]))  # before an in-place forward
@@ -49,7 +50,7 @@ class BackwardStep:
         del outs  # its autograd graph would keep the parameters' AccumulateGrad nodes alive, and
         # with them the stream they were made on: a backward captured on another stream fails
         backward = _FreshBackward(c, grads)
-        bwd = _backward_runner(c, backward)
+        bwd = _backward_runner(c, backward, self.fresh_params)
         for attempt in (1, 2):  # out of memory: once more, the cache handed back
             try:
                 t, fallback = choice.measure(bwd, c.n_copies, c.device, self.chain,
@@ -181,7 +182,7 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward,
     capture or outside one); without either (a warm-up call) bwd runs the forward itself.
     ``fresh_params``: each staged forward runs on parameters that are leaves of their own over
     the same bytes, made on the capture stream, as its inputs are (``_on_fresh_parameters``;
-    probes/probe_backward.py tries it against capture failures)."""
+    ``ReplayConfig.backward_fresh_params``)."""
     n = c.n_copies
     last: dict = {}
     slots: dict[int, tuple] = {}  # slot -> (outputs, the slot's own input leaves)
@@ -199,7 +200,8 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward,
     def stage(j: int) -> None:
         # its own autograd leaves: their nodes made now, on the capture stream
         fresh = _fresh_autograd(c.run.copies[j % n], view=not c.writes_inputs)
-        run = c.run.with_fn(_on_fresh_parameters(c.module)) if fresh_params else c.run
+        fresh_here = fresh_params and c.run.fn is c.module  # not another callable of it
+        run = c.run.with_fn(_on_fresh_parameters(c.module)) if fresh_here else c.run
         slots[j] = _grad_outputs(run.on(fresh, j % n)), _input_leaves(fresh)
 
     def bwd(i: int) -> None:
