@@ -151,16 +151,42 @@ def test_on_a_gpu_a_leaf_that_ran_one_kernel_in_the_step_is_left_to_the_loop(spe
     assert [[fqn[r.call_id] for r in g] for g in groups] == [[""], ["1", "2"]]
 
 
-def test_kernels_in_step_read_from_the_capture_trace(tmp_path):
+def test_kernels_in_step_need_a_trace_with_device_kernels(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
     with cbtrace.capture(model, tmp_path / "traced"):
         model(torch.randn(4, 8))
     with cbtrace.capture(model, tmp_path / "untraced", trace=False):
         model(torch.randn(4, 8))
-    run = tmp_path / "traced"
-    records = read_records(run)
-    # a CPU step: every call in the trace, with no device kernel
-    assert precompile.kernels_in_step(run, read_manifest(run), records) == {
-        r.call_id: 0 for r in records}
-    run = tmp_path / "untraced"
-    assert precompile.kernels_in_step(run, read_manifest(run), read_records(run)) == {}
+    # a CPU step's trace has no device kernel: nothing to tell the leaves apart by
+    for name in ("traced", "untraced"):
+        run = tmp_path / name
+        assert precompile.kernels_in_step(run, read_manifest(run), read_records(run)) == {}
+
+
+def test_kernels_in_step_prefer_the_plain_step_and_fall_back_to_the_captured_one(
+        spec_run, monkeypatch):
+    import pandas as pd
+
+    records = read_records(spec_run)
+    manifest = read_manifest(spec_run)
+    plain = spec_run / "plain.pt.trace.json"
+    table = {plain: [1, 2, 1, 3], None: [5, 6, 7, 8]}  # the trace -> each call's kernels
+    read = []
+
+    def insitu(run, manifest, trace=None):
+        read.append(trace)
+        if isinstance(table[trace], Exception):
+            raise table[trace]
+        return pd.DataFrame({"fqn": [r.fqn for r in records],
+                             "call_index": [r.call_index for r in records],
+                             "kernel_count": table[trace]})
+
+    monkeypatch.setattr(precompile, "insitu_for_run", insitu)
+    monkeypatch.setattr(precompile, "plain_trace", lambda run, manifest: plain)
+    ids = [r.call_id for r in records]
+    assert precompile.kernels_in_step(spec_run, manifest, records) == dict(zip(ids, [1, 2, 1, 3]))
+    assert read == [plain]
+    table[plain] = ValueError("a trace cut short")  # unreadable: the captured step's counts
+    assert precompile.kernels_in_step(spec_run, manifest, records) == dict(zip(ids, [5, 6, 7, 8]))
+    table[plain], table[None] = [0, 0, 0, 0], [0, 0, 0, 0]  # no device kernel in either
+    assert precompile.kernels_in_step(spec_run, manifest, records) == {}

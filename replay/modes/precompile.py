@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from cbtrace import module_tree
-from cbtrace.attribution.join import insitu_for_run
+from cbtrace.attribution.join import insitu_for_run, plain_trace
 from cbtrace.calltree import CallTree
 from cbtrace.console import announce
 from cbtrace.errors import CbtraceError, one_line
@@ -197,11 +197,18 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *,
 
 
 def kernels_in_step(run: Path, manifest, records) -> dict[int, int]:
-    """call_id -> the kernels the call ran in the captured step (its trace); {} where the run
-    has no trace to read them from."""
-    try:
-        table = insitu_for_run(run, manifest)
-    except CbtraceError:
+    """call_id -> the kernels the call ran in the step: from the plain step's trace where the
+    run has one (no input copies of cbtrace's inside the calls), else from the captured step's;
+    {} where no trace with device kernels can be read."""
+    plain = plain_trace(run, manifest)
+    for trace in ([plain] if plain is not None else []) + [None]:  # None: the captured one
+        try:
+            table = insitu_for_run(run, manifest, trace=trace)
+        except (CbtraceError, OSError, ValueError):
+            continue
+        if table["kernel_count"].sum() > 0:
+            break
+    else:
         return {}
     by_key = dict(zip(zip(table["fqn"], table["call_index"]), table["kernel_count"]))
     out = {}
