@@ -307,7 +307,7 @@ def timm_convnext_tiny(size: str = "real"):
 def tv_fasterrcnn(size: str = "real", targets: bool = False):
     """A detection model: host copies and data-dependent shapes in its heads, an ImageList
     passed between its modules. ``targets``: each image with boxes and labels, as a training
-    step passes them (in train mode the model returns its losses)."""
+    step passes them, and the model wrapped to return the sum of its losses in train mode."""
     import torchvision
 
     torch.manual_seed(0)
@@ -319,11 +319,25 @@ def tv_fasterrcnn(size: str = "real", targets: bool = False):
         return model, (images,)
     g = torch.Generator().manual_seed(0)
     boxes = []
-    for _ in range(n):  # 3 boxes an image: corners ordered, inside the image
-        xy = torch.rand(3, 2, 2, generator=g) * side
+    for _ in range(n):  # 3 boxes an image: corners ordered, at least a pixel wide, inside it
+        xy = torch.rand(3, 2, 2, generator=g) * (side - 1)
         boxes.append(torch.cat([xy.amin(1), xy.amax(1) + 1], dim=1))
-    return model, (images, [{"boxes": b, "labels": torch.randint(1, 91, (3,), generator=g)}
-                            for b in boxes])
+    targets = [{"boxes": b, "labels": torch.randint(1, 91, (3,), generator=g)} for b in boxes]
+    return DetectionLosses(model), (images, targets)
+
+
+class DetectionLosses(nn.Module):
+    """A detection model's training step as its tutorials write it: the sum of the losses it
+    returns in train mode (a capture's backward starts from one scalar), its outputs alone in
+    eval mode."""
+
+    def __init__(self, detector: nn.Module):
+        super().__init__()
+        self.detector = detector
+
+    def forward(self, images, targets):
+        out = self.detector(images, targets)
+        return sum(out.values()) if isinstance(out, dict) else out
 
 
 class GNN(nn.Module):

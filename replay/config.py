@@ -120,7 +120,8 @@ class ReplayConfig:
     backward_fresh_params: bool = False
     """Graph timer, backward: each staged forward on the module's parameters made leaves anew
     (their AccumulateGrad nodes made on the capture stream), against captures that fail on a
-    node made earlier on the default stream (off until measured on a GPU)."""
+    node made earlier on the default stream; not for a call that runs another callable than
+    the module (compiled). Off until measured on a GPU."""
     cpu_windows: int = 2
     """On a CPU, each call timed in this many windows, the later ones after every call's first,
     the fastest kept: a shared machine's slow stretch must then cover a call each time (on a

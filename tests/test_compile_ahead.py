@@ -149,6 +149,13 @@ def test_on_a_gpu_a_leaf_that_ran_one_kernel_in_the_step_is_left_to_the_loop(spe
     groups = precompile.candidates(records, model, cfg, torch.device("cuda"),
                                    {cid["0"]: 1, cid["1"]: 2})
     assert [[fqn[r.call_id] for r in g] for g in groups] == [[""], ["1", "2"]]
+    # "1" ran no kernel: left out too ("0" and "2", not in the trace, count as more); with
+    # nothing read from a trace, every leaf is
+    groups = precompile.candidates(records, model, cfg, torch.device("cuda"), {cid["1"]: 0})
+    assert [[fqn[r.call_id] for r in g] for g in groups] == [[""], ["0"], ["2"]]
+    for unknown in ({}, None):
+        groups = precompile.candidates(records, model, cfg, torch.device("cuda"), unknown)
+        assert [[fqn[r.call_id] for r in g] for g in groups] == [[""]]
 
 
 def test_kernels_in_step_need_a_trace_with_device_kernels(tmp_path):

@@ -3,7 +3,7 @@
 Captures one training step (``--step train``), then for a few calls gives the backward's time and
 kernel count in the step (the in-situ stage's attribution of the capture trace) beside the
 kernels of one replayed backward (torch.profiler), and times the
-replayed backward two ways on the same prepared call:
+replayed backward three ways on the same prepared call:
 
 - ``staged``: the graph timer as replay uses it (each slot's forward run eagerly on the capture
   stream, only the K backwards in the graph);
@@ -12,7 +12,7 @@ replayed backward two ways on the same prepared call:
   parameter's AccumulateGrad node made earlier on the default stream breaks the capture;
 - ``events``: the events timer, the forward queued untimed before the start event.
 
-(A third way, a graph of K forward+backward pairs less a graph of K forwards, was replay's
+(Another way, a graph of K forward+backward pairs less a graph of K forwards, was replay's
 method before this probe; at 35435c8 its capture failed on every call, see RESULTS.md.)
 
 Usage: python benchmarks/probes/probe_backward.py OUT_DIR [SPEC] [FQN ...]   (GPU; SPEC: nanogpt;

@@ -16,7 +16,8 @@ ms in a thread) in situations that differ in one thing each:
   queues there, where the reading after the whole step may have recovered over a light tail.
 
 A call's kernels, in a step as alone, are those between the marker kernels its forward
-pre-hook and hook queue (its durations summed per call). The SM clock at the
+pre-hook and hook queue (its durations summed per call; markers pair in order, so a module that
+calls itself is not for this probe, and kernels of other streams between them count too). The SM clock at the
 end of each comes from a spin kernel of known cycles queued right after it (cycles over its
 duration), and from NVML (which averages over 1/6 to 1 s).
 

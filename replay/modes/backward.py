@@ -197,12 +197,17 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward,
         outs, leaves = backward.forward(i)
         last.update(i=i % n, capturing=capturing(), outs=outs, leaves=leaves)
 
+    params: list = []  # (the call on them, the fresh parameter leaves), made at first staging
+
     def stage(j: int) -> None:
         # its own autograd leaves: their nodes made now, on the capture stream
         fresh = _fresh_autograd(c.run.copies[j % n], view=not c.writes_inputs)
-        fresh_here = fresh_params and c.run.fn is c.module  # not another callable of it
-        run = c.run.with_fn(_on_fresh_parameters(c.module)) if fresh_here else c.run
-        slots[j] = _grad_outputs(run.on(fresh, j % n)), _input_leaves(fresh)
+        run, leaves = c.run, _input_leaves(fresh)
+        if fresh_params and c.run.fn is c.module:  # not another callable of it (compiled)
+            if not params:  # one set for every slot: each backward clears its .grad first
+                params.extend(_on_fresh_parameters(c.module))
+            run, leaves = c.run.with_fn(params[0]), leaves + params[1]
+        slots[j] = _grad_outputs(run.on(fresh, j % n)), leaves
 
     def bwd(i: int) -> None:
         if i in slots:
@@ -220,14 +225,17 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward,
                       unstage=slots.clear)
 
 
-def _on_fresh_parameters(module):
-    """``module``'s call on its parameters that require grad each detached and made a leaf
-    again (the same bytes; their AccumulateGrad nodes made by this call, on its stream)."""
+def _on_fresh_parameters(module) -> tuple:
+    """(``module``'s call on its parameters that require grad each detached and made a leaf
+    again, those leaves): the same bytes; their AccumulateGrad nodes made by the first call
+    through them, on its stream. A checkpoint's reentrant recomputation runs outside the call
+    and still reaches the module's own parameters."""
     from torch.func import functional_call
 
     params = {name: p.detach().requires_grad_(True)
               for name, p in module.named_parameters() if p.requires_grad}
-    return lambda *a, **k: functional_call(module, params, a, k, strict=False)
+    return (lambda *a, **k: functional_call(module, params, a, k, strict=False),
+            list(params.values()))
 
 
 def _note_inplace(c: CallUnderTest) -> None:

@@ -19,9 +19,10 @@ workers do: their compiles run the call once, and Triton tunes kernels on the de
 Workers only warm caches: what the loop measures is its own compile, whether the workers
 finished, failed or were never started (not asked for: ``compile_workers`` is 0 by default
 until an H200 measures it; a live model with no spec to rebuild; a sharded replay; ``auto`` on
-a CPU). On a GPU a leaf that ran one kernel in the captured step is left out: the compile mode
-does not compile it (``nothing_to_fuse``); one that ran more is compiled ahead like a parent
-(the loop compiles it, and a leaf no worker compiled misses the cache).
+a CPU). On a GPU a leaf that ran at most one kernel in the step (the plain step's trace, else
+the captured one's) is left out: the compile mode does not compile it (``nothing_to_fuse``);
+one that ran more is compiled ahead like a parent (the loop compiles it, and a leaf no worker
+compiled misses the cache). Without a trace that shows kernels, no leaf is.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from cbtrace import module_tree
 from cbtrace.attribution.join import insitu_for_run, plain_trace
 from cbtrace.calltree import CallTree
 from cbtrace.console import announce
-from cbtrace.errors import CbtraceError, one_line
+from cbtrace.errors import one_line
 from cbtrace.replay.measure.prepare import call_context
 from cbtrace.replay.measure.reuse import call_key
 from cbtrace.replay.measure.time_limit import time_limit
@@ -81,9 +82,9 @@ class Outcome:
 def candidates(records, model, cfg, device, step_kernels: dict | None = None) -> list[list]:
     """The calls the loop will compile, by kind (``call_key``; a call without one is its own
     kind): the first call of each module, every call under the compile mode, else those the
-    step ran compiled; on a GPU, no leaf that ran at most one kernel in the step
-    (``step_kernels``: call_id -> kernels; a leaf not in it counts as more). Every module, not
-    the first of its kind alone:
+    step ran compiled; on a GPU, only the leaves that ran more than one kernel in the step
+    (``step_kernels``: call_id -> kernels; a leaf it lacks counts as more; none when it is
+    empty or None). Every module, not the first of its kind alone:
     a kind whose modules differ in what dynamo guards on and the key does not see (a
     convolution's stride, a flag, a rate) compiles a graph per module, and a graph no worker
     compiled misses the cache in the loop; where the guards pass, a module after the first of
@@ -100,7 +101,7 @@ def candidates(records, model, cfg, device, step_kernels: dict | None = None) ->
         except AttributeError:
             continue
         if (device.type == "cuda" and next(module.children(), None) is None
-                and (step_kernels or {}).get(rec.call_id, 2) <= 1):
+                and (not step_kernels or step_kernels.get(rec.call_id, 2) <= 1)):
             continue
         key = call_key(module, rec)
         group = groups.setdefault(("module", rec.fqn) if key is None else key, [])
@@ -152,11 +153,9 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *,
     if cfg.compile_workers == 0 or not (
             "compile" in cfg.modes or any(r.step_compiled for r in records)):
         return None
-    kernels = kernels_in_step(run, manifest, records) if device.type == "cuda" else {}
-    groups = candidates(records, model, cfg, device, kernels)
+    groups = candidates(records, model, cfg, device)  # on a GPU, no leaf yet: the trace waits
     if not groups:
         return None
-    calls = sum(len(g) for g in groups)
     n = workers_for(cfg, device, model, len(groups))
     if n <= 0:
         return None
@@ -165,6 +164,9 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *,
     if refusal(manifest, trust=cfg.trust, spec=cfg.model_spec, run=run) is not None:
         return ("no compile ahead: the workers could not rebuild the model (a live model with "
                 "no spec, or a run from elsewhere: model_spec= or trust=True)")
+    if device.type == "cuda":  # the leaves the loop will compile: those of several kernels
+        groups = candidates(records, model, cfg, device, kernels_in_step(run, manifest, records))
+    calls = sum(len(g) for g in groups)
     if cfg.progress is not False:
         announce(f"compiling {calls} calls of {len(groups)} kinds ahead in {_processes(n)}")
     threads = torch.get_num_threads()
@@ -199,12 +201,13 @@ def compile_ahead(run: Path, manifest, records, model, cfg, device, *,
 def kernels_in_step(run: Path, manifest, records) -> dict[int, int]:
     """call_id -> the kernels the call ran in the step: from the plain step's trace where the
     run has one (no input copies of cbtrace's inside the calls), else from the captured step's;
-    {} where no trace with device kernels can be read."""
+    {} where no trace with device kernels can be read (a trace that cannot be read only
+    leaves the leaves to the loop: the replay's attribution says what is wrong with it)."""
     plain = plain_trace(run, manifest)
     for trace in ([plain] if plain is not None else []) + [None]:  # None: the captured one
         try:
             table = insitu_for_run(run, manifest, trace=trace)
-        except (CbtraceError, OSError, ValueError):
+        except Exception:  # noqa: BLE001 - see the docstring
             continue
         if table["kernel_count"].sum() > 0:
             break
@@ -214,7 +217,7 @@ def kernels_in_step(run: Path, manifest, records) -> dict[int, int]:
     out = {}
     for r in records:
         k = by_key.get((r.fqn, r.call_index))
-        if k is not None and k == k:  # NaN: the trace has no range for the call
+        if k is not None:
             out[r.call_id] = int(k)
     return out
 
