@@ -14,6 +14,7 @@ parameter gradients it writes make the call's memory split.
 from __future__ import annotations
 
 import torch
+from torch.func import functional_call
 from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.console import quiet_kineto
@@ -230,8 +231,6 @@ def _on_fresh_parameters(module) -> tuple:
     again, those leaves): the same bytes; their AccumulateGrad nodes made by the first call
     through them, on its stream. A checkpoint's reentrant recomputation runs outside the call
     and still reaches the module's own parameters."""
-    from torch.func import functional_call
-
     params = {name: p.detach().requires_grad_(True)
               for name, p in module.named_parameters() if p.requires_grad}
     return (lambda *a, **k: functional_call(module, params, a, k, strict=False),
