@@ -83,7 +83,8 @@ ROW_COLUMNS = ("call_id", "parent_call_id", "fqn", "module_type", "status", "sta
                "bwd_insitu_hooked_ms", "error_basis", "step_compiled",
                "eager_ms", "insitu_kernel_count", "kernel_error_pct", "miss_cause",
                "step_clock_mhz", "timed_clock_mhz", "clock_error_pct")
-COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
+COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "fell_back", "within5%",
+           "EmbBag_med%",
            "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named",
            "hooked_within5%", "step/timed_MHz", "clock_free_within5%")
 
@@ -106,7 +107,7 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
            "EmbBag_med%": _pct(bags[err].median()) if len(bags) else float("nan"),
            "root_err%": _pct(root[err].iloc[0]) if len(root) else float("nan"),
            "<10us_|err|_med%": _pct(small[err].abs().median()) if len(small) else float("nan"),
-           "hooked_within5%": hooked_within(big, phase)}
+           "hooked_within5%": hooked_within(big, phase), "fell_back": fell_back(big, phase)}
     if phase == "fwd" and "kernel_error_pct" in df:  # like with like: kernels alone vs in the step
         kern = small["kernel_error_pct"].dropna().abs()
         row["<10us_|kern|_med%"] = _pct(kern.median()) if len(kern) else float("nan")
@@ -124,6 +125,16 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
                for t, d in g]
     classes.sort(key=lambda c: -c["insitu_ms_median"])
     return row, classes
+
+
+def fell_back(big, phase: str) -> int:
+    """Of ``big``'s calls, those the first timer of the chain refused (a graph capture that
+    failed, a call that asks whether it is captured), timed by a fallback: where a phase's
+    misses gather, their timer is the first suspect."""
+    if phase == "fwd":
+        return int(big["timer_fallback"].notna().sum()) if "timer_fallback" in big else 0
+    notes = big["bwd_timer_notes"] if "bwd_timer_notes" in big else None
+    return 0 if notes is None else int(notes.fillna("").str.contains("fallback: ").sum())
 
 
 def clock_columns(big, err: str) -> dict:

@@ -10,7 +10,8 @@ import pytest
 from helpers.paths import REPO
 
 SCRIPT = REPO / "benchmarks" / "fidelity_zoo.py"
-COLUMNS = ["model", "phase", "calls", "errors", "skipped", "n>=10us", "within5%", "EmbBag_med%",
+COLUMNS = ["model", "phase", "calls", "errors", "skipped", "n>=10us", "fell_back", "within5%",
+           "EmbBag_med%",
            "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named",
            "hooked_within5%", "step/timed_MHz", "clock_free_within5%"]
 # the script's own functions, called in a process of its own: the tests import nothing from
@@ -63,6 +64,12 @@ def table(rows):
     df = pd.DataFrame([dict(zip(cols, r)) for r in rows])
     df["isolated_ms"] = df["insitu_ms"] * (1 + df["error_pct"] / 100)
     df["timer_notes"] = ["graph", "context 2 calls", "context 2 calls", None, None, None, None, None]
+    # calls timed by a fallback timer: forward 1 and 4 (4 under 10 us), backward 1, 2 and 4
+    df["timer_fallback"] = [None, "graph: capture failed", None, None, "graph: capture failed",
+                            None, None, None]
+    df["bwd_timer_notes"] = ["K=2", "spin=1ms; fallback: graph: capture failed",
+                             "fallback: graph: capture failed", None, "fallback: graph: x",
+                             None, None, None]
     return df
 
 
@@ -91,6 +98,7 @@ def figures(tmp_path_factory):
 def test_forward_figures_by_hand(figures):
     row, classes = figures["fwd"]
     assert (row["calls"], row["errors"], row["skipped"], row["n>=10us"]) == (8, 1, 1, 4)
+    assert row["fell_back"] == 1  # of the calls >= 10 us
     assert row["within5%"] == pytest.approx(75.0)  # 2, -4, -1 within; 6 not
     assert row["EmbBag_med%"] == pytest.approx(-1.0)
     assert row["root_err%"] == pytest.approx(2.0)
@@ -104,7 +112,7 @@ def test_forward_figures_by_hand(figures):
 
 def test_backward_figures_read_the_backward_columns(figures):
     row, classes = figures["bwd"]
-    assert (row["calls"], row["errors"], row["n>=10us"]) == (7, 1, 3)
+    assert (row["calls"], row["errors"], row["n>=10us"], row["fell_back"]) == (7, 1, 3, 2)
     assert row["within5%"] == pytest.approx(100 * 2 / 3)  # -8 misses
     assert row["root_err%"] == -8.0 and row["EmbBag_med%"] == pytest.approx(2.0)
     assert row["<10us_|err|_med%"] == pytest.approx(3.0)
