@@ -41,7 +41,9 @@
 # root-host: probes/probe_root_host.py (a root's host issue as the user runs it, beside a reader thread,
 # after a profiler session, and in replay with the read-ahead on and off; ROOT_SPECS, zoo function names;
 # ROOT_STEP=train);
-# mem-train: probes/probe_memory.py on ResNet-50 train (MEM_VARIANTS; the capture-room fix).
+# mem-train: probes/probe_memory.py on ResNet-50 train (MEM_VARIANTS; the capture-room fix);
+# engine-sums: probes/probe_engine_sums.py on the GPU (a leaf's engine adds, its own gradient
+# sums, its in-situ backward with and without them, captured and plain step; SUMS_SPEC, SUMS_SIZE).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -119,6 +121,8 @@ fresh)
   for M in ${FRESH_MODELS:-nanogpt dlrm:large}; do
     timeout ${FRESH_TIMEOUT:-300} python3 $R/benchmarks/bench_replay_fresh.py --model $M --device cuda ${FRESH_DTYPE:+--dtype $FRESH_DTYPE} --repeats ${FRESH_REPEATS:-2} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_replay_fresh_${M/:/_}.log | tail -30
   done ;;
+engine-sums)
+  timeout ${SUMS_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_engine_sums.py /tmp/sums ${SUMS_SPEC:+$R/$SUMS_SPEC} --device cuda --dtype bf16 --size ${SUMS_SIZE:-real} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |^\[transformers\]" | tee $OUT/probe_engine_sums.log | tail -${SUMS_LINES:-40} ;;
 step-clock)
   timeout ${CLOCK_TIMEOUT:-120} python3 $R/benchmarks/probes/probe_step_clock.py ${CLOCK_SPEC:+$R/$CLOCK_SPEC} ${CLOCK_FQN:-} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/probe_step_clock${CLOCK_FQN:+_$CLOCK_FQN}.log | tail -12 ;;
 pos-conv)

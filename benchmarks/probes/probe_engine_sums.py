@@ -15,10 +15,15 @@ forward hook (``replay.modes.backward.grad_sums``, which the replay of ``--backw
 first. The in-situ attribution keeps ``min(own sums, adds in its nodes)`` in the call
 (``backward_ops.keep_own_adds``) and gives the rest to the parent.
 
-Usage: python benchmarks/probes/probe_engine_sums.py OUT_DIR [SPEC]   (default: the zoo's
-       tiny transformers GPT-2; CPU is enough: the adds are host ops in the trace)
+On a GPU the plain step's trace (the one the in-situ figures come from) is read too, and each
+leaf's in-situ backward is printed as attributed with and without its own sums (what
+``join.insitu_for_run`` gives): on the H100 in session 28 GPT-2's GELU backward still read +30 %
+though the rule had been built, and this says whether the rule reached it there.
+
+Usage: python benchmarks/probes/probe_engine_sums.py OUT_DIR [SPEC] [--device cuda]
+       [--dtype bf16] [--size real]   (default: the zoo's tiny transformers GPT-2 on the CPU)
 """
-import sys
+import argparse
 from collections import Counter
 from pathlib import Path
 
@@ -31,14 +36,14 @@ from cbtrace.replay.modes.backward import grad_sums, grad_targets
 ZOO = str(Path(__file__).resolve().parents[1] / "zoo.py")
 
 
-def graph_sums(spec: str) -> dict:
+def graph_sums(spec: str, options: dict, device: str = "cpu", dtype=None) -> dict:
     """fqn -> the gradient sums inside each leaf's first call, from one forward of the
     provider's model in train mode (built afresh, as the capture built it); None where a walk
     gave up."""
     from cbtrace.model.spec import resolve
 
-    provider = resolve(spec, seed=0, options={})
-    model, batch = provider.model_and_batch("cpu", None)
+    provider = resolve(spec, seed=0, options=options)
+    model, batch = provider.model_and_batch(device, dtype)
     model.train()
     total, handles = {}, []
     for fqn, m in model.named_modules():
@@ -58,15 +63,16 @@ def graph_sums(spec: str) -> dict:
     return total
 
 
-def trace_adds(run) -> Counter:
-    """fqn -> the engine adds the capture trace shows in its calls' backward nodes."""
+def trace_adds(run, trace=None) -> Counter:
+    """fqn -> the engine adds the capture trace (or ``trace``) shows in its calls' backward
+    nodes."""
     from cbtrace.attribution import backward_ops as bw
     from cbtrace.attribution import forest as fm
     from cbtrace.attribution import identity, loader
     from cbtrace.rundir.read import find_trace, load_run
 
     manifest, _ = load_run(run)
-    f = fm.build(loader.load(find_trace(run, manifest)))
+    f = fm.build(loader.load(trace or find_trace(run, manifest)))
     lab, is_copy, labels = identity.labels(f, identity.choose_source(f))
     module_of, copy_of = f.nearest(lab >= 0), f.outermost(is_copy)
     roots = bw.backward_roots(f)
@@ -79,21 +85,56 @@ def trace_adds(run) -> Counter:
     return adds
 
 
-def main(out_dir, spec=f"{ZOO}:hf_gpt2") -> None:
-    from cbtrace.capture.from_spec import capture_model
+def insitu_bwd(run, trace, sums: dict) -> dict:
+    """fqn -> (in-situ backward ms without its own sums, with them, kernel counts) of each
+    leaf's first call, from ``trace``."""
+    from cbtrace.attribution.join import insitu_for_run
+    from cbtrace.rundir.read import load_run
 
-    run = Path(out_dir) / "engine_sums"
-    capture_model(spec, run, device="cpu", step="train", options={})
-    adds, sums = trace_adds(run), graph_sums(spec)
-    print(f"{spec}: leaves whose backward nodes ran engine adds, or that sum gradients")
-    print(f"{'module':<48} {'adds in its nodes':>17} {'own sums':>9} {'kept':>5}")
-    for fqn in sorted(set(adds) | {f for f, n in sums.items() if n}):
-        n_adds, own = adds.get(fqn, 0), sums.get(fqn)
-        keep = "?" if own is None else min(own, n_adds)
-        print(f"{fqn:<48} {n_adds:>17} {own if own is not None else '?':>9} {keep:>5}")
+    manifest, _ = load_run(run)
+    own = {(f, 0): n for f, n in sums.items() if n}
+    a, b = (insitu_for_run(run, manifest, phase="bwd", grad_sums=g, trace=trace)
+            for g in (None, own))
+    a, b = (t[t["call_index"] == 0].set_index("fqn") for t in (a, b))
+    return {f: (a.at[f, "insitu_ms"], b.at[f, "insitu_ms"], a.at[f, "kernel_count"],
+                b.at[f, "kernel_count"]) for f in a.index if f in b.index}
+
+
+def main() -> None:
+    from cbtrace.attribution.join import plain_trace
+    from cbtrace.capture.from_spec import capture_model
+    from cbtrace.rundir.read import find_trace, load_run
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("spec", nargs="?", default=f"{ZOO}:hf_gpt2")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--size", default=None, help="the zoo's size option (tiny, real)")
+    args = ap.parse_args()
+    options = {"size": args.size} if args.size else {}
+    run = Path(args.out_dir) / "engine_sums"
+    capture_model(args.spec, run, device=args.device, dtype=args.dtype, step="train",
+                  options=options)
+    manifest, _ = load_run(run)
+    traces = {"captured": find_trace(run, manifest), "plain": plain_trace(run, manifest)}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    sums = graph_sums(args.spec, options, args.device, dtype)
+    for label, trace in traces.items():
+        if trace is None:
+            continue
+        adds, ins = trace_adds(run, trace), insitu_bwd(run, trace, sums)
+        print(f"{args.spec} ({args.device}), {label} step: leaves whose backward nodes ran "
+              f"engine adds, or that sum gradients")
+        print(f"{'module':<40} {'adds in nodes':>13} {'own sums':>8} {'kept':>4} "
+              f"{'bwd ms w/o':>10} {'with':>8} {'kernels w/o':>11} {'with':>5}")
+        for fqn in sorted(set(adds) | {f for f, n in sums.items() if n}):
+            n_adds, own = adds.get(fqn, 0), sums.get(fqn)
+            keep = "?" if own is None else min(own, n_adds)
+            w, k, kw, kk = ins.get(fqn, (float("nan"),) * 4)
+            print(f"{fqn:<40} {n_adds:>13} {own if own is not None else '?':>8} {keep:>4} "
+                  f"{w:>10.4f} {k:>8.4f} {kw:>11} {kk:>5}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    main(*sys.argv[1:3])
+    main()
