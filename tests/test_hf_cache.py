@@ -4,6 +4,7 @@ import collections.abc
 import inspect
 import json
 import sys
+import weakref
 
 import pytest
 import torch
@@ -438,3 +439,43 @@ def test_transformers_models_replay_ok(tmp_path, build, layer, cache_type, devic
         asks = df["timer_fallback"].fillna("").str.contains("is_current_stream_capturing")
         assert set(df.loc[~asks, "timer"]) == {"graph"}, df.groupby("timer")["fqn"].apply(list)
         assert set(df.loc[asks, "timer"]) <= {"stream"} and asks.sum() < len(df) / 2
+
+
+def test_a_staged_backward_lets_go_of_what_earlier_forwards_left_in_the_caches(llama_run):
+    """Each forward with grad appends keys and values, with their autograd graph, to its copy's
+    Cache, and they stay until that copy runs again. The graph holds the projections'
+    AccumulateGrad nodes and the stream each was made on; a backward staged and captured on a
+    side stream while one made on the default stream is alive fails the capture (the attention
+    backwards of transformers models). Unstaging puts every copy's objects back first."""
+    from cbtrace.replay.modes.backward import (_backward_runner, _FreshBackward, _gradients,
+                                               _grad_outputs)
+
+    class Saved:  # what a graph node saved for its backward, alive as long as the node
+        def __init__(self, t):
+            self.t = t.detach()  # no reference to the graph itself
+
+    alive = weakref.WeakSet()
+
+    def pack(t):
+        alive.add(s := Saved(t))
+        return s
+
+    model, run = llama_run
+    attn = model.model.layers[1].self_attn
+    args, kwargs = cbtrace.load_inputs(run, "model.layers.1.self_attn")
+    call = prepare(attn, _record(run, "model.layers.1.self_attn"), args, kwargs,
+                   torch.device("cpu"), ReplayConfig(max_copies=3))
+    caches = [cache_of(k) for _, k in call.run.copies]
+    assert not caches[0].layers[1].is_initialized  # as captured: layer 1 not yet written
+    with torch.enable_grad():
+        outs = _grad_outputs(call.run(0))
+        grads, _ = _gradients(call, outs)
+        del outs
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s.t):
+            for i in range(call.n_copies):
+                call.run(i)  # outputs dropped at once
+    assert all(c.layers[1].keys.grad_fn is not None for c in caches) and len(alive) > 0
+    runner = _backward_runner(call, _FreshBackward(call, grads))
+    runner.unstage()
+    assert not any(c.layers[1].is_initialized for c in caches)
+    assert len(alive) == 0  # every graph those forwards made is gone

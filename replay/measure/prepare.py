@@ -50,6 +50,17 @@ class OnCopies:
     def __call__(self, i: int = 0):
         return self.on(self.copies[i % len(self.copies)], i)
 
+    def put_back(self) -> None:
+        """Every copy's objects as they were before any run: what the last run of each added
+        (a transformers Cache's keys and values, and the autograd graph they carry) let go.
+        That graph holds the call's parameters' AccumulateGrad nodes, each keeping the stream
+        it was made on: one made by a run on the default stream, still held when a backward is
+        captured on a side stream, breaks the capture ("operation would make the legacy stream
+        depend on a capturing blocking stream"; the attention backwards of transformers models
+        fell back to the events timer for it)."""
+        for state in self.states or ():
+            state.restore(self.device.type == "cuda")
+
     def with_fn(self, fn: Callable) -> "OnCopies":
         return dataclasses.replace(self, fn=fn)
 
@@ -240,7 +251,9 @@ class InputState:
             d.clear()
             d.update(saved)
         if self.small:
-            capturing = cuda and torch.cuda.is_current_stream_capturing()
+            # the C check: the graph timer watches torch.cuda.is_current_stream_capturing for
+            # calls that branch on capture, and would refuse this one for cbtrace's own question
+            capturing = cuda and torch._C._cuda_isCurrentStreamCapturing()
             with torch.no_grad():
                 for s in self.small:
                     t, saved, version = s

@@ -221,9 +221,17 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward,
         last.clear()
         backward(outs, i, leaves=leaves)
 
+    def unstage() -> None:
+        # nothing of an earlier forward's graph left alive, in the slots, the last forward or
+        # the copies' objects (a Cache's keys): its parameters' AccumulateGrad nodes would
+        # keep the stream they were made on into the next staging (``OnCopies.put_back``)
+        slots.clear()
+        last.clear()
+        c.run.put_back()
+
     # the forward is the backward's input state: timers skip it in warm-up, as a rewrite's
     return CallRunner(run=bwd, n_copies=n, before=forward, warms_inputs=True, stage=stage,
-                      unstage=slots.clear)
+                      unstage=unstage)
 
 
 def _on_fresh_parameters(module) -> tuple:
