@@ -43,7 +43,9 @@
 # ROOT_STEP=train);
 # mem-train: probes/probe_memory.py on ResNet-50 train (MEM_VARIANTS; the capture-room fix);
 # engine-sums: probes/probe_engine_sums.py on the GPU (a leaf's engine adds, its own gradient
-# sums, its in-situ backward with and without them, captured and plain step; SUMS_SPEC, SUMS_SIZE).
+# sums, its in-situ backward with and without them, captured and plain step; SUMS_SPEC, SUMS_SIZE);
+# capture-failure: probes/probe_capture_failure.py (a train replay with --backward; each failed
+# backward capture's C++ stack and what holds graphs reaching its parameters; FAIL_SPEC, FAIL_SIZE).
 R=$PWD
 source benchmarks/device_setup.sh >/dev/null || exit 1
 cd /tmp
@@ -121,6 +123,8 @@ fresh)
   for M in ${FRESH_MODELS:-nanogpt dlrm:large}; do
     timeout ${FRESH_TIMEOUT:-300} python3 $R/benchmarks/bench_replay_fresh.py --model $M --device cuda ${FRESH_DTYPE:+--dtype $FRESH_DTYPE} --repeats ${FRESH_REPEATS:-2} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/bench_replay_fresh_${M/:/_}.log | tail -30
   done ;;
+capture-failure)
+  TORCH_SHOW_CPP_STACKTRACES=1 timeout ${FAIL_TIMEOUT:-300} python3 $R/benchmarks/probes/probe_capture_failure.py /tmp/fail ${FAIL_SPEC:+$R/$FAIL_SPEC} --size ${FAIL_SIZE:-real} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |^\[transformers\]" | tee $OUT/probe_capture_failure.log | tail -${FAIL_LINES:-80} ;;
 engine-sums)
   timeout ${SUMS_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_engine_sums.py /tmp/sums ${SUMS_SPEC:+$R/$SUMS_SPEC} --device cuda --dtype bf16 --size ${SUMS_SIZE:-real} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |^\[transformers\]" | tee $OUT/probe_engine_sums.log | tail -${SUMS_LINES:-40} ;;
 step-clock)
