@@ -45,14 +45,25 @@ def graph_sums(spec: str, options: dict, device: str = "cpu", dtype=None) -> dic
     provider = resolve(spec, seed=0, options=options)
     model, batch = provider.model_and_batch(device, dtype)
     model.train()
-    total, handles = {}, []
+    total, handles, shown = {}, [], {}
     for fqn, m in model.named_modules():
         if next(m.children(), None) is not None:
             continue  # leaves only: a parent's count by this walk did not match its trace
 
         def hook(m, args, kwargs, o, fqn=fqn):
             outs = [t for t in flat_tensors(o) if t.grad_fn is not None]
-            total.setdefault(fqn, grad_sums(outs, grad_targets(flat_tensors((args, kwargs))), m))
+            ins = flat_tensors((args, kwargs))
+            total.setdefault(fqn, grad_sums(outs, grad_targets(ins), m))
+            if fqn not in shown and type(m).__name__ not in {c for c, _ in shown.values()}:
+                # one line per leaf class: what the walk started from (a GPU run counted 0
+                # for GPT-2's GELU, where the CPU counts 2)
+                fn = outs[0].grad_fn if outs else None
+                shown[fqn] = (type(m).__name__, (
+                    f"outputs with a graph {len(outs)}, inputs requiring grad "
+                    f"{sum(t.requires_grad for t in ins)}/{len(ins)}, output node "
+                    f"{type(fn).__name__ if fn else None} <- "
+                    f"{[type(f).__name__ for f, _ in fn.next_functions] if fn else []}, "
+                    f"sums {total[fqn]}"))
         handles.append(m.register_forward_hook(hook, with_kwargs=True))
     try:
         with torch.enable_grad():
@@ -60,6 +71,8 @@ def graph_sums(spec: str, options: dict, device: str = "cpu", dtype=None) -> dic
     finally:
         for h in handles:
             h.remove()
+    for fqn, (kind, line) in shown.items():
+        print(f"  walk of {fqn} ({kind}): {line}")
     return total
 
 
