@@ -91,7 +91,10 @@ def trace_adds(run, trace=None) -> Counter:
     roots = bw.backward_roots(f)
     owner = bw.backward_owner(f, roots, bw.forward_owner_by_seq(f, module_of, roots, copy_of))
     adds = Counter()
-    for j in np.flatnonzero(bw.engine_work(f, roots)):
+    engine = bw.engine_work(f, roots)
+    # the outermost events alone, as keep_own_adds counts them: on a GPU an add's kernel launch
+    # is an event inside it, and every add counted twice
+    for j in np.flatnonzero(engine & (f.outermost(engine) == np.arange(len(f)))):
         o = owner[roots[j]]
         if o >= 0:
             adds[labels[lab[o]]] += 1
