@@ -3,7 +3,6 @@
 CPU tests use a tiny nn.Sequential and real torch.profiler runs; GPU tests carry @pytest.mark.gpu.
 """
 import ast
-import contextlib
 import dataclasses
 import inspect
 import json
@@ -804,42 +803,6 @@ def test_a_graph_capture_out_of_memory_hands_the_cache_back_and_tries_once_more(
     with pytest.raises(TimerUnavailable, match="failed: x"):
         run()
     assert released == []  # another failure: nothing handed back, no retry
-
-
-def test_a_staged_capture_that_reached_a_default_stream_node_runs_once_more_after_collection(
-        monkeypatch):
-    """A staged backward's capture that met an autograd node made on the default stream: once
-    more after a collection (a reference cycle may have kept an earlier forward's graph); an
-    unstaged call's capture with the same error goes to the next timer at once."""
-    from types import SimpleNamespace
-
-    from cbtrace.plugins.backends import graph
-
-    legacy = TimerUnavailable("graph capture failed: AcceleratorError: CUDA error: operation "
-                              "would make the legacy stream depend on a capturing blocking stream")
-    for staged_call in (True, False):
-        results, released, unstaged = [legacy, "graph"], [], []
-
-        def capture(run, n_copies, k, touch, stream, slots=False):
-            r = results.pop(0)
-            if isinstance(r, Exception):
-                raise r
-            return r
-
-        monkeypatch.setattr(graph, "capture", capture)
-        monkeypatch.setattr(graph, "hand_back", released.append)
-        call = SimpleNamespace(stage=(lambda j: None) if staged_call else None,
-                               unstage=lambda: unstaged.append(1), run=lambda i: None)
-        stream = SimpleNamespace(device=torch.device("cuda", 0), wait_stream=lambda s: None)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
-        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-        if staged_call:
-            assert graph.staged(call, 1, 4, stream=stream) == "graph"
-            assert released == [torch.device("cuda", 0)] and len(unstaged) == 3
-        else:
-            with pytest.raises(TimerUnavailable, match="legacy stream"):
-                graph.staged(call, 1, 4, stream=stream)
-            assert released == []
 
 
 def test_the_cache_goes_back_before_a_capture_only_when_the_driver_is_short(monkeypatch):

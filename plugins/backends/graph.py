@@ -67,21 +67,12 @@ def staged(call: CallRunner, n_copies: int, k: int, touch=None,
     try:
         return _staged(call, n_copies, k, touch, stream)
     except TimerUnavailable as e:
-        message = str(e)
-        if "out of memory" not in message.lower() and not (
-                call.stage is not None and LEGACY_STREAM in message):
+        if "out of memory" not in str(e).lower():
             raise
     if call.unstage is not None:
         call.unstage()
-    # graphs in reference cycles hold their pools until collected; and a collection lets go
-    # of an earlier forward's autograd graph that a cycle kept (a staged backward's retry)
-    hand_back(stream.device)
+    hand_back(stream.device)  # graphs in reference cycles hold their pools until collected
     return _staged(call, n_copies, k, touch, stream)
-
-
-# A staged backward's capture reached an autograd node made on the default stream (a
-# parameter's AccumulateGrad an earlier forward made, kept alive): once more after a collection
-LEGACY_STREAM = "would make the legacy stream depend on a capturing"
 
 
 def _staged(call: CallRunner, n_copies: int, k: int, touch, stream) -> torch.cuda.CUDAGraph:
