@@ -479,3 +479,51 @@ def test_a_staged_backward_lets_go_of_what_earlier_forwards_left_in_the_caches(l
     runner.unstage()
     assert not any(c.layers[1].is_initialized for c in caches)
     assert len(alive) == 0  # every graph those forwards made is gone
+
+
+def test_no_autograd_node_made_before_a_backward_is_timed_survives_into_its_staging(llama_run,
+                                                                                  monkeypatch):
+    """On a GPU every run outside a timer is on the default stream, and a parameter's
+    AccumulateGrad node keeps the stream it was made on: one still alive when the graph timer
+    stages and captures a backward on its side stream fails the capture ("operation would make
+    the legacy stream depend on a capturing blocking stream"; transformers attentions and their
+    layers, session 28). The backward step as the replay runs it, after forward runs that left
+    keys in the copies' Cache, with a timer that does what the graph timer does before its
+    capture (warm-up runs, unstage, stage): every parameter node alive when the timer began
+    (tagged then) is gone by the staging."""
+    from cbtrace.plugins.backends.cpu import CpuTimer
+    from cbtrace.replay.modes.backward import BackwardStep
+
+    model, run = llama_run
+    attn = model.model.layers[1].self_attn
+    args, kwargs = cbtrace.load_inputs(run, "model.layers.1.self_attn")
+    cfg = ReplayConfig(max_copies=3, backward=True, timer="cpu", **FAST_REPLAY)
+    call = prepare(attn, _record(run, "model.layers.1.self_attn"), args, kwargs,
+                   torch.device("cpu"), cfg)
+    params = list(attn.parameters())
+
+    def node(p):  # its AccumulateGrad: the live one, else a new one that dies at once
+        return p.view_as(p).grad_fn.next_functions[0][0]
+
+    staged, measure = [], CpuTimer.measure
+
+    def like_the_graph_timer(self, runner, n_copies, device, tcfg):
+        if runner.stage is not None:
+            for p in params:
+                node(p).metadata["before the timer"] = True
+            for i in range(2):  # its warm-up, on the capture stream on a GPU
+                runner.run(i)
+            runner.unstage()
+            for j in range(3):
+                runner.stage(j)
+            staged.append(sum("before the timer" in node(p).metadata for p in params))
+            runner.unstage()
+        return measure(self, runner, n_copies, device, tcfg)
+
+    monkeypatch.setattr(CpuTimer, "measure", like_the_graph_timer)
+    with torch.enable_grad():
+        for i in range(call.n_copies):  # the forward steps' runs: keys left in each copy
+            call.run(i)
+    assert all(cache_of(k).layers[1].keys.grad_fn is not None for _, k in call.run.copies)
+    row = BackwardStep(cfg, ["cpu"], {"cpu": CpuTimer()}).run(call)
+    assert row["bwd_status"] == "ok" and staged == [0]

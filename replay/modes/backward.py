@@ -40,9 +40,15 @@ class BackwardStep:
         self.fresh_params = cfg.backward_fresh_params
 
     def run(self, c: CallUnderTest) -> dict:
+        # the inputs as captured: the forward steps' last runs left their keys and values, with
+        # their graphs, in the copies' objects (a transformers Cache), and a target taken there
+        # would hold those graphs, and the parameters' AccumulateGrad nodes they reach, made on
+        # the default stream, through every capture below (see OnCopies.put_back)
+        c.run.put_back()
         targets = grad_targets(flat_tensors(c.run.copies[0]))  # before an in-place forward
         outs = _grad_outputs(c.run(0))
         sums = grad_sums(outs, targets, c.module)
+        del targets  # its nodes (an input's producer) go with it
         _note_inplace(c)
         if not outs:
             return dict(bwd_status="skipped", bwd_status_reason="no output requires grad (the "
