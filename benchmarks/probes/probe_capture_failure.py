@@ -28,9 +28,9 @@ def reaches(t: torch.Tensor, params: set, limit: int = 5000) -> bool:
     seen, stack = set(), [t.grad_fn]
     while stack and len(seen) < limit:
         fn = stack.pop()
-        if fn is None or id(fn) in seen:
+        if fn is None or fn in seen:
             continue
-        seen.add(id(fn))
+        seen.add(fn)  # held: the id of a node let go can come back as another's
         if id(getattr(fn, "variable", None)) in params:
             return True
         stack.extend(f for f, _ in fn.next_functions)

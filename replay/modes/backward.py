@@ -102,8 +102,10 @@ def grad_sums(outs, inputs: set, module, limit: int = 100_000) -> int | None:
     call's own (``attribution.backward_ops``). None past ``limit`` nodes."""
     params = {id(p) for p in module.parameters()}
     edges: dict = {}
+    # keyed by the node objects themselves, held for the walk: a node's Python object lives
+    # only while referenced, and the id of one let go can come back as another node's
     stack = list({id(o.grad_fn): o.grad_fn for o in outs}.values())  # outputs of one node: once
-    seen = set(map(id, stack))
+    seen = set(stack)
     while stack:
         for fn, nr in stack.pop().next_functions:
             if fn is None:
@@ -113,11 +115,9 @@ def grad_sums(outs, inputs: set, module, limit: int = 100_000) -> int | None:
                 if id(var) in inputs or id(var) in params:
                     edges[id(var)] = edges.get(id(var), 0) + 1
                 continue
-            inside = (fn, nr) not in inputs  # an input's producer is not the call's
-            key = (id(fn), nr) if inside else (fn, nr)
-            edges[key] = edges.get(key, 0) + 1
-            if inside and id(fn) not in seen:
-                seen.add(id(fn))
+            edges[(fn, nr)] = edges.get((fn, nr), 0) + 1
+            if (fn, nr) not in inputs and fn not in seen:  # an input's producer is not the call's
+                seen.add(fn)
                 if len(seen) > limit:
                     return None
                 stack.append(fn)
@@ -331,9 +331,9 @@ def _input_leaves(inputs) -> list[torch.Tensor]:
                 stack.append((t.grad_fn, 0))
     while stack:
         fn, depth = stack.pop()
-        if fn is None or id(fn) in seen or depth > 4:  # rebuilt inputs sit 2-3 nodes deep
+        if fn is None or fn in seen or depth > 4:  # rebuilt inputs sit 2-3 nodes deep
             continue
-        seen.add(id(fn))
+        seen.add(fn)  # the node itself, held: the id of one let go can come back as another's
         var = getattr(fn, "variable", None)  # AccumulateGrad
         if var is not None:
             leaves.append(var)
