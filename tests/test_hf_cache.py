@@ -487,7 +487,7 @@ def test_no_autograd_node_made_before_a_backward_is_timed_survives_into_its_stag
     AccumulateGrad node keeps the stream it was made on: one still alive when the graph timer
     stages and captures a backward on its side stream fails the capture ("operation would make
     the legacy stream depend on a capturing blocking stream"; transformers attentions and their
-    layers, session 28). The backward step as the replay runs it, after forward runs that left
+    layers). The backward step as the replay runs it, after forward runs that left
     keys in the copies' Cache, with a timer that does what the graph timer does before its
     capture (warm-up runs, unstage, stage): every parameter node alive when the timer began
     (tagged then) is gone by the staging."""
