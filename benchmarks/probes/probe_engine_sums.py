@@ -17,8 +17,8 @@ first. The in-situ attribution keeps ``min(own sums, adds in its nodes)`` in the
 
 On a GPU the plain step's trace (the one the in-situ figures come from) is read too, and each
 leaf's in-situ backward is printed as attributed with and without its own sums (what
-``join.insitu_for_run`` gives): on the H100 in session 28 GPT-2's GELU backward still read +30 %
-though the rule had been built, and this says whether the rule reached it there.
+``join.insitu_for_run`` gives): on the H100 GPT-2's GELU backward still read slow though the
+rule had been built (benchmarks/RESULTS.md), and this says whether the rule reached it there.
 
 Usage: python benchmarks/probes/probe_engine_sums.py OUT_DIR [SPEC] [--device cuda]
        [--dtype bf16] [--size real]   (default: the zoo's tiny transformers GPT-2 on the CPU)
