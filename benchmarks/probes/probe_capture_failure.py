@@ -3,9 +3,9 @@
 ``probe_backward.py`` captures a transformers attention's staged backward into a CUDA graph
 without trouble, while in a whole train replay the same call's capture fails ("operation would
 make the legacy stream depend on a capturing blocking stream", then timed by the events timer,
-which reads Llama's attention backward slow: benchmarks/RESULTS.md). This replays a train capture with ``--backward``
-as ``cbtrace profile`` does, and at each failed capture of a backward prints, for the first
-few: the call, the failing op's whole error (its C++ stack with TORCH_SHOW_CPP_STACKTRACES=1),
+which reads Llama's attention backward slow: benchmarks/RESULTS.md). This replays a train
+capture with ``--backward`` as ``cbtrace profile`` does, and at each failed capture of a
+backward prints, for the first few: the call, the failing op's whole error (its C++ stack with TORCH_SHOW_CPP_STACKTRACES=1),
 and the tensors Python can see that carry an autograd graph reaching the call's parameters,
 with what holds them (a parameter's AccumulateGrad node keeps the stream it was made on).
 
