@@ -5,9 +5,10 @@ without trouble, while in a whole train replay the same call's capture fails ("o
 make the legacy stream depend on a capturing blocking stream", then timed by the events timer,
 which reads Llama's attention backward slow: benchmarks/RESULTS.md). This replays a train
 capture with ``--backward`` as ``cbtrace profile`` does, and at each failed capture of a
-backward prints, for the first few: the call, the failing op's whole error (its C++ stack with TORCH_SHOW_CPP_STACKTRACES=1),
-and the tensors Python can see that carry an autograd graph reaching the call's parameters,
-with what holds them (a parameter's AccumulateGrad node keeps the stream it was made on).
+backward prints, for the first few: the call, the failing op's whole error (its C++ stack
+with TORCH_SHOW_CPP_STACKTRACES=1), and the tensors Python can see that carry an autograd
+graph reaching the call's parameters, with what holds them (a parameter's AccumulateGrad node
+keeps the stream it was made on).
 
 Usage: python benchmarks/probes/probe_capture_failure.py OUT_DIR [SPEC] [--size real]
        [--first N]   (default: the zoo's transformers Llama, bf16 on the GPU)
