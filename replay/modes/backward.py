@@ -102,8 +102,8 @@ def grad_sums(outs, inputs: set, module, limit: int = 100_000) -> int | None:
     call's own (``attribution.backward_ops``). None past ``limit`` nodes."""
     params = {id(p) for p in module.parameters()}
     edges: dict = {}
-    # keyed by the node objects themselves, held for the walk: a node's Python object lives
-    # only while referenced, and the id of one let go can come back as another node's
+    # keyed by the node objects themselves, held for the walk: an id is only unique while its
+    # object lives, and nothing here promises a node's Python object outlives the reference
     stack = list({id(o.grad_fn): o.grad_fn for o in outs}.values())  # outputs of one node: once
     seen = set(stack)
     while stack:
@@ -333,7 +333,7 @@ def _input_leaves(inputs) -> list[torch.Tensor]:
         fn, depth = stack.pop()
         if fn is None or fn in seen or depth > 4:  # rebuilt inputs sit 2-3 nodes deep
             continue
-        seen.add(fn)  # the node itself, held: the id of one let go can come back as another's
+        seen.add(fn)  # the node itself, held: an id is unique only while its object lives
         var = getattr(fn, "variable", None)  # AccumulateGrad
         if var is not None:
             leaves.append(var)
