@@ -117,11 +117,6 @@ class ReplayConfig:
     "skipped: ..." in those modes, their eager figures as usual (None: no limit)."""
     backward: bool = False
     """Also replay each call's backward on its captured (else random) output gradients."""
-    backward_fresh_params: bool = False
-    """Graph timer, backward: each staged forward on the module's parameters made leaves anew
-    (their AccumulateGrad nodes made on the capture stream), against captures that fail on a
-    node made earlier on the default stream; not for a call that runs another callable than
-    the module (compiled). Off until measured on a GPU."""
     cpu_windows: int = 2
     """On a CPU, each call timed in this many windows, the later ones after every call's first,
     the fastest kept: a shared machine's slow stretch must then cover a call each time (on a

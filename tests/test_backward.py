@@ -146,16 +146,6 @@ def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_pat
                        "aten::add_", "aten::add", "aten::as_strided_scatter"}
         assert not extra, ops
     bwd.unstage()
-    # staged on the parameters made leaves anew: the same ops, the module's .grad untouched
-    fresh = _backward_runner(c, _FreshBackward(c, g), fresh_params=True)
-    for j in (0, 1):  # two slots on one set of fresh parameters
-        fresh.stage(j)
-    for _ in range(2):  # a slot's backward again: its parameters' .grad cleared first
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            fresh(0)
-        assert {e.name for e in prof.events() if e.name.startswith("aten::")} == ops
-    assert all(p.grad is None for p in model[1].parameters())
-    fresh.unstage()
 
 
 class _Res(nn.Module):
@@ -312,41 +302,3 @@ def test_a_backward_out_of_memory_runs_once_more_after_the_cache_goes_back(tmp_p
         "twice" in df.loc["1", "bwd_status_reason"]
     assert df.loc["0", "bwd_status"] == "ok"
 
-
-def test_a_forward_on_fresh_parameters_computes_the_same_and_leaves_the_modules_alone():
-    from cbtrace.replay.modes.backward import _on_fresh_parameters
-
-    torch.manual_seed(0)
-    lin = nn.Linear(8, 4)
-    lin.bias.requires_grad_(False)  # only parameters that require grad are made anew
-    x = torch.randn(3, 8)
-    call, leaves = _on_fresh_parameters(lin)
-    out = call(x)
-    assert torch.equal(out, lin(x))
-    out.sum().backward()
-    assert lin.weight.grad is None and lin.bias.grad is None
-    # the gradient went to a leaf over the weight's own bytes, made by this call
-    leaves_reached, stack = [], [out.grad_fn]
-    while stack:
-        for fn, _ in stack.pop().next_functions:
-            if fn is not None and hasattr(fn, "variable"):  # AccumulateGrad
-                leaves_reached.append(fn.variable)
-            elif fn is not None:
-                stack.append(fn)
-    (leaf,) = leaves_reached
-    assert leaf is leaves[0] and leaf is not lin.weight
-    assert leaf.data_ptr() == lin.weight.data_ptr() and leaf.grad is not None
-
-
-def test_backward_fresh_params_is_a_setting_of_the_rows(tmp_path):
-    from cbtrace.replay.run_io.progress import read_done
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)).train()
-    _capture_train(model, torch.randn(16, 32), tmp_path / "r")
-    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, backward_fresh_params=True,
-                        **FAST_REPLAY)
-    assert (df["bwd_status"] == "ok").all() and (df["bwd_ms"] > 0).all()
-    # the rows say it: a resume with other settings times them again
-    rows = read_done(tmp_path / "r")
-    assert rows and all(r["settings"].get("backward_fresh_params") for r in rows.values())

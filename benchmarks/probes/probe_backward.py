@@ -3,13 +3,10 @@
 Captures one training step (``--step train``), then for a few calls gives the backward's time and
 kernel count in the step (the in-situ stage's attribution of the capture trace) beside the
 kernels of one replayed backward (torch.profiler), and times the
-replayed backward three ways on the same prepared call:
+replayed backward two ways on the same prepared call:
 
 - ``staged``: the graph timer as replay uses it (each slot's forward run eagerly on the capture
   stream, only the K backwards in the graph);
-- ``staged_fresh_params``: the same, each slot's forward on the module's parameters made
-  leaves anew (detached, requiring grad) on the capture stream, as its inputs are: whether a
-  parameter's AccumulateGrad node made earlier on the default stream breaks the capture;
 - ``events``: the events timer, the forward queued untimed before the start event.
 
 (Another way, a graph of K forward+backward pairs less a graph of K forwards, was replay's
@@ -59,17 +56,13 @@ def replay_kernels(bwd, outs_of) -> list:
 
 
 def methods(c, backward, backends, tcfg):
-    """ms of one backward, timed staged (the module's own parameters, and parameters made
-    leaves anew for each slot) / with events."""
+    """ms of one backward, timed staged / with events."""
     from cbtrace.replay.timer import choice as timers
     from cbtrace.replay.modes.backward import _backward_runner
 
     out = {}
     bwd = _backward_runner(c, backward)
-    fresh = _backward_runner(c, backward, fresh_params=True)
-
-    for name, fn, timer in (("staged", bwd, "graph"), ("staged_fresh_params", fresh, "graph"),
-                            ("events", bwd, "events")):
+    for name, fn, timer in (("staged", bwd, "graph"), ("events", bwd, "events")):
         try:  # the timer itself, not the chain: its error keeps the one under it
             why = backends[timer].unavailable_reason(c.device)
             if why:

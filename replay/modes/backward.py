@@ -14,7 +14,6 @@ parameter gradients it writes make the call's memory split.
 from __future__ import annotations
 
 import torch
-from torch.func import functional_call
 from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.console import quiet_kineto
@@ -37,7 +36,6 @@ class BackwardStep:
     def __init__(self, cfg, chain: list[str], backends: dict):
         self.chain, self.backends = chain, backends
         self.tcfg = cfg.timing()
-        self.fresh_params = cfg.backward_fresh_params
 
     def run(self, c: CallUnderTest) -> dict:
         # the inputs as captured: the forward steps' last runs left their keys and values, with
@@ -57,7 +55,7 @@ class BackwardStep:
         del outs  # its autograd graph would keep the parameters' AccumulateGrad nodes alive, and
         # with them the stream they were made on: a backward captured on another stream fails
         backward = _FreshBackward(c, grads)
-        bwd = _backward_runner(c, backward, self.fresh_params)
+        bwd = _backward_runner(c, backward)
         for attempt in (1, 2):  # out of memory: once more, the cache handed back
             try:
                 t, fallback = choice.measure(bwd, c.n_copies, c.device, self.chain,
@@ -180,16 +178,12 @@ class _FreshBackward:
         return self._leaves[i]
 
 
-def _backward_runner(c: CallUnderTest, backward: _FreshBackward,
-                     fresh_params: bool = False) -> CallRunner:
+def _backward_runner(c: CallUnderTest, backward: _FreshBackward) -> CallRunner:
     """bwd(i): the backward of copy i's forward. Its forward ran untimed before it: staged
     for slot i (``bwd.stage(i)``, the graph timer: kept until ``bwd.unstage()``, every
     backward over it retains it), or just before (``bwd.before(i)``, the events timer's
     untimed work, used by the next backward of the same copy only, inside the same CUDA graph
-    capture or outside one); without either (a warm-up call) bwd runs the forward itself.
-    ``fresh_params``: each staged forward runs on parameters that are leaves of their own over
-    the same bytes, made on the capture stream, as its inputs are (``_on_fresh_parameters``;
-    ``ReplayConfig.backward_fresh_params``)."""
+    capture or outside one); without either (a warm-up call) bwd runs the forward itself."""
     n = c.n_copies
     last: dict = {}
     slots: dict[int, tuple] = {}  # slot -> (outputs, the slot's own input leaves)
@@ -204,17 +198,10 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward,
         outs, leaves = backward.forward(i)
         last.update(i=i % n, capturing=capturing(), outs=outs, leaves=leaves)
 
-    params: list = []  # (the call on them, the fresh parameter leaves), made at first staging
-
     def stage(j: int) -> None:
         # its own autograd leaves: their nodes made now, on the capture stream
         fresh = _fresh_autograd(c.run.copies[j % n], view=not c.writes_inputs)
-        run, leaves = c.run, _input_leaves(fresh)
-        if fresh_params and c.run.fn is c.module:  # not another callable of it (compiled)
-            if not params:  # one set for every slot: each backward clears its .grad first
-                params.extend(_on_fresh_parameters(c.module))
-            run, leaves = c.run.with_fn(params[0]), leaves + params[1]
-        slots[j] = _grad_outputs(run.on(fresh, j % n)), leaves
+        slots[j] = _grad_outputs(c.run.on(fresh, j % n)), _input_leaves(fresh)
 
     def bwd(i: int) -> None:
         if i in slots:
@@ -238,17 +225,6 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward,
     # the forward is the backward's input state: timers skip it in warm-up, as a rewrite's
     return CallRunner(run=bwd, n_copies=n, before=forward, warms_inputs=True, stage=stage,
                       unstage=unstage)
-
-
-def _on_fresh_parameters(module) -> tuple:
-    """(``module``'s call on its parameters that require grad each detached and made a leaf
-    again, those leaves): the same bytes; their AccumulateGrad nodes made by the first call
-    through them, on its stream. A checkpoint's reentrant recomputation runs outside the call
-    and still reaches the module's own parameters."""
-    params = {name: p.detach().requires_grad_(True)
-              for name, p in module.named_parameters() if p.requires_grad}
-    return (lambda *a, **k: functional_call(module, params, a, k, strict=False),
-            list(params.values()))
 
 
 def _note_inplace(c: CallUnderTest) -> None:
