@@ -7,7 +7,7 @@
 # replay: calibrate, then bench_replay_gpu.py (default and cold replay vs do_bench and in situ);
 # modes: bench_modes_gpu.py (eager vs compile vs cudagraph per module, whole-model compile);
 # nproc: bench_nproc.py (torchrun --nproc 1 against in-process replay);
-# probe-backward: probes/probe_backward.py (a train step's backward kernels in situ vs replayed, three
+# probe-backward: probes/probe_backward.py (a train step's backward kernels in situ vs replayed, two
 # backward timing methods, a failed capture's C++ stack; PROBE_SPEC a zoo spec relative to the repo,
 # e.g. benchmarks/zoo.py:hf_llama, PROBE_FQNS space-separated); overhead: probes/probe_replay_overhead.py (replay wall in laps; cProfile too
 # with OVERHEAD_CPROFILE=1; OVERHEAD_VARIANTS as FIDELITY_VARIANTS, e.g. "ci:converge_ci=0.01"); capture-probe: probes/probe_capture_step.py (a captured step's cost above
