@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -9,7 +11,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # tests see only the plugins they register (tests/test_plugins.py unsets it for its subprocesses)
 os.environ["CBTRACE_DISABLE_PLUGIN_AUTOLOAD"] = "1"
 # runs are signed with a key of the suite's own, never the user's ~/.config/cbtrace/key
-os.environ.setdefault("CBTRACE_CONFIG_DIR", tempfile.mkdtemp(prefix="cbtrace-config-"))
+if "CBTRACE_CONFIG_DIR" not in os.environ:
+    _config = tempfile.mkdtemp(prefix="cbtrace-config-")
+    os.environ["CBTRACE_CONFIG_DIR"] = _config
+    atexit.register(shutil.rmtree, _config, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
