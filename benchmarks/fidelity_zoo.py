@@ -82,7 +82,9 @@ ROW_COLUMNS = ("call_id", "parent_call_id", "fqn", "module_type", "status", "sta
                "bwd_timer_notes", "host_syncs", "insitu_span_ms", "insitu_hooked_ms",
                "bwd_insitu_hooked_ms", "error_basis", "step_compiled",
                "eager_ms", "insitu_kernel_count", "kernel_error_pct", "miss_cause",
-               "step_clock_mhz", "timed_clock_mhz", "clock_error_pct")
+               "step_clock_mhz", "timed_clock_mhz", "clock_error_pct",
+               "bwd_kernel_count", "bwd_insitu_kernel_count", "bwd_device_ms",
+               "bwd_kernel_error_pct", "bwd_miss_cause")
 COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "fell_back", "within5%",
            "EmbBag_med%",
            "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named",
@@ -91,6 +93,14 @@ COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "fell_back
 
 def _pct(x) -> float:
     return float("nan") if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def misses(big, err: str, cause: str) -> dict:
+    """misses_named (calls outside +-5 % with a cause / all of them) and their causes by kind."""
+    miss = big[big[err].abs() > WITHIN_PCT]
+    return {"misses_named": f"{int(miss[cause].notna().sum())}/{len(miss)}",
+            "causes": (miss[cause].dropna().str.split(":| \\(| \\d").str[0]
+                       .value_counts().to_dict())}
 
 
 def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
@@ -111,11 +121,10 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
     if phase == "fwd" and "kernel_error_pct" in df:  # like with like: kernels alone vs in the step
         kern = small["kernel_error_pct"].dropna().abs()
         row["<10us_|kern|_med%"] = _pct(kern.median()) if len(kern) else float("nan")
-        miss = big[big[err].abs() > WITHIN_PCT]
-        row["misses_named"] = f"{int(miss['miss_cause'].notna().sum())}/{len(miss)}"
-        row["causes"] = (miss["miss_cause"].dropna().str.split(":| \\(| \\d").str[0]
-                         .value_counts().to_dict())
+        row.update(misses(big, err, "miss_cause"))
         row.update(clock_columns(big, err))
+    if phase == "bwd" and "bwd_miss_cause" in df:  # no clock is read around a backward's timing
+        row.update(misses(big, err, "bwd_miss_cause"))
     g = big.groupby("module_type")
     classes = [{"phase": phase, "module_type": t, "count": len(d),
                 "median_err%": float(d[err].median()),

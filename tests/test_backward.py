@@ -86,6 +86,11 @@ def test_profile_of_a_train_step_joins_the_backward_in_situ(tmp_path):
     assert len(ok) and ok["bwd_insitu_ms"].notna().mean() > 0.5
     both = ok[ok["bwd_insitu_ms"] > 0]
     assert both["bwd_error_pct"].notna().all()
+    # a CPU has no kernels to profile: the backward's kernel figures stay empty, and no miss is
+    # put down to them
+    assert ok["bwd_kernel_count"].isna().all() and ok["bwd_device_ms"].isna().all()
+    named = ok["bwd_miss_cause"].dropna()
+    assert not named.str.contains("kernels").any(), named
 
 
 @pytest.mark.gpu
@@ -101,6 +106,11 @@ def test_backward_is_timed_from_cuda_graphs(tmp_path):
     assert (df["bwd_status"] == "ok").all(), df[["fqn", "bwd_status", "bwd_status_reason"]]
     assert set(df["bwd_timer"]) == {"graph"}, df[["fqn", "bwd_timer", "bwd_timer_notes"]]
     assert (df["bwd_ms"] > 0).all() and state_fingerprint(model) == before
+    # the backward's own kernels, profiled after its untimed forward: at least a grad-weight
+    # GEMM for each Linear, none of the forward's
+    assert (df["bwd_kernel_count"] >= 1).all() and (df["bwd_device_ms"] > 0).all()
+    leaf = df.set_index("fqn")
+    assert leaf.loc["0", "bwd_kernel_count"] < leaf.loc["", "bwd_kernel_count"]
 
 
 @pytest.mark.parametrize("rows", [16, 512])

@@ -1,7 +1,7 @@
 """The cause a row names when its isolated figure misses in situ (attribution/miss.py)."""
 import pytest
 
-from cbtrace.attribution.miss import clock_error_pct, kernel_error_pct, miss_cause
+from cbtrace.attribution.miss import bwd_miss_cause, clock_error_pct, kernel_error_pct, miss_cause
 from cbtrace.device import sm_clock_mhz
 
 
@@ -46,6 +46,32 @@ def test_the_clock_is_not_named_where_it_cannot_account_for_the_miss():
     assert miss_cause(clocked(-9.0, 1800, 1946, error_basis="span"), 3, 0.0).startswith(
         "host-paced")
     assert clock_error_pct(None, 1946) is None and clock_error_pct(1800, 0) is None
+
+
+def bwd(**kw):
+    return {"bwd_error_pct": 24.8, "bwd_kernel_count": 33, "bwd_device_ms": 0.36,
+            "bwd_insitu_ms": 0.358, "bwd_timer": "graph", "bwd_timer_notes": "K=20", **kw}
+
+
+def test_a_backward_names_other_kernels_its_kernels_and_its_fallback_timer():
+    # the attention backward that ran 37 kernels alone against 33 in the step
+    assert bwd_miss_cause(bwd(bwd_kernel_count=37), 33) == "other kernels: 37 alone, 33 in the step"
+    assert bwd_miss_cause(bwd(bwd_device_ms=0.44), 33).startswith("its kernels ran 23 % slower")
+    fell_back = bwd(bwd_timer="events", bwd_timer_notes="spin=0.05ms; fallback: graph: capture "
+                    "failed: operation would make the legacy stream depend on a capturing stream")
+    assert bwd_miss_cause(fell_back, 33) == (
+        "timed by the events timer (graph: capture failed: operation would make the legacy "
+        "stream depend on a capturing stream)")
+    # its kernels match the step: what is left is between them
+    assert bwd_miss_cause(bwd(), 33).startswith("between its kernels")
+
+
+def test_a_backward_within_five_percent_or_unprofiled_names_what_it_can():
+    assert bwd_miss_cause(bwd(bwd_error_pct=-3.0), 33) is None
+    assert bwd_miss_cause(bwd(bwd_error_pct=None), 33) is None
+    # a CPU replay profiles no kernels: nothing is named rather than a guess
+    assert bwd_miss_cause(bwd(bwd_kernel_count=None, bwd_device_ms=None, bwd_timer="cpu"),
+                          None) is None
 
 
 def test_no_clock_is_read_off_a_gpu():

@@ -29,8 +29,9 @@ from cbtrace.schema.modules import INSITU
 def insitu_columns(run, manifest, df) -> dict[int, dict]:
     """call_id -> {insitu_ms, insitu_span_ms, error_basis, error_pct, insitu_kernel_count,
     kernel_error_pct, clock_error_pct, miss_cause, bwd_insitu_ms, bwd_error_pct,
-    recompute_insitu_ms} for every row of the modules table ``df`` (the backward's only where
-    replay measured it); miss_cause from ``attribution.miss``. error_pct compares the isolated
+    bwd_insitu_kernel_count, bwd_kernel_error_pct, bwd_miss_cause, recompute_insitu_ms} for
+    every row of the modules table ``df`` (the backward's only where replay measured it);
+    miss_cause and bwd_miss_cause from ``attribution.miss``. error_pct compares the isolated
     figure with the in-situ figure ``error_basis`` names (``metrics.error_basis``): the plain
     repeat of the step for a root timed back to back or run compiled, the eager figure against the
     step (run eagerly by capture) for a call the step ran compiled, for a call timed back to back
@@ -54,9 +55,10 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
             use = {cid: _number(v) is not None for cid, v in _by_call(df, ptable).items()}
             insitu, span, kernels = (_either(use, _by_call(df, ptable, c), d) for c, d in (
                 ("insitu_ms", insitu), ("gpu_span_ms", span), ("kernel_count", kernels)))
-    bwd = {}
+    bwd, bwd_kernels = {}, {}
     if df["bwd_ms"].notna().any():
-        bwd = _by_call(df, insitu_for_run(run, manifest, phase="bwd", **sums))
+        btable = insitu_for_run(run, manifest, phase="bwd", **sums)
+        bwd, bwd_kernels = _by_call(df, btable), _by_call(df, btable, "kernel_count")
         # a checkpointed step's recomputation has ranges only in the captured step's trace: the
         # plain step's would count it in the backward of the call whose node ran it
         recomputed = "recomputed" in df and df["recomputed"].fillna(False).astype(bool).any()
@@ -64,14 +66,17 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
                                                       **sums)
         if ptable is not None:
             bwd_hooked, pb = bwd, _by_call(df, ptable)
-            bwd = _either({cid: _number(v) is not None for cid, v in pb.items()}, pb, bwd)
+            use = {cid: _number(v) is not None for cid, v in pb.items()}
+            bwd = _either(use, pb, bwd)
+            bwd_kernels = _either(use, _by_call(df, ptable, "kernel_count"), bwd_kernels)
     recompute = _recompute(run, manifest, df)
     out = {}
     for row in df.reindex(columns=["call_id", "timer", "timer_fallback", "isolated_ms", "bwd_ms",
                                    "kernel_count", "device_ms", "noisy", "step_compiled",
                                    "eager_ms", "insitu_step_ms", "host_ms",
                                    "insitu_host_ms", "step_clock_mhz",
-                                   "timed_clock_mhz"]).to_dict("records"):
+                                   "timed_clock_mhz", "bwd_timer", "bwd_timer_notes",
+                                   "bwd_kernel_count", "bwd_device_ms"]).to_dict("records"):
         cid, timer = row["call_id"], row["timer"]
         ins, spn, bwd_ins = (_number(d.get(cid)) for d in (insitu, span, bwd))
         spn = spn if spn else None  # 0: no kernel of its own in the step
@@ -82,6 +87,7 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         err = metrics.error_pct(*_compared(basis, row, ins, spn))
         kerr = miss.kernel_error_pct(row["device_ms"], ins) if on_gpu else None
         clock = miss.clock_error_pct(row["step_clock_mhz"], row["timed_clock_mhz"])
+        bwd_err = metrics.error_pct(_number(row["bwd_ms"]), bwd_ins)
         cause = miss.miss_cause({**row, "error_pct": err, "error_basis": basis,
                                  "clock_error_pct": clock}, kernels.get(cid), kerr)
         out[int(cid)] = {"insitu_ms": ins, "insitu_span_ms": spn,
@@ -91,8 +97,13 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
                          "insitu_kernel_count": _int(kernels.get(cid)), "kernel_error_pct": kerr,
                          "clock_error_pct": clock,
                          "miss_cause": cause,
-                         "bwd_insitu_ms": bwd_ins,
-                         "bwd_error_pct": metrics.error_pct(_number(row["bwd_ms"]), bwd_ins),
+                         "bwd_insitu_ms": bwd_ins, "bwd_error_pct": bwd_err,
+                         "bwd_insitu_kernel_count": _int(bwd_kernels.get(cid)),
+                         "bwd_kernel_error_pct": miss.kernel_error_pct(row["bwd_device_ms"],
+                                                                       bwd_ins),
+                         "bwd_miss_cause": miss.bwd_miss_cause(
+                             {**row, "bwd_insitu_ms": bwd_ins, "bwd_error_pct": bwd_err},
+                             bwd_kernels.get(cid)),
                          "recompute_insitu_ms": _number(recompute.get(cid))}
     return out
 

@@ -75,3 +75,19 @@ def miss_cause(row: dict, insitu_kernels, kernel_err: float | None) -> str | Non
         return (f"between its kernels: they match the step within {abs(kernel_err):.0f} %, "
                 f"the gaps and launches around them do not")
     return None
+
+
+def bwd_miss_cause(row: dict, insitu_kernels) -> str | None:
+    """``miss_cause`` of a call's backward (None inside +-WITHIN_PCT): its own kernels alone,
+    profiled as timed, against its backward's kernels in the step, and its timer. The SM clock
+    is read around forward timing only, so it is not among the causes here."""
+    notes = row.get("bwd_timer_notes")
+    fallback = None
+    if isinstance(notes, str) and "fallback: " in notes:
+        fallback = notes.split("fallback: ", 1)[1]
+    kernel_err = kernel_error_pct(row.get("bwd_device_ms"), row.get("bwd_insitu_ms"))
+    return miss_cause({"error_pct": row.get("bwd_error_pct"),
+                       "kernel_count": row.get("bwd_kernel_count"),
+                       "timer": row.get("bwd_timer"), "timer_fallback": fallback},
+                      insitu_kernels, kernel_err)
+

@@ -197,6 +197,11 @@ class ModuleRecord:
     bwd_bytes: float | None = column(REPLAY, "bytes", "moved by the backward", default=None)
     bwd_compute_dtype: str | None = column(REPLAY, doc="dtype whose peak bwd_mfu/mbu use",
                                            default=None)
+    bwd_kernel_count: int | None = column(REPLAY, doc="the backward's own kernels, profiled as "
+                                                      "timed (after its untimed forward)",
+                                          default=None)
+    bwd_device_ms: float | None = column(REPLAY, "ms", "the time the device was busy with them",
+                                         default=None)
     bwd_grad_sums: int | None = column(REPLAY, doc="gradient sums the autograd engine makes in "
                                                    "the call's backward (a tensor the call uses "
                                                    "n times: n - 1), its children's included",
@@ -244,6 +249,13 @@ class ModuleRecord:
                                          default=None)
     bwd_error_pct: float | None = column(INSITU, "%", "100 * (bwd_ms / bwd_insitu_ms - 1)",
                                          default=None)
+    bwd_insitu_kernel_count: int | None = column(INSITU, doc="the call's own backward kernels "
+                                                 "in the step", default=None)
+    bwd_kernel_error_pct: float | None = column(INSITU, "%", "100 * (bwd_device_ms / "
+                                                "bwd_insitu_ms - 1)", default=None)
+    bwd_miss_cause: str | None = column(INSITU, doc="the backward outside +-5 % of in situ: "
+                                                    "what the measurements say it comes from",
+                                        default=None)
     bwd_insitu_hooked_ms: float | None = column(
         INSITU, "ms", "the call's backward in the captured step itself, where bwd_insitu_ms "
         "comes from the plain step", default=None)

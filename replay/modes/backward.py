@@ -22,7 +22,8 @@ from cbtrace.device import OOM_RETRIED, hand_back
 from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors, map_tensors
 from cbtrace.replay.measure.prepare import CallUnderTest
-from cbtrace.replay.measure.profiler_pass import peak_live_bytes, rows_from_kineto
+from cbtrace.replay.measure.profiler_pass import (peak_live_bytes, profile_as_timed,
+                                                  rows_from_kineto)
 from cbtrace.replay.timer import choice
 from cbtrace.replay.timer.contract import CallRunner, join_notes
 from cbtrace.store.autograd_shape import as_non_leaf, is_non_leaf
@@ -79,6 +80,7 @@ class BackwardStep:
                    bwd_ms_p10=t.p10_ms, bwd_ms_p90=t.p90_ms,
                    bwd_timer_notes=join_notes(t.notes, fallback and f"fallback: {fallback}",
                                               OOM_RETRIED if attempt == 2 else None))
+        row.update(_kernels(c, bwd))
         row.update(_cost(c, backward))
         row.update(_memory(c, backward))
         return row
@@ -256,6 +258,21 @@ def _fresh_autograd(inputs, view: bool = True):
         return t.detach().requires_grad_(True)
 
     return map_tensors(fresh, inputs)
+
+
+def _kernels(c: CallUnderTest, bwd: CallRunner) -> dict:
+    """bwd_kernel_count and bwd_device_ms: the backward's own device work as its timer runs it
+    (each run after its untimed forward), profiled as the forward's kernels are; what its miss
+    against the step is made of (``attribution.miss``). None on a CPU or where the profile
+    could not tell the backward's kernels from its forward's."""
+    try:
+        got = profile_as_timed(bwd, c.device)
+    except torch.OutOfMemoryError:
+        got = None  # its timing ran: the kernels are what it goes without
+    finally:
+        bwd.unstage()
+    count, ms = got if got is not None else (None, None)
+    return dict(bwd_kernel_count=count, bwd_device_ms=ms)
 
 
 def _cost(c: CallUnderTest, backward: _FreshBackward) -> dict:
