@@ -312,3 +312,21 @@ def test_a_backward_out_of_memory_runs_once_more_after_the_cache_goes_back(tmp_p
         "twice" in df.loc["1", "bwd_status_reason"]
     assert df.loc["0", "bwd_status"] == "ok"
 
+
+
+def test_a_backward_whose_profile_fails_keeps_its_timing_and_says_so(tmp_path, monkeypatch):
+    """The kernels profile runs after the timing: its failure costs the kernel figures only."""
+    from cbtrace.replay.modes import backward as backward_mode
+
+    def fails(runner, device, runs=3):
+        raise RuntimeError("profiler could not start")
+
+    monkeypatch.setattr(backward_mode, "profile_as_timed", fails)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32)).train()
+    _capture_train(model, torch.randn(16, 64), tmp_path / "r")
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY)
+    assert (df["status"] == "ok").all() and (df["bwd_status"] == "ok").all()
+    assert (df["bwd_ms"] > 0).all() and df["bwd_kernel_count"].isna().all()
+    notes = df["bwd_timer_notes"]
+    assert notes.str.contains("backward not profiled: .*profiler could not start").all(), notes

@@ -62,7 +62,7 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
         # a checkpointed step's recomputation has ranges only in the captured step's trace: the
         # plain step's would count it in the backward of the call whose node ran it
         recomputed = "recomputed" in df and df["recomputed"].fillna(False).astype(bool).any()
-        ptable = None if recomputed else _plain_table(run, manifest, plain, None, phase="bwd",
+        ptable = None if recomputed else _plain_table(run, manifest, plain, btable, phase="bwd",
                                                       **sums)
         if ptable is not None:
             bwd_hooked, pb = bwd, _by_call(df, ptable)

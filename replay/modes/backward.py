@@ -37,6 +37,7 @@ class BackwardStep:
     def __init__(self, cfg, chain: list[str], backends: dict):
         self.chain, self.backends = chain, backends
         self.tcfg = cfg.timing()
+        self.profile_runs = cfg.profile_runs if cfg.profile_as_timed else 0
 
     def run(self, c: CallUnderTest) -> dict:
         # the inputs as captured: the forward steps' last runs left their keys and values, with
@@ -75,12 +76,14 @@ class BackwardStep:
             for p in c.module.parameters():  # the first attempt's gradients, given back too
                 p.grad = None
             hand_back(c.device)
+        kernels = _kernels(c, bwd, self.profile_runs)
         row = dict(bwd_status="ok", grad_source=source, bwd_grad_sums=sums,
                    bwd_timer=t.timer, bwd_ms=t.median_ms,
                    bwd_ms_p10=t.p10_ms, bwd_ms_p90=t.p90_ms,
-                   bwd_timer_notes=join_notes(t.notes, fallback and f"fallback: {fallback}",
-                                              OOM_RETRIED if attempt == 2 else None))
-        row.update(_kernels(c, bwd))
+                   bwd_timer_notes=join_notes(t.notes, kernels.pop("bwd_profile_error", None),
+                                              fallback and f"fallback: {fallback}",
+                                              OOM_RETRIED if attempt == 2 else None),
+                   **kernels)
         row.update(_cost(c, backward))
         row.update(_memory(c, backward))
         return row
@@ -260,15 +263,18 @@ def _fresh_autograd(inputs, view: bool = True):
     return map_tensors(fresh, inputs)
 
 
-def _kernels(c: CallUnderTest, bwd: CallRunner) -> dict:
+def _kernels(c: CallUnderTest, bwd: CallRunner, runs: int) -> dict:
     """bwd_kernel_count and bwd_device_ms: the backward's own device work as its timer runs it
     (each run after its untimed forward), profiled as the forward's kernels are; what its miss
-    against the step is made of (``attribution.miss``). None on a CPU or where the profile
-    could not tell the backward's kernels from its forward's."""
+    against the step is made of (``attribution.miss``). None on a CPU, with ``runs`` 0 (the
+    profiled pass not as timed), or where the profile could not tell the backward's kernels
+    from its forward's; a profile that fails says so and leaves the timing that ran."""
+    if runs < 1:
+        return {}
     try:
-        got = profile_as_timed(bwd, c.device)
-    except torch.OutOfMemoryError:
-        got = None  # its timing ran: the kernels are what it goes without
+        got = profile_as_timed(bwd, c.device, runs)
+    except Exception as e:  # noqa: BLE001 - the timing stands; the profile is what it lacks
+        return dict(bwd_profile_error=f"backward not profiled: {one_line(e)}")
     finally:
         bwd.unstage()
     count, ms = got if got is not None else (None, None)
