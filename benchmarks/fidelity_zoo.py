@@ -79,8 +79,8 @@ ROW_COLUMNS = ("call_id", "parent_call_id", "fqn", "module_type", "status", "sta
                "insitu_ms", "isolated_ms", "error_pct", "device_ms", "host_ms", "bound",
                "kernel_count",
                "bwd_status", "bwd_status_reason", "bwd_insitu_ms", "bwd_ms", "bwd_error_pct",
-               "bwd_timer_notes", "host_syncs", "insitu_span_ms", "insitu_hooked_ms",
-               "bwd_insitu_hooked_ms", "error_basis", "step_compiled",
+               "bwd_timer_fallback", "bwd_timer_notes", "host_syncs", "insitu_span_ms",
+               "insitu_hooked_ms", "bwd_insitu_hooked_ms", "error_basis", "step_compiled",
                "eager_ms", "insitu_kernel_count", "kernel_error_pct", "miss_cause",
                "step_clock_mhz", "timed_clock_mhz", "clock_error_pct",
                "bwd_kernel_count", "bwd_insitu_kernel_count", "bwd_device_ms",
@@ -140,10 +140,8 @@ def fell_back(big, phase: str) -> int:
     """Of ``big``'s calls, those the first timer of the chain refused (a graph capture that
     failed, a call that asks whether it is captured), timed by a fallback: where a phase's
     misses gather, their timer is the first suspect."""
-    if phase == "fwd":
-        return int(big["timer_fallback"].notna().sum()) if "timer_fallback" in big else 0
-    notes = big["bwd_timer_notes"] if "bwd_timer_notes" in big else None
-    return 0 if notes is None else int(notes.fillna("").str.contains("fallback: ").sum())
+    column = "timer_fallback" if phase == "fwd" else "bwd_timer_fallback"
+    return int(big[column].notna().sum()) if column in big else 0
 
 
 def clock_columns(big, err: str) -> dict:

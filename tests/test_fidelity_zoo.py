@@ -67,9 +67,8 @@ def table(rows):
     # calls timed by a fallback timer: forward 1 and 4 (4 under 10 us), backward 1, 2 and 4
     df["timer_fallback"] = [None, "graph: capture failed", None, None, "graph: capture failed",
                             None, None, None]
-    df["bwd_timer_notes"] = ["K=2", "spin=1ms; fallback: graph: capture failed",
-                             "fallback: graph: capture failed", None, "fallback: graph: x",
-                             None, None, None]
+    df["bwd_timer_fallback"] = [None, "graph: capture failed", "graph: capture failed", None,
+                                "graph: x", None, None, None]
     return df
 
 

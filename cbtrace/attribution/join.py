@@ -75,7 +75,7 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
                                    "kernel_count", "device_ms", "noisy", "step_compiled",
                                    "eager_ms", "insitu_step_ms", "host_ms",
                                    "insitu_host_ms", "step_clock_mhz",
-                                   "timed_clock_mhz", "bwd_timer", "bwd_timer_notes",
+                                   "timed_clock_mhz", "bwd_timer", "bwd_timer_fallback",
                                    "bwd_kernel_count", "bwd_device_ms"]).to_dict("records"):
         cid, timer = row["call_id"], row["timer"]
         ins, spn, bwd_ins = (_number(d.get(cid)) for d in (insitu, span, bwd))

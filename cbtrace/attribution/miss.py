@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 from cbtrace.cost import metrics
-from cbtrace.device import OOM_RETRIED
 
 WITHIN_PCT = 5.0  # a call within this of in situ has nothing to explain
 # Two clock readings closer than this are the same clock: each reading's own spread (CUDA events
@@ -82,14 +81,9 @@ def bwd_miss_cause(row: dict, insitu_kernels) -> str | None:
     """``miss_cause`` of a call's backward (None inside +-WITHIN_PCT): its own kernels alone,
     profiled as timed, against its backward's kernels in the step, and its timer. The SM clock
     is read around forward timing only, so it is not among the causes here."""
-    notes = row.get("bwd_timer_notes")
-    fallback = None
-    if isinstance(notes, str) and "fallback: " in notes:
-        # what join_notes put after the fallback's reason is not part of it
-        fallback = notes.split("fallback: ", 1)[1].replace(f"; {OOM_RETRIED}", "")
     kernel_err = kernel_error_pct(row.get("bwd_device_ms"), row.get("bwd_insitu_ms"))
     return miss_cause({"error_pct": row.get("bwd_error_pct"),
                        "kernel_count": row.get("bwd_kernel_count"),
-                       "timer": row.get("bwd_timer"), "timer_fallback": fallback},
+                       "timer": row.get("bwd_timer"),
+                       "timer_fallback": row.get("bwd_timer_fallback")},
                       insitu_kernels, kernel_err)
-

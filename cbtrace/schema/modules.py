@@ -188,7 +188,9 @@ class ModuleRecord:
     grad_source: str | None = column(REPLAY, doc="captured | random: the output gradients used",
                                      default=None)
     bwd_timer: str | None = column(REPLAY, doc="the timer behind bwd_ms", default=None)
-    bwd_timer_notes: str | None = column(REPLAY, doc="how it timed, and fallbacks", default=None)
+    bwd_timer_fallback: str | None = column(REPLAY, doc="why timers before bwd_timer were not "
+                                                        "used", default=None)
+    bwd_timer_notes: str | None = column(REPLAY, doc="how it timed", default=None)
     bwd_ms: float | None = column(REPLAY, "ms", "median of the timed backward runs", default=None)
     bwd_ms_p10: float | None = column(REPLAY, "ms", "10th percentile", default=None)
     bwd_ms_p90: float | None = column(REPLAY, "ms", "90th percentile", default=None)

@@ -80,8 +80,8 @@ class BackwardStep:
         row = dict(bwd_status="ok", grad_source=source, bwd_grad_sums=sums,
                    bwd_timer=t.timer, bwd_ms=t.median_ms,
                    bwd_ms_p10=t.p10_ms, bwd_ms_p90=t.p90_ms,
+                   bwd_timer_fallback=fallback or None,
                    bwd_timer_notes=join_notes(t.notes, kernels.pop("bwd_profile_error", None),
-                                              fallback and f"fallback: {fallback}",
                                               OOM_RETRIED if attempt == 2 else None),
                    **kernels)
         row.update(_cost(c, backward))
