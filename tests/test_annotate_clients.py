@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -14,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.annotate_data import record_capture_trace, write_fake_run
-from helpers.servers import free_port, stop
+from helpers.servers import serve, stop
 
 from cbtrace.annotate.write import annotate
 
@@ -70,24 +68,19 @@ def _get(url: str, timeout: float = 10):
 
 @pytest.mark.slow
 def test_tensorboard_server_serves_annotated_trace(annotated):
-    port = free_port()
     tb = Path(sys.executable).with_name("tensorboard")
-    proc = subprocess.Popen([str(tb), "--logdir", str(annotated.parent.parent), "--host",
-                             "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def argv(port):
+        return [str(tb), "--logdir", str(annotated.parent.parent), "--host", "127.0.0.1",
+                "--port", str(port)]
+
+    def ready(port):
+        runs = json.loads(_get(f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler/runs")[1])
+        return "run1" in runs["runs"] and not runs["loading"]
+
+    proc, port = serve(argv, ready, timeout=90)
     base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
     try:
-        runs, deadline = {}, time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                runs = json.loads(_get(f"{base}/runs")[1])
-                if "run1" in runs["runs"] and not runs["loading"]:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        assert "run1" in runs.get("runs", []), runs
         q = {"run": "run1", "view": "Module"}
         workers = json.loads(_get(f"{base}/workers?" + urllib.parse.urlencode(q))[1])
         assert WORKER in workers

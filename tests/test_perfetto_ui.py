@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from helpers.annotate_data import record_capture_trace, write_fake_run
-from helpers.servers import CHROMIUM, CHROMIUM_ARGS, free_port, stop
+from helpers.servers import CHROMIUM, CHROMIUM_ARGS, serve, stop
 
 from cbtrace.annotate.write import annotate, pftrace_path
 
@@ -45,20 +43,16 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def viewer(files):
     """vizviewer --server_only on 127.0.0.1 serving the UI (and the annotated JSON)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, "--server_only", "--port", str(port),
-                             str(files[0])], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    def argv(port):
+        return [sys.executable, "-c", SERVE, "--server_only", "--port", str(port), str(files[0])]
+
+    def ready(port):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).close()
+        return True
+
+    proc, port = serve(argv, ready, timeout=30)
     url = f"http://127.0.0.1:{port}/"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                urllib.request.urlopen(url, timeout=2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vizviewer did not start within 30 s"
-                time.sleep(0.3)
         yield url
     finally:
         stop(proc)

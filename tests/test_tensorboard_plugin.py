@@ -10,9 +10,7 @@ import gzip
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,7 +19,7 @@ import pytest
 
 from cbtrace.plugins.reporters import logdir as ld
 from helpers.sample_runs import write_sample_run
-from helpers.servers import free_port, stop
+from helpers.servers import serve, stop
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 REAL_TRACE = (SHARED / "traces/generated/torch2.13cpu_transformer2/"
@@ -60,24 +58,15 @@ def server(logdir):
     exe = Path(sys.executable).parent / "tensorboard"
     if not exe.exists():
         pytest.skip(f"no tensorboard binary beside {sys.executable}")
-    port = free_port()
-    proc = subprocess.Popen([str(exe), "--logdir", str(logdir), "--host", "127.0.0.1",
-                             "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    def argv(port):
+        return [str(exe), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)]
+
+    def ready(port):
+        return _get(f"http://127.0.0.1:{port}/data/plugins_listing")[0] == 200
+
+    proc, port = serve(argv, ready, timeout=START_TIMEOUT_S)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tensorboard exited: {proc.stdout.read().decode()[-2000:]}")
-            try:
-                if _get(url + "/data/plugins_listing")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"tensorboard not ready after {START_TIMEOUT_S} s")
-            time.sleep(0.3)
         yield url
     finally:
         stop(proc)

@@ -2,6 +2,9 @@
 import os
 import socket
 import subprocess
+import tempfile
+import time
+from typing import Callable
 
 CHROMIUM = os.environ.get("CBTRACE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -13,6 +16,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What tensorboard, werkzeug and http.server print when the port was taken before they bound it.
+BIND_FAILED = ("could not bind", "already in use", "EADDRINUSE")
+
+
+def serve(argv: Callable[[int], list[str]], ready: Callable[[int], bool], timeout: float,
+          tries: int = 3) -> tuple[subprocess.Popen, int]:
+    """Start ``argv(port)`` on a free port; return (process, port) once ``ready(port)`` holds.
+
+    A port found free can be handed to another socket before the server binds it (the kernel
+    gives the same range to outgoing connections), so a server that exits saying its port was
+    taken is started again on another. Its stderr goes to a file: a pipe nobody reads while
+    it runs fills up and stalls a chatty server.
+    """
+    for attempt in range(tries):
+        port = free_port()
+        err = tempfile.TemporaryFile()
+        proc = subprocess.Popen(argv(port), stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            try:
+                if ready(port):
+                    return proc, port
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                stop(proc)
+                raise AssertionError(f"{argv(port)[0]} not ready after {timeout} s")
+            time.sleep(0.3)
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+        if attempt == tries - 1 or not any(s in text for s in BIND_FAILED):
+            raise AssertionError(f"{argv(port)[0]} exited {proc.returncode}: {text[-2000:]}")
+    raise AssertionError("unreachable")
 
 
 def stop(proc: subprocess.Popen) -> None:
