@@ -120,7 +120,8 @@ def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_pat
     backward (a zero-filled buffer the size of the input and a copy into it) and accumulation
     into the leaf's last .grad made GPT-2's Linear backwards read +24 % slower than in situ on
     the H200; at 512 rows (256 KB) the input is large enough for prepare's warm-inputs probe,
-    whose in-place write on the view had turned its grad_fn into AsStridedBackward."""
+    whose in-place write on the view had turned its grad_fn into AsStridedBackward. The
+    backward now stops at the input's edge, short of the rebuild's nodes."""
     from cbtrace.replay.modes.backward import (_FreshBackward, _backward_runner, _gradients,
                                                _grad_outputs)
     from cbtrace.replay.measure.prepare import prepare
@@ -142,7 +143,7 @@ def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_pat
     g, source = _gradients(c, _grad_outputs(c.run(0)))
     assert source == "captured"
     bwd = _backward_runner(c, _FreshBackward(c, g))
-    for i in range(3):  # runs after the first: leaves' .grad would accumulate
+    for i in range(3):  # runs after the first: nothing accumulates
         bwd.before(i % c.n_copies)
         bwd(i % c.n_copies)
     assert type(c.run.copies[0][0][0].grad_fn).__name__ == "ViewBackward0"
@@ -153,9 +154,57 @@ def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_pat
         ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
         assert {"aten::mm", "aten::sum"} <= ops, ops  # grad-input, grad-weight, grad-bias
         extra = ops & {"aten::new_zeros", "aten::zeros", "aten::zero_", "aten::copy_",
-                       "aten::add_", "aten::add", "aten::as_strided_scatter"}
+                       "aten::clone", "aten::add_", "aten::add", "aten::as_strided_scatter"}
         assert not extra, ops
     bwd.unstage()
+
+
+class _AddBias(nn.Module):
+    """x + b: the gradient of x is the output's, handed on unchanged."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return x + self.b
+
+
+def test_a_gradient_that_reaches_an_input_unchanged_is_handed_back_not_copied(tmp_path):
+    """In the step an input's gradient flows on into its producer. Given to a leaf input's
+    empty ``.grad`` instead, the autograd engine copies a gradient it cannot take over, as the
+    caller's own gradient tensor that a pass-through backward hands on: a copy the size of the
+    input that no in-situ figure holds. The backward stops at the input's edge instead."""
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure.prepare import prepare
+    from cbtrace.replay.modes.backward import (_backward_runner, _FreshBackward, _gradients,
+                                               _grad_outputs)
+    from cbtrace.rundir.read import load_run
+    from cbtrace.schema.modules import frame_to_records
+    from cbtrace.store.load import load_call_inputs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_AddBias(64), nn.Linear(64, 8)).train()
+    _capture_train(model, torch.randn(256, 64, requires_grad=True), tmp_path / "r")
+    _, df = load_run(tmp_path / "r")
+    rec = next(r for r in frame_to_records(df) if r.fqn == "0")
+    args, kwargs = load_call_inputs(tmp_path / "r", rec.inputs_ref)
+    assert args[0].requires_grad and args[0].is_leaf  # the step's input itself
+    grads = load_call_inputs(tmp_path / "r", rec.grads_ref)[0]
+    c = prepare(model[0], rec, args, kwargs, torch.device("cpu"),
+                ReplayConfig(backward=True, max_copies=2), grads)
+    g, _ = _gradients(c, _grad_outputs(c.run(0)))
+    bwd = _backward_runner(c, _FreshBackward(c, g))
+    step_grad = model[0].b.grad.clone()  # the captured step's
+    for before in (bwd.before, bwd.stage):
+        before(0)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            bwd(0)
+        ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+        assert "aten::sum" in ops, ops  # the bias gradient: the call's own work
+        assert not ops & {"aten::clone", "aten::copy_", "aten::add_", "aten::add"}, ops
+    bwd.unstage()
+    assert args[0].grad is None and torch.equal(model[0].b.grad, step_grad)  # nothing written
 
 
 class _Res(nn.Module):

@@ -1,19 +1,21 @@
 """``--backward``: each call's backward, on the gradients its outputs got in the step.
 
-The backward is timed on its own: ``torch.autograd.backward(outputs, grads)`` is the timed
-work (grad-input where an input required grad, grad-weight for parameters), and the call's
-forward runs untimed before it. The graph timer stages one forward per captured slot, eagerly on
-the capture stream, and captures only the K backwards (``retain_graph``: each replay runs them
-again over the same saved tensors); the events timer runs the forward as its untimed
+The backward is timed on its own: ``torch.autograd.grad`` of its outputs down to its inputs'
+gradient edges and the leaves it reads short of them (its parameters) is the timed work
+(grad-input where an input required grad, grad-weight for parameters); as in the step,
+nothing runs past the inputs and no gradient is accumulated into a ``.grad``. The call's
+forward runs untimed before it. The graph timer stages one forward per captured slot, eagerly
+on the capture stream, and captures only the K backwards (``retain_graph``: each replay runs
+them again over the same saved tensors); the events timer runs the forward as its untimed
 ``before``, queued before the start event; nothing is subtracted. Gradients come from the
 capture (``grads_ref``: ``cbtrace capture --step train``), else random ones of the outputs'
-shape and dtype (``grad_source``). Parameters' ``.grad`` come back as they were
-(the engine's StateGuard). The forward's saved tensors, the backward's peak memory and the
-parameter gradients it writes make the call's memory split.
+shape and dtype (``grad_source``). The forward's saved tensors, the backward's peak memory and
+the parameter gradients it makes give the call's memory split.
 """
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.console import quiet_kineto
@@ -73,8 +75,6 @@ class BackwardStep:
                 return dict(bwd_status="error", grad_source=source,
                             bwd_status_reason=f"{oom} (twice, the second after torch's cache "
                             "went back to the driver)")
-            for p in c.module.parameters():  # the first attempt's gradients, given back too
-                p.grad = None
             hand_back(c.device)
         kernels = _kernels(c, bwd, self.profile_runs)
         row = dict(bwd_status="ok", grad_source=source, bwd_grad_sums=sums,
@@ -145,42 +145,66 @@ def _gradients(c: CallUnderTest, outs) -> tuple[list, str]:
 
 
 class _FreshBackward:
-    """``self(outs, i)``: the backward of copy i's outputs from empty ``.grad``, as after
-    ``zero_grad()``: the parameters', and the leaves the inputs end in (the input itself, or
-    the base a captured non-leaf input was rebuilt over: ``store.autograd_shape``). In the step
-    an input's gradient flows on to its producer; here it lands in a leaf, and accumulating
-    into the last run's would add a kernel the size of the input that the step never ran.
-    ``retain``: keep the forward's saved tensors for another backward over them; ``leaves``:
-    the inputs' leaves when they are not copy i's (a staged slot's own)."""
+    """``self(outs, targets)``: the backward of one forward's outputs, down to ``targets``
+    (``forward``'s: the inputs' gradient edges and the leaves short of them). In the step an
+    input's gradient flows on into its producer; here it is handed back at the input's edge,
+    so neither the nodes the input was rebuilt with (``store.autograd_shape``) nor an
+    accumulation into a leaf's ``.grad`` run: a gradient that reached a leaf unchanged (an
+    input added as it came) would be copied there, work the step never did. Parameters are
+    handed back the same way: their AccumulateGrad is no call's in situ (``attribution``).
+    ``retain``: keep the forward's saved tensors for another backward over them."""
 
     def __init__(self, c: CallUnderTest, grads):
         self.c, self.grads = c, grads
-        self._leaves: dict[int, list] = {}  # copy -> its inputs' leaves, found once
 
-    def __call__(self, outs, i: int = 0, retain: bool = False, leaves=None) -> None:
-        c = self.c
-        for p in c.module.parameters():
-            p.grad = None  # the engine's StateGuard puts the caller's back after the call
-        for t in self.leaves(i % c.n_copies) if leaves is None else leaves:
-            t.grad = None
-        torch.autograd.backward(outs, self.grads, retain_graph=retain)
+    def __call__(self, outs, targets, retain: bool = False) -> None:
+        if targets:
+            torch.autograd.grad(outs, targets, self.grads, retain_graph=retain,
+                                allow_unused=True)
+        else:  # a graph of the call's own leaves only (made inside it): nothing to stop at
+            torch.autograd.backward(outs, self.grads, retain_graph=retain)
 
-    def forward(self, i: int = 0) -> tuple[list, list | None]:
-        """(outputs that require grad, their inputs' leaves or None for copy i's) of one forward
-        of copy i; on inputs given a history of their own when the call writes its inputs in
-        place (``ReLU(inplace=True)`` on a rebuilt non-leaf): each in-place run on the shared
-        copy extends its base's history, and a backward through it meets an earlier run's
-        saved output at a newer version ("modified by an inplace operation")."""
-        c = self.c
-        if not c.writes_inputs:
-            return _grad_outputs(c.run(i)), None
-        fresh = _fresh_autograd(c.run.copies[i % c.n_copies], view=False)
-        return _grad_outputs(c.run.on(fresh, i % c.n_copies)), _input_leaves(fresh)
+    def forward(self, i: int = 0, inputs=None) -> tuple[list, list]:
+        """(outputs that require grad, backward targets) of one forward of copy i, on
+        ``inputs`` if given (a staged slot's own), else on the copy; on inputs given a history
+        of their own when the call writes its inputs in place (``ReLU(inplace=True)`` on a
+        rebuilt non-leaf): each in-place run on the shared copy extends its base's history, and
+        a backward through it meets an earlier run's saved output at a newer version ("modified
+        by an inplace operation"). The inputs' edges are taken before the forward: an in-place
+        op moves an input's edge to its own node."""
+        c, j = self.c, i % self.c.n_copies
+        if inputs is None and c.writes_inputs:
+            inputs = _fresh_autograd(c.run.copies[j], view=False)
+        edges = _input_edges(c.run.copies[j] if inputs is None else inputs)
+        outs = _grad_outputs(c.run(i) if inputs is None else c.run.on(inputs, j))
+        return outs, backward_targets(outs, edges)
 
-    def leaves(self, i: int) -> list:
-        if i not in self._leaves:
-            self._leaves[i] = _input_leaves(self.c.run.copies[i])
-        return self._leaves[i]
+
+def _input_edges(inputs) -> list:
+    """The gradient edge of each tensor of ``inputs`` that requires grad, once per tensor."""
+    ts = {id(t): t for t in flat_tensors(inputs) if t.requires_grad}
+    return [get_gradient_edge(t) for t in ts.values()]
+
+
+def backward_targets(outs, edges: list) -> list:
+    """What the step's backward of a call gives gradients to: its inputs' ``edges`` and every
+    leaf its outputs' graph reaches short of them (its parameters; a tensor it read that is
+    none of its own, a shared weight). The walk holds the nodes it has seen."""
+    stop = {(e.node, e.output_nr) for e in edges}
+    leaves: dict = {}
+    stack = list({id(o.grad_fn): o.grad_fn for o in outs}.values())
+    seen = set(stack)
+    while stack:
+        for fn, nr in stack.pop().next_functions:
+            if fn is None or (fn, nr) in stop:
+                continue
+            var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
+            if var is not None:
+                leaves.setdefault(id(var), var)
+            elif fn not in seen:
+                seen.add(fn)
+                stack.append(fn)
+    return [*edges, *leaves.values()]
 
 
 def _backward_runner(c: CallUnderTest, backward: _FreshBackward) -> CallRunner:
@@ -191,7 +215,7 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward) -> CallRunner:
     capture or outside one); without either (a warm-up call) bwd runs the forward itself."""
     n = c.n_copies
     last: dict = {}
-    slots: dict[int, tuple] = {}  # slot -> (outputs, the slot's own input leaves)
+    slots: dict[int, tuple] = {}  # slot -> (outputs, targets) of the slot's own inputs
 
     def capturing() -> bool:
         # the C check, not torch.cuda.is_current_stream_capturing: the graph timer watches that
@@ -200,24 +224,23 @@ def _backward_runner(c: CallUnderTest, backward: _FreshBackward) -> CallRunner:
 
     def forward(i: int) -> None:
         last.clear()
-        outs, leaves = backward.forward(i)
-        last.update(i=i % n, capturing=capturing(), outs=outs, leaves=leaves)
+        outs, targets = backward.forward(i)
+        last.update(i=i % n, capturing=capturing(), outs=outs, targets=targets)
 
     def stage(j: int) -> None:
         # its own autograd leaves: their nodes made now, on the capture stream
-        fresh = _fresh_autograd(c.run.copies[j % n], view=not c.writes_inputs)
-        slots[j] = _grad_outputs(c.run.on(fresh, j % n)), _input_leaves(fresh)
+        slots[j] = backward.forward(j, _fresh_autograd(c.run.copies[j % n],
+                                                       view=not c.writes_inputs))
 
     def bwd(i: int) -> None:
         if i in slots:
-            outs, leaves = slots[i]
-            backward(outs, i, retain=True, leaves=leaves)
+            backward(*slots[i], retain=True)
             return
         if last.get("i") != i % n or last.get("capturing") != capturing():
             forward(i)
-        outs, leaves = last.pop("outs"), last.pop("leaves")
+        outs, targets = last.pop("outs"), last.pop("targets")
         last.clear()
-        backward(outs, i, leaves=leaves)
+        backward(outs, targets)
 
     def unstage() -> None:
         # nothing of an earlier forward's graph left alive, in the slots, the last forward or
@@ -283,10 +306,10 @@ def _kernels(c: CallUnderTest, bwd: CallRunner, runs: int) -> dict:
 
 def _cost(c: CallUnderTest, backward: _FreshBackward) -> dict:
     """FLOPs and bytes of one backward as it runs (grad-input and grad-weight, counted)."""
-    outs, leaves = backward.forward(0)
+    outs, targets = backward.forward(0)
     params = {id(p): n for n, p in c.module.named_parameters()}
     with OpCounter(params=params) as oc:
-        backward(outs, leaves=leaves)
+        backward(outs, targets)
     cost = oc.cost()
     return dict(bwd_flops=cost.flops, bwd_bytes=cost.bytes, bwd_compute_dtype=cost.compute_dtype)
 
@@ -302,43 +325,19 @@ def _memory(c: CallUnderTest, backward: _FreshBackward) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outs, leaves = backward.forward(0)
+        outs, targets = backward.forward(0)
     params = [p for p in c.module.parameters() if p.requires_grad]
     if c.device.type == "cuda":
-        for p in params:
-            p.grad = None  # their memory is not the backward's
         torch.cuda.synchronize(c.device)
         torch.cuda.reset_peak_memory_stats(c.device)
         base = torch.cuda.memory_allocated(c.device)
-        backward(outs, leaves=leaves)
+        backward(outs, targets)
         torch.cuda.synchronize(c.device)
         peak = max(torch.cuda.max_memory_allocated(c.device) - base, 0)
     else:
-        peak = _cpu_peak(lambda: backward(outs, leaves=leaves))
+        peak = _cpu_peak(lambda: backward(outs, targets))
     return dict(saved_bytes=sum(saved.values()), bwd_peak_mem_bytes=int(peak),
                 grad_bytes=sum(p.numel() * p.element_size() for p in params))
-
-
-def _input_leaves(inputs) -> list[torch.Tensor]:
-    """The leaves the gradients of ``inputs`` (one copy's args and kwargs) end in."""
-    leaves, stack, seen = [], [], set()
-    for t in flat_tensors(inputs):
-        if t.requires_grad:
-            if t.is_leaf:
-                leaves.append(t)
-            elif t.grad_fn is not None:
-                stack.append((t.grad_fn, 0))
-    while stack:
-        fn, depth = stack.pop()
-        if fn is None or fn in seen or depth > 4:  # rebuilt inputs sit 2-3 nodes deep
-            continue
-        seen.add(fn)  # the node itself, held: an id is unique only while its object lives
-        var = getattr(fn, "variable", None)  # AccumulateGrad
-        if var is not None:
-            leaves.append(var)
-            continue
-        stack.extend((nxt, depth + 1) for nxt, _ in fn.next_functions)
-    return leaves
 
 
 def _cpu_peak(fn) -> int:
