@@ -207,6 +207,33 @@ def test_a_gradient_that_reaches_an_input_unchanged_is_handed_back_not_copied(tm
     assert args[0].grad is None and torch.equal(model[0].b.grad, step_grad)  # nothing written
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.block, self.head = nn.Sequential(nn.Linear(16, 16), nn.GELU()), nn.Linear(16, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_the_backward_of_a_call_that_holds_a_checkpoint(tmp_path, reentrant):
+    """A reentrant checkpoint's node runs ``torch.autograd.backward`` itself, and torch refuses
+    it under ``torch.autograd.grad``: the call's backward then runs into the leaves, from empty
+    ``.grad``, and the step's gradients are back afterwards."""
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant).train()
+    _capture_train(model, torch.randn(8, 16, requires_grad=True), tmp_path / "r")
+    step = {n: p.grad.clone() for n, p in model.named_parameters()}
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY)
+    root = df.set_index("fqn").loc[""]
+    assert root["bwd_status"] == "ok" and root["bwd_ms"] > 0, root["bwd_status_reason"]
+    assert all(torch.equal(p.grad, step[n]) for n, p in model.named_parameters())
+
+
 class _Res(nn.Module):
     """x feeds a LayerNorm and the residual add after it: two consumers of x."""
 

@@ -14,8 +14,11 @@ the parameter gradients it makes give the call's memory split.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.autograd.graph import get_gradient_edge
+from torch.utils.checkpoint import CheckpointFunction
 from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.console import quiet_kineto
@@ -152,19 +155,22 @@ class _FreshBackward:
     accumulation into a leaf's ``.grad`` run: a gradient that reached a leaf unchanged (an
     input added as it came) would be copied there, work the step never did. Parameters are
     handed back the same way: their AccumulateGrad is no call's in situ (``attribution``).
-    ``retain``: keep the forward's saved tensors for another backward over them."""
+    Where torch cannot stop there (``Targets``), the backward runs into the leaves from
+    empty ``.grad``. ``retain``: keep the forward's saved tensors for another backward."""
 
     def __init__(self, c: CallUnderTest, grads):
         self.c, self.grads = c, grads
 
-    def __call__(self, outs, targets, retain: bool = False) -> None:
-        if targets:
-            torch.autograd.grad(outs, targets, self.grads, retain_graph=retain,
+    def __call__(self, outs, targets: Targets, retain: bool = False) -> None:
+        if targets.grad_to:
+            torch.autograd.grad(outs, targets.grad_to, self.grads, retain_graph=retain,
                                 allow_unused=True)
-        else:  # a graph of the call's own leaves only (made inside it): nothing to stop at
-            torch.autograd.backward(outs, self.grads, retain_graph=retain)
+            return
+        for t in (*self.c.module.parameters(), *targets.leaves):
+            t.grad = None  # the engine's StateGuard puts the caller's back after the call
+        torch.autograd.backward(outs, self.grads, retain_graph=retain)
 
-    def forward(self, i: int = 0, inputs=None) -> tuple[list, list]:
+    def forward(self, i: int = 0, inputs=None) -> tuple[list, Targets]:
         """(outputs that require grad, backward targets) of one forward of copy i, on
         ``inputs`` if given (a staged slot's own), else on the copy; on inputs given a history
         of their own when the call writes its inputs in place (``ReLU(inplace=True)`` on a
@@ -186,16 +192,38 @@ def _input_edges(inputs) -> list:
     return [get_gradient_edge(t) for t in ts.values()]
 
 
-def backward_targets(outs, edges: list) -> list:
+class Targets(NamedTuple):
+    """Where a call's backward ends: ``grad_to``, what ``torch.autograd.grad`` hands the
+    gradients back at; empty where it cannot (a reentrant checkpoint in the graph runs
+    ``torch.autograd.backward`` itself, and torch refuses it under ``grad``; a graph that reaches
+    no leaf), and then ``leaves``: every leaf the graph reaches, their ``.grad`` emptied before
+    each backward into them."""
+
+    grad_to: list
+    leaves: list
+
+
+def backward_targets(outs, edges: list) -> Targets:
     """What the step's backward of a call gives gradients to: its inputs' ``edges`` and every
     leaf its outputs' graph reaches short of them (its parameters; a tensor it read that is
-    none of its own, a shared weight). The walk holds the nodes it has seen."""
-    stop = {(e.node, e.output_nr) for e in edges}
+    none of its own, a shared weight). The walks hold the nodes they have seen."""
+    leaves, reentrant = _leaves(outs, {(e.node, e.output_nr) for e in edges})
+    if reentrant or not (edges or leaves):
+        return Targets([], _leaves(outs, set())[0])
+    return Targets([*edges, *leaves], [])
+
+
+def _leaves(outs, stop: set) -> tuple[list, bool]:
+    """(the leaves the graph of ``outs`` reaches short of the edges ``stop``, whether a
+    reentrant checkpoint's node is among the nodes on the way)."""
     leaves: dict = {}
     stack = list({id(o.grad_fn): o.grad_fn for o in outs}.values())
     seen = set(stack)
+    reentrant = False
     while stack:
-        for fn, nr in stack.pop().next_functions:
+        node = stack.pop()
+        reentrant = reentrant or getattr(node, "_forward_cls", None) is CheckpointFunction
+        for fn, nr in node.next_functions:
             if fn is None or (fn, nr) in stop:
                 continue
             var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
@@ -204,7 +232,7 @@ def backward_targets(outs, edges: list) -> list:
             elif fn not in seen:
                 seen.add(fn)
                 stack.append(fn)
-    return [*edges, *leaves.values()]
+    return list(leaves.values()), reentrant
 
 
 def _backward_runner(c: CallUnderTest, backward: _FreshBackward) -> CallRunner:
