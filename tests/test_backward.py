@@ -122,7 +122,7 @@ def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_pat
     the H200; at 512 rows (256 KB) the input is large enough for prepare's warm-inputs probe,
     whose in-place write on the view had turned its grad_fn into AsStridedBackward. The
     backward now stops at the input's edge, short of the rebuild's nodes."""
-    from cbtrace.replay.modes.backward import (_FreshBackward, _backward_runner, _gradients,
+    from cbtrace.replay.modes.backward import (_Backward, _backward_runner, _gradients,
                                                _grad_outputs)
     from cbtrace.replay.measure.prepare import prepare
     from cbtrace.replay.config import ReplayConfig
@@ -142,7 +142,7 @@ def test_backward_of_a_captured_non_leaf_input_runs_only_the_modules_ops(tmp_pat
                 ReplayConfig(backward=True, max_copies=2), grads)
     g, source = _gradients(c, _grad_outputs(c.run(0)))
     assert source == "captured"
-    bwd = _backward_runner(c, _FreshBackward(c, g))
+    bwd = _backward_runner(c, _Backward(c, g))
     for i in range(3):  # runs after the first: nothing accumulates
         bwd.before(i % c.n_copies)
         bwd(i % c.n_copies)
@@ -177,7 +177,7 @@ def test_a_gradient_that_reaches_an_input_unchanged_is_handed_back_not_copied(tm
     input that no in-situ figure holds. The backward stops at the input's edge instead."""
     from cbtrace.replay.config import ReplayConfig
     from cbtrace.replay.measure.prepare import prepare
-    from cbtrace.replay.modes.backward import (_backward_runner, _FreshBackward, _gradients,
+    from cbtrace.replay.modes.backward import (_backward_runner, _Backward, _gradients,
                                                _grad_outputs)
     from cbtrace.rundir.read import load_run
     from cbtrace.schema.modules import frame_to_records
@@ -194,7 +194,7 @@ def test_a_gradient_that_reaches_an_input_unchanged_is_handed_back_not_copied(tm
     c = prepare(model[0], rec, args, kwargs, torch.device("cpu"),
                 ReplayConfig(backward=True, max_copies=2), grads)
     g, _ = _gradients(c, _grad_outputs(c.run(0)))
-    bwd = _backward_runner(c, _FreshBackward(c, g))
+    bwd = _backward_runner(c, _Backward(c, g))
     step_grad = model[0].b.grad.clone()  # the captured step's
     for before in (bwd.before, bwd.stage):
         before(0)
@@ -232,6 +232,107 @@ def test_the_backward_of_a_call_that_holds_a_checkpoint(tmp_path, reentrant):
     root = df.set_index("fqn").loc[""]
     assert root["bwd_status"] == "ok" and root["bwd_ms"] > 0, root["bwd_status_reason"]
     assert all(torch.equal(p.grad, step[n]) for n, p in model.named_parameters())
+
+
+class _HandsBack(nn.Module):
+    """(relu(x), x): its input handed back as an output, as T5's blocks hand on position_bias."""
+
+    def forward(self, x):
+        return x.relu(), x
+
+
+class _Slices(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.p = nn.Linear(64, 64), _HandsBack()
+
+    def forward(self, x):
+        a, b = self.p(self.lin(x)[:, 1:])  # a slice of its storage: rebuilt with as_strided
+        return a * b
+
+
+def test_an_input_handed_back_as_an_output_runs_nothing_of_its_rebuild(tmp_path):
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure.prepare import prepare
+    from cbtrace.replay.modes.backward import _Backward, _gradients, _grad_outputs
+    from cbtrace.rundir.read import load_run
+    from cbtrace.schema.modules import frame_to_records
+    from cbtrace.store.load import load_call_inputs
+
+    torch.manual_seed(0)
+    model = _Slices().train()
+    _capture_train(model, torch.randn(256, 64), tmp_path / "r")
+    _, df = load_run(tmp_path / "r")
+    rec = next(r for r in frame_to_records(df) if r.fqn == "p")
+    args, kwargs = load_call_inputs(tmp_path / "r", rec.inputs_ref)
+    grads = load_call_inputs(tmp_path / "r", rec.grads_ref)[0]
+    c = prepare(model.p, rec, args, kwargs, torch.device("cpu"),
+                ReplayConfig(backward=True, max_copies=1), grads)
+    assert type(c.run.copies[0][0][0].grad_fn).__name__ == "AsStridedBackward0"
+    backward = _Backward(c, _gradients(c, _grad_outputs(c.run(0)))[0])
+    outs, targets = backward.forward(0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        backward(outs, targets)
+    ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    assert "aten::threshold_backward" in ops, ops  # the ReLU's: the call's own
+    assert not ops & {"aten::new_zeros", "aten::zero_", "aten::copy_"}, ops
+
+
+class _OwnCheckpoint(torch.autograd.Function):
+    """A reentrant checkpoint of one's own, as DeepSpeed and Megatron write theirs: its backward
+    runs torch.autograd.backward and refuses to run under torch.autograd.grad."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("Checkpointing is not compatible with .grad()")
+        x = ctx.saved_tensors[0].detach().requires_grad_(True)
+        with torch.enable_grad():
+            torch.autograd.backward(ctx.fn(x), grad)
+        return None, x.grad
+
+
+class _Reads(nn.Module):
+    """Reads a tensor its parent made in the same step that is neither its input nor its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.src, self.inner = nn.Parameter(torch.ones(16)), _Reads()
+        self.block, self.head = nn.Sequential(nn.Linear(16, 16), nn.GELU()), nn.Linear(16, 16)
+
+    def forward(self, x):
+        self.inner.scale = self.src * 2
+        return self.inner(self.head(_OwnCheckpoint.apply(self.block, x)))
+
+
+def test_a_checkpoint_of_ones_own_and_a_tensor_read_from_elsewhere(tmp_path):
+    """The root's graph holds a reentrant checkpoint torch does not ship: its backward runs
+    into the leaves and says so. ``inner`` reads ``scale``, made by its parent's forward: its
+    backward hands the gradient back there instead of running on into the parent's graph."""
+    torch.manual_seed(0)
+    model = _Outer().train()
+    _capture_train(model, torch.randn(8, 16, requires_grad=True), tmp_path / "r")
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY)
+    df = df.set_index("fqn")
+    assert (df.loc[["", "inner", "head"], "bwd_status"] == "ok").all(), df["bwd_status_reason"]
+    assert "reentrant checkpoint" in df.loc["", "bwd_timer_notes"]
+    assert "reentrant" not in (df.loc["inner", "bwd_timer_notes"] or "")
 
 
 class _Res(nn.Module):

@@ -447,7 +447,7 @@ def test_a_staged_backward_lets_go_of_what_earlier_forwards_left_in_the_caches(l
     AccumulateGrad nodes and the stream each was made on; a backward staged and captured on a
     side stream while one made on the default stream is alive fails the capture (the attention
     backwards of transformers models). Unstaging puts every copy's objects back first."""
-    from cbtrace.replay.modes.backward import (_backward_runner, _FreshBackward, _gradients,
+    from cbtrace.replay.modes.backward import (_backward_runner, _Backward, _gradients,
                                                _grad_outputs)
 
     class Saved:  # what a graph node saved for its backward, alive as long as the node
@@ -475,7 +475,7 @@ def test_a_staged_backward_lets_go_of_what_earlier_forwards_left_in_the_caches(l
             for i in range(call.n_copies):
                 call.run(i)  # outputs dropped at once
     assert all(c.layers[1].keys.grad_fn is not None for c in caches) and len(alive) > 0
-    runner = _backward_runner(call, _FreshBackward(call, grads))
+    runner = _backward_runner(call, _Backward(call, grads))
     runner.unstage()
     assert not any(c.layers[1].is_initialized for c in caches)
     assert len(alive) == 0  # every graph those forwards made is gone

@@ -36,17 +36,17 @@ def insitu_backward(run, manifest) -> dict:
     return {f: (ms, n) for f, ms, n in zip(t["fqn"], t["insitu_ms"], t["kernel_count"])}
 
 
-def replay_kernels(bwd, outs_of) -> list:
+def replay_kernels(bwd, forward) -> list:
     """[(kernel, µs)] of one backward of copy 0 after an untimed forward (CPU: its aten ops,
     host µs: a dry run of the probe)."""
     from torch.profiler import ProfilerActivity, profile
 
-    outs = outs_of()
+    outs, targets = forward()
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        bwd(outs)
+        bwd(outs, targets)
         if cuda:
             torch.cuda.synchronize()
     if not cuda:
@@ -102,7 +102,7 @@ def main(out_dir, spec=SPEC, fqns=None):
 
     from cbtrace import module_tree, registry
     from cbtrace.capture.from_spec import capture_model
-    from cbtrace.replay.modes.backward import _FreshBackward, _gradients, _grad_outputs
+    from cbtrace.replay.modes.backward import _Backward, _gradients, _grad_outputs
     from cbtrace.replay.measure.prepare import prepare
     from cbtrace.replay.config import ReplayConfig
     from cbtrace.rundir.read import load_run
@@ -134,8 +134,8 @@ def main(out_dir, spec=SPEC, fqns=None):
         module.train(bool(rec.training))
         c = prepare(module, rec, args, kwargs, device, cfg, grads)
         g, source = _gradients(c, _grad_outputs(c.run(0)))  # no graph kept (see BackwardStep)
-        backward = _FreshBackward(c, g)
-        rk = replay_kernels(backward, lambda c=c: _grad_outputs(c.run(0)))
+        backward = _Backward(c, g)
+        rk = replay_kernels(backward, backward.forward)
         own_ms, own_kernels = ins.get(fqn, (float("nan"), 0))
         m = methods(c, backward, backends, tcfg)
         rows.append(dict(fqn=fqn, grads=source, insitu_own_us=own_ms * 1e3,

@@ -5,9 +5,9 @@
 In the step an input's gradient flows on into its producer. Ended in a leaf instead, the
 autograd engine copies a gradient it cannot take over (the caller's gradient tensor that a
 pass-through backward hands on: an input added as it came) and runs the nodes the input was
-rebuilt with (a clone, a view; as_strided's zero-fill and copy). Per call of a captured train
-step, on the CPU: the aten ops and bytes each way (``cost.opcount``), and the ops only the
-old way ran. Counts, not times: they are the same on any device.
+rebuilt with (as_strided's zero-fill and copy). Per call of a captured train step, on the CPU:
+the bytes each way (``cost.opcount``) and the aten ops each way ran inside a leaf's
+AccumulateGrad or an as_strided backward. Counts, not times: the same on any device.
 
 Usage: python benchmarks/probes/probe_backward_targets.py [SPEC ...]
        (default: the zoo's tiny transformers GPT-2, Llama, T5 and BERT, and nanogpt:tiny)
@@ -47,17 +47,31 @@ def leaves_of(inputs) -> list:
     return leaves
 
 
+# autograd nodes whose work in a replayed backward is no call's in the step: a leaf's
+# AccumulateGrad (a copy into an empty .grad, an add into a full one) and as_strided's
+# backward, which only an input rebuilt over a slice of its storage puts there
+NOT_THE_CALLS = ("torch::autograd::AccumulateGrad", "AsStridedBackward0")
+
+
 def counted(fn, params) -> tuple[int, Counter]:
-    """(bytes, counts of the aten ops that do work: no view, detach or other free op) of
-    ``fn()``."""
+    """(bytes of ``fn()``, counts of the aten ops that do work, no view or other free op,
+    inside the nodes ``NOT_THE_CALLS``)."""
     from cbtrace.cost.flops import is_free
     from cbtrace.cost.opcount import OpCounter
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with OpCounter(params=params) as oc:
             fn()
-    ops = Counter(e.name for e in prof.events()
-                  if e.name.startswith("aten::") and not is_free(e.name))
+    ops: Counter = Counter()
+    for e in prof.events():
+        if e.name.startswith("autograd::engine::evaluate_function: ") and e.name.endswith(
+                NOT_THE_CALLS):
+            stack = list(e.cpu_children)
+            while stack:
+                op = stack.pop()
+                if op.name.startswith("aten::") and not is_free(op.name):
+                    ops[op.name] += 1
+                stack.extend(op.cpu_children)
     return int(oc.cost().bytes or 0), ops
 
 
@@ -66,7 +80,7 @@ def probe(spec: str, root: Path) -> list[dict]:
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.replay.config import ReplayConfig
     from cbtrace.replay.measure.prepare import prepare
-    from cbtrace.replay.modes.backward import _FreshBackward, _gradients, _grad_outputs
+    from cbtrace.replay.modes.backward import _Backward, _gradients, _grad_outputs
     from cbtrace.rundir.read import load_run
     from cbtrace.schema.modules import frame_to_records
     from cbtrace.store.load import load_call_inputs
@@ -88,7 +102,7 @@ def probe(spec: str, root: Path) -> list[dict]:
             continue
         g, _ = _gradients(c, outs)
         del outs
-        backward = _FreshBackward(c, g)
+        backward = _Backward(c, g)
         c.writes_inputs = False
         params = {id(p): n for n, p in module.named_parameters()}
         outs, targets = backward.forward(0)
@@ -104,13 +118,15 @@ def probe(spec: str, root: Path) -> list[dict]:
         then = counted(before, params)
         for t in leaves:
             t.grad = None
-        extra = then[1] - now[1]
         rows.append(dict(fqn=rec.fqn or "(root)", kind=rec.module_type, bytes_then=then[0],
-                         bytes_now=now[0], extra=", ".join(f"{k} x{v}"
-                                                           for k, v in sorted(extra.items()))))
+                         bytes_now=now[0], ops_then=_joined(then[1]), ops_now=_joined(now[1])))
     for p in model.parameters():
         p.grad = kept[id(p)]
     return rows
+
+
+def _joined(ops: Counter) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(ops.items()))
 
 
 def main(specs: list[str]) -> None:
@@ -119,13 +135,13 @@ def main(specs: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for spec in specs:
             t = pd.DataFrame(probe(spec, Path(tmp)))
-            more = t[t["extra"] != ""]
-            print(f"\n== {spec.rsplit('/', 1)[-1]}: {len(t)} backwards, {len(more)} ran ops the "
-                  f"step's did not; bytes {t['bytes_then'].sum():,} then, "
-                  f"{t['bytes_now'].sum():,} now")
+            then, now = (t[t[c] != ""] for c in ("ops_then", "ops_now"))
+            print(f"\n== {spec.rsplit('/', 1)[-1]}: {len(t)} backwards; ran work of "
+                  f"{', '.join(NOT_THE_CALLS)}: {len(then)} then, {len(now)} now; bytes "
+                  f"{t['bytes_then'].sum():,} then, {t['bytes_now'].sum():,} now")
+            more = t[(t["ops_then"] != "") | (t["ops_now"] != "")]
             if len(more):
-                print(more.to_string(index=False, max_colwidth=70))
-
+                print(more.to_string(index=False, max_colwidth=60))
 
 if __name__ == "__main__":
     main(sys.argv[1:] or SPECS)

@@ -34,21 +34,25 @@ class OnCopies:
     compiled) over the same copies."""
 
     fn: Callable
-    copies: list                  # (args, kwargs) per copy (the backward clears its leaves' .grad)
+    copies: list                  # (args, kwargs) per copy
     states: list | None           # InputState per copy, None when no copy holds objects
     rec: object                   # the call's ModuleRecord (grad mode, autocast)
     device: torch.device
     touch: Callable[[int], None] | None = None  # input_toucher(copies) where warm inputs are on
 
     def on(self, inputs, i: int = 0):
-        if self.states is not None:
-            self.states[i % len(self.copies)].restore(self.device.type == "cuda")
+        self.restore(i)
         a, k = inputs
         with call_context(self.rec, self.device.type):
             return self.fn(*a, **k)
 
     def __call__(self, i: int = 0):
         return self.on(self.copies[i % len(self.copies)], i)
+
+    def restore(self, i: int = 0) -> None:
+        """Copy i's objects as they were before any run, as each run starts from them."""
+        if self.states is not None:
+            self.states[i % len(self.copies)].restore(self.device.type == "cuda")
 
     def put_back(self) -> None:
         """Every copy's objects as they were before any run: what the last run of each added

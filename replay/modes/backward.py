@@ -17,8 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.autograd.graph import get_gradient_edge
-from torch.utils.checkpoint import CheckpointFunction
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.console import quiet_kineto
@@ -61,7 +60,7 @@ class BackwardStep:
         grads, source = _gradients(c, outs)
         del outs  # its autograd graph would keep the parameters' AccumulateGrad nodes alive, and
         # with them the stream they were made on: a backward captured on another stream fails
-        backward = _FreshBackward(c, grads)
+        backward = _Backward(c, grads)
         bwd = _backward_runner(c, backward)
         for attempt in (1, 2):  # out of memory: once more, the cache handed back
             try:
@@ -78,13 +77,16 @@ class BackwardStep:
                 return dict(bwd_status="error", grad_source=source,
                             bwd_status_reason=f"{oom} (twice, the second after torch's cache "
                             "went back to the driver)")
+            for p in c.module.parameters():  # a backward into the leaves wrote them
+                p.grad = None
             hand_back(c.device)
         kernels = _kernels(c, bwd, self.profile_runs)
         row = dict(bwd_status="ok", grad_source=source, bwd_grad_sums=sums,
                    bwd_timer=t.timer, bwd_ms=t.median_ms,
                    bwd_ms_p10=t.p10_ms, bwd_ms_p90=t.p90_ms,
                    bwd_timer_fallback=fallback or None,
-                   bwd_timer_notes=join_notes(t.notes, kernels.pop("bwd_profile_error", None),
+                   bwd_timer_notes=join_notes(t.notes, backward.why,
+                                              kernels.pop("bwd_profile_error", None),
                                               OOM_RETRIED if attempt == 2 else None),
                    **kernels)
         row.update(_cost(c, backward))
@@ -147,27 +149,28 @@ def _gradients(c: CallUnderTest, outs) -> tuple[list, str]:
             for o in outs], "random"
 
 
-class _FreshBackward:
+class _Backward:
     """``self(outs, targets)``: the backward of one forward's outputs, down to ``targets``
-    (``forward``'s: the inputs' gradient edges and the leaves short of them). In the step an
-    input's gradient flows on into its producer; here it is handed back at the input's edge,
-    so neither the nodes the input was rebuilt with (``store.autograd_shape``) nor an
-    accumulation into a leaf's ``.grad`` run: a gradient that reached a leaf unchanged (an
-    input added as it came) would be copied there, work the step never did. Parameters are
-    handed back the same way: their AccumulateGrad is no call's in situ (``attribution``).
-    Where torch cannot stop there (``Targets``), the backward runs into the leaves from
-    empty ``.grad``. ``retain``: keep the forward's saved tensors for another backward."""
+    (``forward``'s). In the step an input's gradient flows on into its producer; here it is
+    handed back at the input's edge, so neither the nodes the input was rebuilt with
+    (``store.autograd_shape``) nor an accumulation into a leaf's ``.grad`` run: a gradient that
+    reached a leaf unchanged (an input added as it came) would be copied there, work the step
+    never did. Parameters are handed back the same way: their AccumulateGrad is no call's in
+    situ (``attribution``). Where torch cannot stop there (``Targets.why``), the backward runs
+    into the leaves from empty ``.grad``. ``retain``: keep the saved tensors for another."""
 
     def __init__(self, c: CallUnderTest, grads):
         self.c, self.grads = c, grads
+        self.why: str | None = None  # the last backward's Targets.why: the row's note
 
     def __call__(self, outs, targets: Targets, retain: bool = False) -> None:
-        if targets.grad_to:
+        self.why = targets.why
+        if not targets.why:
             torch.autograd.grad(outs, targets.grad_to, self.grads, retain_graph=retain,
                                 allow_unused=True)
             return
         for t in (*self.c.module.parameters(), *targets.leaves):
-            t.grad = None  # the engine's StateGuard puts the caller's back after the call
+            t.grad = None  # the replay's StateGuard puts the parameters' back after the call
         torch.autograd.backward(outs, self.grads, retain_graph=retain)
 
     def forward(self, i: int = 0, inputs=None) -> tuple[list, Targets]:
@@ -176,14 +179,17 @@ class _FreshBackward:
         of their own when the call writes its inputs in place (``ReLU(inplace=True)`` on a
         rebuilt non-leaf): each in-place run on the shared copy extends its base's history, and
         a backward through it meets an earlier run's saved output at a newer version ("modified
-        by an inplace operation"). The inputs' edges are taken before the forward: an in-place
-        op moves an input's edge to its own node."""
+        by an inplace operation"). The inputs' edges are taken before the forward (an in-place
+        op moves an input's edge to its own node) and after the copy's objects are put back
+        (a Cache holds the last run's keys and values, and the graph that made them)."""
         c, j = self.c, i % self.c.n_copies
         if inputs is None and c.writes_inputs:
             inputs = _fresh_autograd(c.run.copies[j], view=False)
+        c.run.restore(j)
         edges = _input_edges(c.run.copies[j] if inputs is None else inputs)
+        mark = _sequence_mark()
         outs = _grad_outputs(c.run(i) if inputs is None else c.run.on(inputs, j))
-        return outs, backward_targets(outs, edges)
+        return outs, backward_targets(outs, edges, mark)
 
 
 def _input_edges(inputs) -> list:
@@ -192,50 +198,80 @@ def _input_edges(inputs) -> list:
     return [get_gradient_edge(t) for t in ts.values()]
 
 
+def _sequence_mark() -> int:
+    """The sequence number of a node made now: every node a forward run after this makes has a
+    larger one (the counter is per thread; AccumulateGrad's is the largest there is)."""
+    with torch.enable_grad():
+        return (torch.empty(0, requires_grad=True) * 1).grad_fn._sequence_nr()
+
+
 class Targets(NamedTuple):
-    """Where a call's backward ends: ``grad_to``, what ``torch.autograd.grad`` hands the
-    gradients back at; empty where it cannot (a reentrant checkpoint in the graph runs
-    ``torch.autograd.backward`` itself, and torch refuses it under ``grad``; a graph that reaches
-    no leaf), and then ``leaves``: every leaf the graph reaches, their ``.grad`` emptied before
-    each backward into them."""
+    """Where a call's backward ends: ``grad_to``, where ``torch.autograd.grad`` hands the
+    gradients back. Where it cannot, ``why`` says so, and ``leaves`` are every leaf the graph
+    reaches, each ``.grad`` emptied before a backward into them."""
 
     grad_to: list
     leaves: list
+    why: str | None = None
 
 
-def backward_targets(outs, edges: list) -> Targets:
-    """What the step's backward of a call gives gradients to: its inputs' ``edges`` and every
+# torch's reentrant checkpoint, and the ones written after it (DeepSpeed's, Megatron's): their
+# node runs torch.autograd.backward itself and refuses to run under torch.autograd.grad
+_REENTRANT = "checkpoint"
+
+
+def backward_targets(outs, edges: list, mark: int) -> Targets:
+    """What the step's backward of a call gives gradients to: its inputs' ``edges``, every
     leaf its outputs' graph reaches short of them (its parameters; a tensor it read that is
-    none of its own, a shared weight). The walks hold the nodes they have seen."""
-    leaves, reentrant = _leaves(outs, {(e.node, e.output_nr) for e in edges})
-    if reentrant or not (edges or leaves):
-        return Targets([], _leaves(outs, set())[0])
-    return Targets([*edges, *leaves], [])
-
-
-def _leaves(outs, stop: set) -> tuple[list, bool]:
-    """(the leaves the graph of ``outs`` reaches short of the edges ``stop``, whether a
-    reentrant checkpoint's node is among the nodes on the way)."""
+    none of its own, a shared weight) and every edge into a node made before its forward
+    (sequence number below ``mark``: a tensor another call made and this one read from
+    elsewhere than its inputs). An output that is an input as it came has nothing of the call's
+    behind it. The walks hold the nodes they have seen."""
+    stop = {(e.node, e.output_nr) for e in edges}
     leaves: dict = {}
-    stack = list({id(o.grad_fn): o.grad_fn for o in outs}.values())
+    before: dict = {}
+    starts = {(o.grad_fn, o.output_nr) for o in outs} - stop
+    stack = list({fn: None for fn, _ in starts})
     seen = set(stack)
-    reentrant = False
     while stack:
         node = stack.pop()
-        reentrant = reentrant or getattr(node, "_forward_cls", None) is CheckpointFunction
+        if _REENTRANT in getattr(getattr(node, "_forward_cls", None), "__name__", "").lower():
+            return Targets([], _all_leaves(outs), "a reentrant checkpoint in its graph "
+                           "(torch.autograd.grad refuses one): run into its leaves")
         for fn, nr in node.next_functions:
             if fn is None or (fn, nr) in stop:
                 continue
             var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
             if var is not None:
                 leaves.setdefault(id(var), var)
+            elif fn._sequence_nr() < mark:
+                before.setdefault((fn, nr), GradientEdge(fn, nr))
             elif fn not in seen:
                 seen.add(fn)
                 stack.append(fn)
-    return list(leaves.values()), reentrant
+    grad_to = [*edges, *leaves.values(), *before.values()]
+    if not grad_to:  # torch.autograd.grad needs somewhere to hand them back
+        return Targets([], _all_leaves(outs), "nothing to hand the gradients back at")
+    return Targets(grad_to, [])
 
 
-def _backward_runner(c: CallUnderTest, backward: _FreshBackward) -> CallRunner:
+def _all_leaves(outs) -> list:
+    """Every leaf the graph of ``outs`` reaches."""
+    leaves: dict = {}
+    stack = list({id(o.grad_fn): o.grad_fn for o in outs}.values())
+    seen = set(stack)
+    while stack:
+        for fn, _ in stack.pop().next_functions:
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                leaves.setdefault(id(var), var)
+            elif fn is not None and fn not in seen:
+                seen.add(fn)
+                stack.append(fn)
+    return list(leaves.values())
+
+
+def _backward_runner(c: CallUnderTest, backward: _Backward) -> CallRunner:
     """bwd(i): the backward of copy i's forward. Its forward ran untimed before it: staged
     for slot i (``bwd.stage(i)``, the graph timer: kept until ``bwd.unstage()``, every
     backward over it retains it), or just before (``bwd.before(i)``, the events timer's
@@ -332,7 +368,7 @@ def _kernels(c: CallUnderTest, bwd: CallRunner, runs: int) -> dict:
     return dict(bwd_kernel_count=count, bwd_device_ms=ms)
 
 
-def _cost(c: CallUnderTest, backward: _FreshBackward) -> dict:
+def _cost(c: CallUnderTest, backward: _Backward) -> dict:
     """FLOPs and bytes of one backward as it runs (grad-input and grad-weight, counted)."""
     outs, targets = backward.forward(0)
     params = {id(p): n for n, p in c.module.named_parameters()}
@@ -342,7 +378,7 @@ def _cost(c: CallUnderTest, backward: _FreshBackward) -> dict:
     return dict(bwd_flops=cost.flops, bwd_bytes=cost.bytes, bwd_compute_dtype=cost.compute_dtype)
 
 
-def _memory(c: CallUnderTest, backward: _FreshBackward) -> dict:
+def _memory(c: CallUnderTest, backward: _Backward) -> dict:
     """Bytes the forward saved for backward, the backward's peak and the parameter gradients."""
     saved: dict[tuple, int] = {}
 
@@ -356,6 +392,8 @@ def _memory(c: CallUnderTest, backward: _FreshBackward) -> dict:
         outs, targets = backward.forward(0)
     params = [p for p in c.module.parameters() if p.requires_grad]
     if c.device.type == "cuda":
+        for p in params:
+            p.grad = None  # a backward into the leaves wrote them; their memory is not this one's
         torch.cuda.synchronize(c.device)
         torch.cuda.reset_peak_memory_stats(c.device)
         base = torch.cuda.memory_allocated(c.device)
