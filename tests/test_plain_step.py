@@ -137,11 +137,23 @@ def test_a_capture_over_a_run_drops_the_plain_step_it_left(tmp_path):
     assert not (tmp_path / "run" / PLAIN_TRACE).exists()  # not this capture's step
 
 
-def test_a_cpu_capture_from_a_spec_profiles_no_plain_step(tmp_path):
+def test_a_cpu_capture_profiles_a_plain_step_for_the_backward_only(tmp_path):
+    """A CPU's forward in-situ times are unprofiled repeats; its backward's come from a plain
+    step rather than the captured one, whose gradient hooks copy every call's gradients."""
     from cbtrace.capture.from_spec import capture_model
+    from cbtrace.rundir.read import load_run
 
-    cap = capture_model("nanogpt:tiny", tmp_path / "run", device="cpu")
-    assert not (cap.out / PLAIN_TRACE).exists()  # a CPU's in-situ times are unprofiled repeats
+    cap = capture_model("nanogpt:tiny", tmp_path / "fwd", device="cpu")
+    assert not (cap.out / PLAIN_TRACE).exists()
+    cap = capture_model("nanogpt:tiny", tmp_path / "train", device="cpu", step="train")
+    assert (cap.out / PLAIN_TRACE).is_file()
+    manifest, df = load_run(cap.out)
+    assert PLAIN_TRACE in manifest.files
+    df["bwd_ms"] = 1.0  # as after a replay with --backward
+    cols = join.insitu_columns(cap.out, manifest, df)
+    leaf = int(df.loc[df["fqn"] == "lm_head", "call_id"].iloc[0])
+    assert cols[leaf]["bwd_insitu_ms"] > 0 and cols[leaf]["bwd_insitu_hooked_ms"] > 0
+    assert cols[leaf]["insitu_hooked_ms"] is None  # the forward: the host times, as before
 
 
 @pytest.mark.gpu

@@ -37,7 +37,7 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     step (run eagerly by capture) for a call the step ran compiled, for a call timed back to back
     the larger of its host issue time and its busy time (else its span), else the busy time."""
     on_gpu = manifest.device.startswith("cuda")
-    plain = plain_trace(run, manifest) if on_gpu else None
+    plain = plain_trace(run, manifest)
     hooked, bwd_hooked = {}, {}
     # the backward's own gradient sums; the forward's rows do not depend on them, so each trace
     # is attributed once for both phases (``_attributed``)

@@ -129,12 +129,14 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
                 announce(f"{cap.out}: the plain repeat of the step failed ({one_line(e)}); "
                          "its root is compared with the captured step")
         plain = clock = None
-        if device.type == "cuda" and cap.trace_path is not None:
-            try:  # the in-situ times' step: no input copies, no hooks but a range per call
+        # the in-situ times' step: no input copies, no hooks but a range per call. On a CPU the
+        # forward's come from the host times above; a train step's backward comes from here
+        if (device.type == "cuda" or step == "train") and cap.trace_path is not None:
+            try:
                 with guard.call():
                     plain, clock = plain_trace(model, [r.fqn for r in cap.records],
                                                lambda: run_step(provider, model, batch, step),
-                                               cap.out, device)
+                                               cap.out, device if device.type == "cuda" else None)
                 if clock is not None:
                     for r in cap.records:
                         by_call.setdefault(r.call_id, {})["step_clock_mhz"] = clock
