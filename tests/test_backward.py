@@ -35,6 +35,23 @@ def test_linear_backward_flops_count_grad_input_only_when_needed(tmp_path, input
     assert state_fingerprint(model) == before
 
 
+class _Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 1000)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_grad_bytes_count_the_parameters_the_backward_reaches(tmp_path):
+    torch.manual_seed(0)
+    model = _Unused().train()
+    _capture_train(model, torch.randn(4, 8), tmp_path / "r")
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY)
+    assert df.set_index("fqn").loc["", "grad_bytes"] == (8 * 8 + 8) * 4
+
+
 def test_random_gradients_when_none_were_captured_and_a_forward_capture(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)).train()

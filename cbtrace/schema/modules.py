@@ -216,7 +216,8 @@ class ModuleRecord:
                                                              "backward's peak", default=None)
     saved_bytes: int | None = column(REPLAY, "bytes", "tensors the forward saved for backward "
                                                       "(saved_tensors_hooks)", default=None)
-    grad_bytes: int | None = column(REPLAY, "bytes", "parameter gradients the backward writes",
+    grad_bytes: int | None = column(REPLAY, "bytes",
+                                    "gradients of the parameters the backward reaches",
                                     default=None)
     replay_wall_s: float | None = column(REPLAY, "s", "host wall time spent replaying this call",
                                          default=None)

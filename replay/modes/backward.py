@@ -379,7 +379,8 @@ def _cost(c: CallUnderTest, backward: _Backward) -> dict:
 
 
 def _memory(c: CallUnderTest, backward: _Backward) -> dict:
-    """Bytes the forward saved for backward, the backward's peak and the parameter gradients."""
+    """Bytes the forward saved for backward, the backward's peak and the gradients of the
+    parameters its backward reaches (one the call does not use gets none)."""
     saved: dict[tuple, int] = {}
 
     def pack(t):
@@ -402,8 +403,11 @@ def _memory(c: CallUnderTest, backward: _Backward) -> dict:
         peak = max(torch.cuda.max_memory_allocated(c.device) - base, 0)
     else:
         peak = _cpu_peak(lambda: backward(outs, targets))
+    reached = {id(t) for t in targets.grad_to if isinstance(t, torch.Tensor)}
+    if targets.why:  # a reentrant checkpoint's parameters are out of the walk's sight
+        reached = {id(p) for p in params}
     return dict(saved_bytes=sum(saved.values()), bwd_peak_mem_bytes=int(peak),
-                grad_bytes=sum(p.numel() * p.element_size() for p in params))
+                grad_bytes=sum(p.numel() * p.element_size() for p in params if id(p) in reached))
 
 
 def _cpu_peak(fn) -> int:
