@@ -201,7 +201,7 @@ def _input_edges(inputs) -> list:
 def _sequence_mark() -> int:
     """The sequence number of a node made now: every node a forward run after this makes has a
     larger one (the counter is per thread; AccumulateGrad's is the largest there is)."""
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():
         return (torch.empty(0, requires_grad=True) * 1).grad_fn._sequence_nr()
 
 
