@@ -352,6 +352,37 @@ def test_a_checkpoint_of_ones_own_and_a_tensor_read_from_elsewhere(tmp_path):
     assert "reentrant" not in (df.loc["inner", "bwd_timer_notes"] or "")
 
 
+class _Keeps(nn.Module):
+    """Returns, beside its own output, a tensor its parent made and left on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x), self.kept
+
+
+class _Leaves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p, self.k = nn.Parameter(torch.ones(8)), _Keeps()
+
+    def forward(self, x):
+        self.k.kept = self.p * 3
+        a, b = self.k(x)
+        return a * b
+
+
+def test_an_output_another_call_made_has_nothing_of_the_calls_behind_it(tmp_path):
+    """Its gradient is handed back where it comes out, not run on into the graph that made it
+    (freed after the step's backward: "backward through the graph a second time")."""
+    model = _Leaves().train()
+    _capture_train(model, torch.randn(4, 8), tmp_path / "r")
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, **FAST_REPLAY)
+    assert (df["bwd_status"] == "ok").all(), df["bwd_status_reason"].tolist()
+
+
 class _Res(nn.Module):
     """x feeds a LayerNorm and the residual add after it: two consumers of x."""
 

@@ -225,13 +225,13 @@ def backward_targets(outs, edges: list, mark: int) -> Targets:
     leaf its outputs' graph reaches short of them (its parameters; a tensor it read that is
     none of its own, a shared weight) and every edge into a node made before its forward
     (sequence number below ``mark``: a tensor another call made and this one read from
-    elsewhere than its inputs). An output that is an input as it came has nothing of the call's
-    behind it. The walks hold the nodes they have seen."""
+    elsewhere than its inputs). An output that is an input as it came, or such a tensor, has
+    nothing of the call's behind it. The walks hold the nodes they have seen."""
     stop = {(e.node, e.output_nr) for e in edges}
     leaves: dict = {}
-    before: dict = {}
     starts = {(o.grad_fn, o.output_nr) for o in outs} - stop
-    stack = list({fn: None for fn, _ in starts})
+    before = {e: GradientEdge(*e) for e in starts if e[0]._sequence_nr() < mark}  # not its own
+    stack = list({fn: None for fn, nr in starts if (fn, nr) not in before})
     seen = set(stack)
     while stack:
         node = stack.pop()
