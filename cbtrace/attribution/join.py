@@ -37,7 +37,8 @@ def insitu_columns(run, manifest, df) -> dict[int, dict]:
     step (run eagerly by capture) for a call the step ran compiled, for a call timed back to back
     the larger of its host issue time and its busy time (else its span), else the busy time."""
     on_gpu = manifest.device.startswith("cuda")
-    plain = plain_trace(run, manifest)
+    # on a CPU the forward's in-situ times are the host times; a backward's, the plain step's
+    plain = plain_trace(run, manifest) if on_gpu or df["bwd_ms"].notna().any() else None
     hooked, bwd_hooked = {}, {}
     # the backward's own gradient sums; the forward's rows do not depend on them, so each trace
     # is attributed once for both phases (``_attributed``)
