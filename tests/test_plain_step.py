@@ -184,3 +184,23 @@ def test_gpu_profile_reads_the_clock_after_each_timing_and_compares_it_with_the_
     assert ok["timed_clock_mhz"].between(200, 4000).all()
     want = 100 * (ok["step_clock_mhz"] / ok["timed_clock_mhz"] - 1)
     assert (ok["clock_error_pct"] - want).abs().max() < 1e-6
+
+
+def test_a_cpu_plain_step_that_waited_off_the_cpu_is_taken_again_on_one_thread(monkeypatch,
+                                                                               tmp_path):
+    """On a busy CPU each parallel op of the step waits for a worker thread that is not
+    running; the CPU timer then times on one thread, and the plain step is taken again so."""
+    from cbtrace.capture import from_spec
+
+    threads, calls = torch.get_num_threads(), []
+    real = from_spec.plain_trace
+
+    def traced(*args, **kwargs):
+        calls.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(from_spec, "plain_trace", traced)
+    monkeypatch.setattr(from_spec.time, "thread_time", lambda: 0.0)  # the step never ran
+    cap = from_spec.capture_model("nanogpt:tiny", tmp_path / "run", device="cpu", step="train")
+    assert calls == ([threads, 1] if threads > 1 else [threads])
+    assert torch.get_num_threads() == threads and (cap.out / PLAIN_TRACE).is_file()
