@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from cbtrace import module_tree
-from cbtrace.capture.host_times import host_times
+from cbtrace.capture.host_times import host_times, one_thread, waited_off_cpu
 from cbtrace.capture.plain_step import plain_trace
 from cbtrace.capture.recorder import CaptureConfig, capture
 from cbtrace.console import announce
@@ -74,16 +74,11 @@ def _plain_step(model, fqns: list[str], step, out: Path, device, guard):
     w0, c0 = time.perf_counter(), time.thread_time()
     with guard.call():
         got = plain_trace(model, fqns, step, out)
-    wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
-    threads = torch.get_num_threads()
-    if threads == 1 or wall - cpu <= 0.5 * wall:
+    if torch.get_num_threads() == 1 or not waited_off_cpu(time.perf_counter() - w0,
+                                                           time.thread_time() - c0):
         return got
-    torch.set_num_threads(1)
-    try:
-        with guard.call():
-            return plain_trace(model, fqns, step, out)
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread(), guard.call():
+        return plain_trace(model, fqns, step, out)
 
 
 @GlobalSettings()  # the provider's seeding, warm-up and step: the caller's RNG back

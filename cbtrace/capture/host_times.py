@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -70,13 +71,9 @@ def host_times(model, records, run_step, *, repeats: int = 7, budget_s: float = 
     runs, plain, waited = _repeats(model, records, run_step, guard, repeats, budget_s)
     if runs is None:
         return None
-    threads = torch.get_num_threads()
-    if one_thread_retry and threads > 1 and waited > len(runs) / 2:
-        torch.set_num_threads(1)
-        try:
+    if one_thread_retry and torch.get_num_threads() > 1 and waited > len(runs) / 2:
+        with one_thread():
             again = _repeats(model, records, run_step, guard, repeats, budget_s)
-        finally:
-            torch.set_num_threads(threads)
         if again[0] is not None and again[2] < waited:
             runs, plain, waited = again
     spans = [statistics.median(v) for v in zip(*runs)]
@@ -99,7 +96,7 @@ def _repeats(model, records, run_step, guard, repeats: int, budget_s: float):
         with guard.call():
             spans = time_calls(model, [r.fqn for r in records], run_step)
         wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
-        waited += wall - cpu > 0.5 * wall
+        waited += waited_off_cpu(wall, cpu)
         with guard.call(), module_tree.eager(model):
             t0 = time.perf_counter()
             run_step()
@@ -108,6 +105,24 @@ def _repeats(model, records, run_step, guard, repeats: int, budget_s: float):
             return None, None, 0
         runs.append(spans)
     return runs, plain, waited
+
+
+def waited_off_cpu(wall: float, cpu: float) -> bool:
+    """Whether a step's thread spent most of its wall time off the CPU: on a busy machine each
+    parallel op waits for an intra-op worker that is not running."""
+    return wall - cpu > 0.5 * wall
+
+
+@contextmanager
+def one_thread():
+    """One intra-op thread inside, as the CPU timer times on a busy machine; torch's count back
+    after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def descendants(records) -> list[int]:
