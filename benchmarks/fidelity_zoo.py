@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cbtrace.attribution.miss import CLOCKED_BASES
 from cbtrace.replay.config import CONTEXT_REWRITES, ReplayConfig
 
 MIN_MS, WITHIN_PCT = 0.010, 5.0
@@ -147,11 +148,12 @@ def fell_back(big, phase: str) -> int:
 def clock_columns(big, err: str) -> dict:
     """The SM clock after the plain step against the median after the calls' timings, and the
     share (%) of ``big``'s calls within 5 % once the clocks' difference is taken out of each
-    compared with its busy time: what timing at the step's clock would give, were every call's
+    compared on a clocked basis (``miss.CLOCKED_BASES``: its busy time, or its eager figure
+    against the eager step's): what timing at the step's clock would give, were every call's
     time to follow the clock (a bound, not a measurement). Empty without clock readings."""
     if "clock_error_pct" not in big or big["clock_error_pct"].isna().all():
         return {}
-    clock = big["clock_error_pct"].where(big["error_basis"] == "busy", 0.0).fillna(0.0)
+    clock = big["clock_error_pct"].where(big["error_basis"].isin(CLOCKED_BASES), 0.0).fillna(0.0)
     return {"step/timed_MHz": f"{big['step_clock_mhz'].median():.0f}/"
                               f"{big['timed_clock_mhz'].median():.0f}",
             "clock_free_within5%": 100 * float(((big[err] - clock).abs() <= WITHIN_PCT).mean())}

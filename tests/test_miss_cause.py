@@ -38,6 +38,16 @@ def test_a_miss_the_clocks_account_for_names_the_sm_clock():
         "-1.5 % besides)")
 
 
+def test_a_compiled_calls_eager_figure_against_the_eager_step_names_the_clock_too():
+    # compiled NanoGPT's train step: its eager figure timed at 1988 MHz, the captured (eager)
+    # step's busy time at 1844: both are the device busy with the same kernels
+    assert miss_cause(clocked(-9.7, 1844, 1988, error_basis="eager"), 3, -11.0).startswith(
+        "SM clock: timed at 1988 MHz, the step's 1844 MHz (-7.2 % from the clocks")
+    # the step repeated as the user runs it is not a busy time: no clock named there
+    assert not miss_cause(clocked(-9.7, 1844, 1988, error_basis="step"), 3, -11.0).startswith(
+        "SM clock")
+
+
 def test_the_clock_is_not_named_where_it_cannot_account_for_the_miss():
     # the other way round, too small to matter, too small beside the miss, against host time
     assert miss_cause(clocked(9.0, 1800, 1946), 3, 9.0).startswith("its kernels ran 9 % slower")

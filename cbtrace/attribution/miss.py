@@ -20,6 +20,10 @@ WITHIN_PCT = 5.0  # a call within this of in situ has nothing to explain
 # Two clock readings closer than this are the same clock: each reading's own spread (CUDA events
 # around spin kernels) stays below it.
 CLOCK_MIN_PCT = 1.0
+# Error bases (``metrics.error_basis``) whose two figures are both the device busy with the
+# call's kernels, so that both follow the SM clock: the busy time, and the eager figure of a call
+# the step ran compiled against the captured (eager) step's busy time. The host's pace does not.
+CLOCKED_BASES = (None, "busy", "eager")
 
 
 def _num(v) -> float | None:
@@ -51,7 +55,7 @@ def miss_cause(row: dict, insitu_kernels, kernel_err: float | None) -> str | Non
         return f"other kernels: {round(alone)} alone, {round(step)} in the step"
     clock = _num(row.get("clock_error_pct"))
     if (clock is not None and abs(clock) >= CLOCK_MIN_PCT and clock * err > 0
-            and abs(err - clock) <= WITHIN_PCT and row.get("error_basis") in (None, "busy")):
+            and abs(err - clock) <= WITHIN_PCT and row.get("error_basis") in CLOCKED_BASES):
         return (f"SM clock: timed at {_num(row.get('timed_clock_mhz')):.0f} MHz, the step's "
                 f"{_num(row.get('step_clock_mhz')):.0f} MHz ({clock:+.1f} % from the clocks; "
                 f"{err - clock:+.1f} % besides)")
