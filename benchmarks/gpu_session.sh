@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls. On the device machine, from the repo root (with .whl carried):
 #   bash benchmarks/gpu_session.sh WORD [WORD ...]
-# tests: the GPU-marked tests; profile: cbtrace profile of NanoGPT and DLRM bf16, error tables
+# tests: the GPU-marked tests (TESTS_PATHS: some files only, e.g. "$R/tests/test_hf_cache.py"); profile: cbtrace profile of NanoGPT and DLRM bf16, error tables
 # (profile_models.py); capture: capture overhead with its breakdown (bench_capture.py);
 # paper: benchmarks/paper_demos.py (the paper's figures beside ours, icicles);
 # replay: calibrate, then bench_replay_gpu.py (default and cold replay vs do_bench and in situ);
@@ -41,6 +41,8 @@
 # root-host: probes/probe_root_host.py (a root's host issue as the user runs it, beside a reader thread,
 # after a profiler session, and in replay with the read-ahead on and off; ROOT_SPECS, zoo function names;
 # ROOT_STEP=train);
+# root-window: probes/probe_root_window.py (a host-paced root's back-to-back windows, plain and in
+# replay: host a call, allocator retries, collections; WINDOW_SPECS, zoo function:step);
 # mem-train: probes/probe_memory.py on ResNet-50 train (MEM_VARIANTS; the capture-room fix);
 # engine-sums: probes/probe_engine_sums.py on the GPU (a leaf's engine adds, its own gradient
 # sums, its in-situ backward with and without them, captured and plain step; SUMS_SPEC, SUMS_SIZE);
@@ -52,7 +54,7 @@ cd /tmp
 for WHAT in "$@"; do
 case $WHAT in
 tests)
-  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -c $R/pyproject.toml --rootdir $R $R/tests -m gpu -q -p no:cacheprovider 2>&1 | grep -v -E "^  |Warning:" | tee $OUT/gpu_tests.log | tail -12 ;;
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -c $R/pyproject.toml --rootdir $R ${TESTS_PATHS:-$R/tests} -m gpu -q -p no:cacheprovider 2>&1 | grep -v -E "^  |Warning:" | tee $OUT/gpu_tests.log | tail -12 ;;
 profile)
   timeout ${PROFILE_TIMEOUT:-400} python3 $R/benchmarks/profile_models.py /tmp/prof ${PROFILE_MODELS:-nanogpt dlrm} 2>&1 | grep -v -E "USDT|Warn|warn" | tee $OUT/profile_models.log | tail -60
   cp /tmp/prof/*_modules.csv $OUT/ 2>/dev/null ;;
@@ -134,6 +136,10 @@ pos-conv)
 root-host)
   for F in ${ROOT_SPECS:-hf_bert timm_efficientnet_b0}; do
     timeout ${ROOT_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_root_host.py /tmp/roothost_$F${ROOT_STEP:+_$ROOT_STEP} --spec $R/benchmarks/zoo.py:$F ${ROOT_STEP:+--step $ROOT_STEP} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_root_host_$F${ROOT_STEP:+_$ROOT_STEP}.log | tail -18
+  done ;;
+root-window)
+  for F in ${WINDOW_SPECS:-hf_llama:train hf_bert:forward}; do
+    timeout ${WINDOW_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_root_window.py /tmp/rootwin_${F/:/_} --spec $R/benchmarks/zoo.py:${F%%:*} --step ${F##*:} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/probe_root_window_${F/:/_}.log | tail -${WINDOW_LINES:-30}
   done ;;
 mem-train)
   timeout ${MEM_TIMEOUT:-200} python3 $R/benchmarks/probes/probe_memory.py /tmp/pmem_train ${MEM_VARIANTS:-default} --spec $R/benchmarks/zoo.py:tv_resnet50 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |F.linear" | tee $OUT/probe_memory_resnet50.log | tail -6 ;;
