@@ -2,7 +2,9 @@
 CUDA device has free for torch, and handing memory back after an attempt ran out of it."""
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import statistics
 import time
 
@@ -30,6 +32,40 @@ def warm_profiler(device) -> None:
     with torch.cuda.device(device), profile(activities=[ProfilerActivity.CPU,
                                                         ProfilerActivity.CUDA]):
         torch.cuda.synchronize()
+
+
+# Kineto tears CUPTI down at a profiler session's stop only if TEARDOWN_CUPTI is "1" then; left
+# subscribed, CUPTI's callbacks stay on every later launch of the process, and a host-bound
+# call issues slower, more so after each session (benchmarks/RESULTS.md, session 32: host issue
+# times 20-30 % lower with the teardown, as in a process never profiled). torch keeps CUPTI up
+# where CUDA graphs and a re-initialisation after teardown crashed: CUDA before 12.6, or lazy
+# re-initialisation off.
+TEARDOWN_MIN_CUDA = (12, 6)
+
+
+def _cuda_version() -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in (torch.version.cuda or "0").split(".")[:2])
+    except ValueError:
+        return (0,)
+
+
+@contextlib.contextmanager
+def cupti_torn_down():
+    """Wrap a profiler session whose stop should tear CUPTI down (TEARDOWN_CUPTI=1 while the
+    block runs; taken away after, unless the session changed it). Nothing is set where the
+    user or torch has a say already (either variable set) or CUDA is older than
+    ``TEARDOWN_MIN_CUDA``."""
+    if (not torch.cuda.is_available() or _cuda_version() < TEARDOWN_MIN_CUDA
+            or "TEARDOWN_CUPTI" in os.environ or "DISABLE_CUPTI_LAZY_REINIT" in os.environ):
+        yield
+        return
+    os.environ["TEARDOWN_CUPTI"] = "1"
+    try:
+        yield
+    finally:
+        if os.environ.get("TEARDOWN_CUPTI") == "1":
+            del os.environ["TEARDOWN_CUPTI"]
 
 
 def resolve_device(device=None, *, default: str = "auto"):

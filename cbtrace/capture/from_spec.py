@@ -81,6 +81,14 @@ def _plain_step(model, fqns: list[str], step, out: Path, device, guard):
         return plain_trace(model, fqns, step, out)
 
 
+# Windows of the step's forward repeated as the user runs it (``insitu_step_ms``), by whether
+# the device is a GPU: a host-bound forward's window there now and then takes half as long again
+# (a host stall, neither a collection nor the allocator: probes/probe_root_window.py), so the
+# median is taken over more windows than one or two such can move. A CPU's windows are its
+# forward's own time, seconds at real sizes.
+STEP_WINDOWS = {True: dict(repeats=9, warmup=3), False: dict(repeats=3, warmup=1)}
+
+
 @GlobalSettings()  # the provider's seeding, warm-up and step: the caller's RNG back
 def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str | None = None,
                   step: str = "forward", warmup: int = 1, seed: int = 0,
@@ -142,7 +150,7 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
             try:  # as the user runs it, in a loop: one step from an idle device read
                 with guard.call():  # BERT-base's host-bound step 23 % slow
                     ms = steps_ms(lambda: provider.run(model, batch), device,
-                                  k=5, repeats=3, warmup=1)
+                                  k=5, **STEP_WINDOWS[device.type == "cuda"])
                 by_call.setdefault(roots[0].call_id, {})["insitu_step_ms"] = ms
             except Exception as e:  # noqa: BLE001 - the capture stands without this figure
                 announce(f"{cap.out}: the plain repeat of the step failed ({one_line(e)}); "

@@ -21,7 +21,7 @@ from cbtrace import module_tree
 from cbtrace.capture import boundaries
 from cbtrace.capture.recorder import RANGE_ENTER, RANGE_EXIT, export_trace, profiler_activities
 from cbtrace.console import quiet_kineto
-from cbtrace.device import sm_clock_mhz
+from cbtrace.device import cupti_torn_down, sm_clock_mhz
 from cbtrace.rundir.layout import PLAIN_TRACE
 
 
@@ -62,7 +62,8 @@ def plain_trace(model, fqns: list[str], run_step, out: Path,
     handles = ranged_calls(model, fqns)
     clock = None
     try:
-        with quiet_kineto(), torch.profiler.profile(activities=profiler_activities()) as prof:
+        with quiet_kineto(), cupti_torn_down(), \
+                torch.profiler.profile(activities=profiler_activities()) as prof:
             with module_tree.eager(model):  # compiled parts eagerly, as the capture ran them
                 run_step()
             if device is not None:

@@ -29,6 +29,7 @@ from cbtrace import module_tree
 from cbtrace.capture import boundaries
 from cbtrace.capture.helper_thread import HelperThread, InlineHelper, untraced
 from cbtrace.console import quiet_kineto
+from cbtrace.device import cupti_torn_down
 from cbtrace.cost.dtypes import name_of
 from cbtrace.cost.peaks import device_name
 from cbtrace.errors import CaptureError, one_line
@@ -271,7 +272,7 @@ class capture:
             pass
         if self._prof is not None:
             try:
-                with quiet_kineto():
+                with quiet_kineto(), cupti_torn_down():
                     self._prof.__exit__(None, None, None)
             except Exception:  # noqa: BLE001 - the original error is the one to report
                 pass
@@ -300,7 +301,7 @@ class capture:
                 helper_error = e
             self._lap("helper_drain")
             if self._prof is not None:
-                with quiet_kineto():
+                with quiet_kineto(), cupti_torn_down():
                     self._prof.__exit__(exc_type, exc, tb)
                 self._lap("profiler_stop")
         finally:

@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cbtrace.attribution import intervals
 from cbtrace.console import quiet_kineto
+from cbtrace.device import cupti_torn_down
 
 
 DEVICE_ACTIVITIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})  # Kineto activity names
@@ -140,7 +141,7 @@ def _profile_rows(call, device, runs: int) -> list[Row]:
     if device.type == "cuda":
         # torch.profiler on a GPU: autograd's profiler as set up below once read no kernel there
         acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-        with quiet_kineto(), profile(activities=acts) as prof:
+        with quiet_kineto(), cupti_torn_down(), profile(activities=acts) as prof:
             for _ in range(runs):
                 call()
                 _sync(device)

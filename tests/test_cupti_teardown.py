@@ -1,0 +1,85 @@
+"""cbtrace's profiler sessions stop with CUPTI torn down (device.cupti_torn_down): set only for
+the session, only where torch would not keep CUPTI up, never over the user's own setting."""
+import os
+
+import pytest
+import torch
+
+from cbtrace import device
+
+
+@pytest.fixture
+def cuda13(monkeypatch):
+    """A machine with CUDA 13 as far as the guard can tell; neither variable set."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    monkeypatch.delenv("DISABLE_CUPTI_LAZY_REINIT", raising=False)
+    return monkeypatch
+
+
+def test_the_session_stops_with_teardown_and_the_variable_goes_after(cuda13):
+    with device.cupti_torn_down():
+        assert os.environ["TEARDOWN_CUPTI"] == "1"
+    assert "TEARDOWN_CUPTI" not in os.environ
+    with pytest.raises(RuntimeError), device.cupti_torn_down():
+        raise RuntimeError("the session failed")
+    assert "TEARDOWN_CUPTI" not in os.environ
+
+
+@pytest.mark.parametrize("name,value", [("TEARDOWN_CUPTI", "0"), ("TEARDOWN_CUPTI", "1"),
+                                        ("DISABLE_CUPTI_LAZY_REINIT", "1")])
+def test_a_variable_already_set_is_left_as_it_is(cuda13, name, value):
+    cuda13.setenv(name, value)
+    with device.cupti_torn_down():
+        assert os.environ[name] == value
+        if name != "TEARDOWN_CUPTI":
+            assert "TEARDOWN_CUPTI" not in os.environ
+    assert os.environ[name] == value
+
+
+def test_old_cuda_or_no_gpu_sets_nothing(cuda13):
+    cuda13.setattr(torch.version, "cuda", "12.4")
+    with device.cupti_torn_down():
+        assert "TEARDOWN_CUPTI" not in os.environ
+    cuda13.setattr(torch.version, "cuda", "13.0")
+    cuda13.setattr(torch.cuda, "is_available", lambda: False)
+    with device.cupti_torn_down():
+        assert "TEARDOWN_CUPTI" not in os.environ
+
+
+def test_a_value_torch_set_during_the_session_stays(cuda13):
+    # torch.profiler sets TEARDOWN_CUPTI=0 itself where CUDA graphs need CUPTI kept up
+    with device.cupti_torn_down():
+        os.environ["TEARDOWN_CUPTI"] = "0"
+    assert os.environ["TEARDOWN_CUPTI"] == "0"
+
+
+@pytest.mark.gpu
+def test_graphs_and_sessions_after_a_teardown_still_run_and_profile():
+    """A CUDA graph captured before a torn-down session replays after it, and the next session
+    (CUPTI set up again) still records the graph's kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.ones(1 << 20, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.mul_(1.0)  # warm-up off the default stream, as graph capture asks
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        x.add_(1.0)
+    kernels = []
+    for _ in range(3):
+        with device.cupti_torn_down(), profile(activities=[ProfilerActivity.CPU,
+                                                            ProfilerActivity.CUDA]) as prof:
+            g.replay()
+            torch.cuda.synchronize()
+        kernels.append(sum(1 for e in prof.events() if e.device_type.name == "CUDA"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert float(x[0]) == 5.0  # capture runs nothing: four replays
+    assert all(k >= 1 for k in kernels), kernels
