@@ -555,3 +555,40 @@ def test_a_backward_whose_profile_fails_keeps_its_timing_and_says_so(tmp_path, m
     assert (df["bwd_ms"] > 0).all() and df["bwd_kernel_count"].isna().all()
     notes = df["bwd_timer_notes"]
     assert notes.str.contains("backward not profiled: .*profiler could not start").all(), notes
+
+
+class _ExtraLevel(nn.Module):
+    """torchvision's FPN extra block: appends its pooled level to the list of levels (and a
+    name to the names) it was handed, and returns both lists."""
+
+    def forward(self, levels: list, names: list):
+        names.append("pool")
+        levels.append(nn.functional.max_pool2d(levels[-1], 1, 2, 0))
+        return levels, names
+
+
+class _Pyramid(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.ModuleList(nn.Conv2d(4, 4, 1) for _ in range(2))
+        self.extra = _ExtraLevel()
+
+    def forward(self, x):
+        levels = [m(x) for m in self.inner]
+        levels, names = self.extra(levels, ["0", "1"])
+        return sum(v.mean() for v in levels) * len(names)
+
+
+def test_a_call_that_appends_to_a_list_it_was_handed_runs_each_time_on_the_list_as_captured(
+        tmp_path):
+    torch.manual_seed(0)
+    model = _Pyramid().train()
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(torch.randn(2, 4, 8, 8)).backward()
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True,
+                        **FAST_REPLAY).set_index("fqn")
+    extra = df.loc["extra"]
+    # each of the many timed runs met the two levels captured, not the runs before it's
+    assert extra["status"] == "ok" and extra["bwd_status"] == "ok", extra["bwd_status_reason"]
+    assert extra["grad_source"] == "captured"
+    assert extra["bwd_flops"] > 0

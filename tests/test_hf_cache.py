@@ -216,7 +216,13 @@ def test_input_state_puts_attributes_lists_dicts_and_counters_back():
     cache = _static(True)
     enc = _encoder_decoder(True)
     st = InputState(((torch.ones(1),), {"cache": cache, "enc": enc}))
-    assert st and not InputState(((torch.ones(1), [torch.ones(2)]), {"x": {"y": 1}}))
+    assert st and not InputState(((torch.ones(1), (torch.ones(2),)), {"x": 1}))
+    levels, names = [torch.ones(2)], {"y": 1}  # a list or dict the call may change
+    plain = InputState(((torch.ones(1), levels), {"x": names}))
+    levels.append(torch.ones(3))
+    names["z"] = 2
+    plain.restore()
+    assert plain and len(levels) == 1 and names == {"y": 1}
     layer, keys, updated = cache.layers[0], cache.layers[0].keys, dict(enc.is_updated)
     cache.update(*kv(4, 3), layer_idx=0)  # cumulative_length.add_ in place, keys written
     enc.self_attention_cache.update(*kv(1), layer_idx=0)  # self.keys = torch.cat(...)

@@ -35,7 +35,8 @@ class OnCopies:
 
     fn: Callable
     copies: list                  # (args, kwargs) per copy
-    states: list | None           # InputState per copy, None when no copy holds objects
+    states: list | None           # InputState per copy, None when no copy holds objects,
+    # lists or dicts
     rec: object                   # the call's ModuleRecord (grad mode, autocast)
     device: torch.device
     touch: Callable[[int], None] | None = None  # input_toucher(copies) where warm inputs are on
@@ -100,7 +101,8 @@ class CallUnderTest:
 
 def prepare(module, rec, args, kwargs, device, cfg, grads=None) -> CallUnderTest:
     """The call on ``args``/``kwargs`` and enough copies of them (ids shifted for embeddings);
-    objects in the inputs (a transformers Cache) are put back as they were before every run."""
+    objects, lists and dicts in the inputs (a transformers Cache, a list of levels) are put
+    back as they were before every run."""
     copies = embedding_copies(module, args, kwargs, device)
     if copies is None:
         n = n_copies(tensor_bytes((args, kwargs)), device, cfg.max_copies)
@@ -197,8 +199,12 @@ class InputState:
     A module may mutate an object it receives: a transformers DynamicLayer appends this call's
     keys and values (``self.keys = torch.cat([self.keys, k])``), a StaticLayer bumps its
     ``cumulative_length``. Timers run a call hundreds of times, so run N would see N-1 runs of
-    growth. The snapshot is shallow: each object's attribute dict, and the contents of lists and
-    dicts held by objects, recursively; tensors are not copied. Putting references back
+    growth; a module handed a list may append to it (torchvision's FPN extra block appends its
+    pooled level to the list of levels it is given), and run N would return N outputs and
+    meet a gradient for each. The snapshot is shallow: each object's attribute dict, and the
+    contents of every list and dict in the inputs or held by an object, recursively (not the
+    call's own argument tuple and keyword dict, which the call cannot reach); tensors are not
+    copied. Putting references back
     suffices because DynamicLayer (and its sliding-window and quantized kin) reassigns rather
     than writes: the tensors the snapshot points to are never changed. StaticLayer does write
     in place (index_copy_ at ``cumulative_length + arange(n)``), but with its counter put back
@@ -218,11 +224,12 @@ class InputState:
         self._walk(inputs)
 
     def __bool__(self) -> bool:
-        return bool(self.objects)
+        return bool(self.objects or self.lists or self.dicts)
 
     def _walk(self, inputs) -> None:
         seen: set[int] = set()
-        stack = [(inputs, False)]  # (value, held by an object)
+        args, kwargs = inputs  # unpacked into the call: only what they hold can change
+        stack = [(v, False) for v in (*args, *kwargs.values())]  # (value, held by an object)
         while stack and len(self.objects) < MAX_OBJECTS:
             x, held = stack.pop()
             if id(x) in seen:
@@ -232,12 +239,11 @@ class InputState:
                 if held and x.numel() <= SMALL_NUMEL and x.device.type != "meta":
                     self.small.append([x, x.detach().clone(), _version(x)])
             elif isinstance(x, (tuple, list)):
-                if held and isinstance(x, list):
+                if isinstance(x, list):
                     self.lists.append((x, list(x)))
                 stack.extend((v, held) for v in x)
             elif isinstance(x, dict):
-                if held:
-                    self.dicts.append((x, dict(x)))
+                self.dicts.append((x, dict(x)))
                 stack.extend((v, held) for v in x.values())
             elif isinstance(getattr(x, "__dict__", None), dict) and not isinstance(x, NOT_STATE):
                 d = vars(x)
