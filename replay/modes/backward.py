@@ -110,26 +110,46 @@ def grad_sums(outs, inputs: set, module, limit: int = 100_000) -> int | None:
     call's own (``attribution.backward_ops``). None past ``limit`` nodes."""
     params = {id(p) for p in module.parameters()}
     edges: dict = {}
-    # keyed by the node objects themselves, held for the walk: an id is only unique while its
-    # object lives, and nothing here promises a node's Python object outlives the reference
-    stack = list({id(o.grad_fn): o.grad_fn for o in outs}.values())  # outputs of one node: once
+    try:  # an input's producer is not the call's: the walk stops at an input's edge
+        for _, nexts in walk_graph([o.grad_fn for o in outs],
+                                   lambda fn, nr: (fn, nr) not in inputs, limit):
+            for fn, nr in nexts:
+                var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
+                if var is None:
+                    key = (fn, nr)
+                elif id(var) in inputs or id(var) in params:
+                    key = id(var)
+                else:
+                    continue
+                edges[key] = edges.get(key, 0) + 1
+    except GraphTooLarge:
+        return None
+    return sum(n - 1 for n in edges.values() if n > 1)
+
+
+class GraphTooLarge(Exception):
+    """``walk_graph`` met more nodes than its limit."""
+
+
+def walk_graph(roots, descend=None, limit: int | None = None):
+    """(node, its edges to the next nodes as (fn, output_nr), None ones left out) for every
+    node of the autograd graph below ``roots`` (nodes), each once, walking below a non-leaf
+    edge only where ``descend(fn, nr)`` says so (all, without it). Holds the nodes it has
+    seen: a node's id is unique only while its Python object lives, and nothing promises that
+    object outlives the reference. Raises GraphTooLarge past ``limit`` nodes."""
+    stack = list(dict.fromkeys(roots))
     seen = set(stack)
     while stack:
-        for fn, nr in stack.pop().next_functions:
-            if fn is None:
-                continue
-            var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
-            if var is not None:
-                if id(var) in inputs or id(var) in params:
-                    edges[id(var)] = edges.get(id(var), 0) + 1
-                continue
-            edges[(fn, nr)] = edges.get((fn, nr), 0) + 1
-            if (fn, nr) not in inputs and fn not in seen:  # an input's producer is not the call's
+        node = stack.pop()
+        nexts = [(fn, nr) for fn, nr in node.next_functions if fn is not None]
+        yield node, nexts
+        for fn, nr in nexts:
+            if (getattr(fn, "variable", None) is None and fn not in seen
+                    and (descend is None or descend(fn, nr))):
                 seen.add(fn)
-                if len(seen) > limit:
-                    return None
+                if limit is not None and len(seen) > limit:
+                    raise GraphTooLarge
                 stack.append(fn)
-    return sum(n - 1 for n in edges.values() if n > 1)
 
 
 def _grad_outputs(out) -> list[torch.Tensor]:
@@ -226,29 +246,27 @@ def backward_targets(outs, edges: list, mark: int) -> Targets:
     none of its own, a shared weight) and every edge into a node made before its forward
     (sequence number below ``mark``: a tensor another call made and this one read from
     elsewhere than its inputs). An output that is an input as it came, or such a tensor, has
-    nothing of the call's behind it. The walks hold the nodes they have seen."""
+    nothing of the call's behind it."""
     stop = {(e.node, e.output_nr) for e in edges}
-    leaves: dict = {}
     starts = {(o.grad_fn, o.output_nr) for o in outs} - stop
     before = {e: GradientEdge(*e) for e in starts if e[0]._sequence_nr() < mark}  # not its own
-    stack = list({fn: None for fn, nr in starts if (fn, nr) not in before})
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
+    leaves: dict = {}
+
+    def own(fn, nr) -> bool:  # a node of the call's forward, not past an input's edge
+        return (fn, nr) not in stop and fn._sequence_nr() >= mark
+
+    for node, nexts in walk_graph([fn for fn, nr in starts if (fn, nr) not in before], own):
         if _REENTRANT in getattr(getattr(node, "_forward_cls", None), "__name__", "").lower():
             return Targets([], _all_leaves(outs), "a reentrant checkpoint in its graph "
                            "(torch.autograd.grad refuses one): run into its leaves")
-        for fn, nr in node.next_functions:
-            if fn is None or (fn, nr) in stop:
+        for fn, nr in nexts:
+            if (fn, nr) in stop:
                 continue
             var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
             if var is not None:
                 leaves.setdefault(id(var), var)
-            elif fn._sequence_nr() < mark:
+            elif not own(fn, nr):
                 before.setdefault((fn, nr), GradientEdge(fn, nr))
-            elif fn not in seen:
-                seen.add(fn)
-                stack.append(fn)
     grad_to = [*edges, *leaves.values(), *before.values()]
     if not grad_to:  # torch.autograd.grad needs somewhere to hand them back
         return Targets([], _all_leaves(outs), "nothing to hand the gradients back at")
@@ -258,16 +276,11 @@ def backward_targets(outs, edges: list, mark: int) -> Targets:
 def _all_leaves(outs) -> list:
     """Every leaf the graph of ``outs`` reaches."""
     leaves: dict = {}
-    stack = list({id(o.grad_fn): o.grad_fn for o in outs}.values())
-    seen = set(stack)
-    while stack:
-        for fn, _ in stack.pop().next_functions:
+    for _, nexts in walk_graph([o.grad_fn for o in outs]):
+        for fn, _ in nexts:
             var = getattr(fn, "variable", None)
             if var is not None:
                 leaves.setdefault(id(var), var)
-            elif fn is not None and fn not in seen:
-                seen.add(fn)
-                stack.append(fn)
     return list(leaves.values())
 
 
