@@ -72,6 +72,14 @@ class ReplayConfig:
     step it reads its producer's output still in L2, alone a cold copy. Other calls keep
     ``context_max_ms``: a longer context spreads the figures of GEMMs and LayerNorms
     (benchmarks/RESULTS.md, session 25)."""
+    context_memory_max_ms: float = 0.0
+    """A memory-bound call (its FLOPs take less time at the device's peak than its bytes at peak
+    bandwidth: a normalisation, an elementwise op; ``context.memory_bound``) is timed in its
+    context up to this device time; 0: off. In the step a train-mode BatchNorm reads the
+    convolution's output just written; over ``context_max_ms`` it was timed without it, and
+    ResNet-50's (0.22 ms) read 10 % slow (benchmarks/RESULTS.md, session 32: every call up to
+    0.35 ms in context took ResNet-50 train from 57 to 79 % within 5 %). Off until an A/B over
+    the models whose LayerNorms a longer context spread (session 25) says more."""
     context_rewrite: str = "self"
     """A call in context none of whose inputs is a context output (it reads what non-module
     code wrote, such as a residual add): "self" rewrites its larger floating-point inputs in
@@ -169,7 +177,8 @@ class ReplayConfig:
                              f"{', '.join(CONTEXT_REWRITES)}")
         bad = {k: getattr(self, k) for k in ("budget_s", "cold_budget_s", "cold_warmup_s",
                                              "cold_settle_tol", "context_max_ms",
-                                             "context_activation_max_ms")
+                                             "context_activation_max_ms",
+                                             "context_memory_max_ms")
                if getattr(self, k) < 0}
         if self.compile_workers is not None and self.compile_workers < 0:
             bad["compile_workers"] = self.compile_workers

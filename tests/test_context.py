@@ -432,6 +432,34 @@ def test_an_activation_gets_its_context_up_to_its_own_limit():
     assert not small(nn.ReLU(), None)
 
 
+def test_a_memory_bound_call_gets_its_context_up_to_its_own_limit_where_asked(monkeypatch):
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure import context
+
+    monkeypatch.setattr(context, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    rec = dataclasses.replace(_rec(1, None), input_meta=_meta((64, 64, 56, 56)),
+                              output_meta=_meta((64, 64, 56, 56)))
+    # a BatchNorm's figures: ~10 FLOPs an element over 4 bytes moved an element; a GEMM's 4096
+    norm = {"flops": 10 * 64 * 64 * 56 * 56, "bytes": 4 * 64 * 64 * 56 * 56,
+            "compute_dtype": "torch.bfloat16"}
+    gemm = {"flops": 2 * 4096 ** 3, "bytes": 3 * 2 * 4096 ** 2, "compute_dtype": "torch.bfloat16"}
+    assert context.memory_bound(norm, "NVIDIA H100 80GB HBM3")
+    assert not context.memory_bound(gemm, "NVIDIA H100 80GB HBM3")
+    assert not context.memory_bound({"flops": None, "bytes": None}, "NVIDIA H100 80GB HBM3")
+    assert not context.memory_bound(norm, "no such device")
+
+    def small(row, ms, **cfg):
+        c = dataclasses.make_dataclass("C", ["module", "rec", "row", "device", "cfg"])(
+            nn.BatchNorm2d(64), rec, {**row, "device_ms": ms}, torch.device("cuda"),
+            ReplayConfig(**cfg))
+        return context._small(c)
+
+    assert not small(norm, 0.22)  # off by default: context_max_ms alone
+    assert small(norm, 0.22, context_memory_max_ms=0.35)
+    assert not small(norm, 0.4, context_memory_max_ms=0.35)
+    assert not small(gemm, 0.22, context_memory_max_ms=0.35)
+
+
 def test_a_call_like_one_profiled_as_timed_after_the_same_context_takes_its_figures(monkeypatch):
     """The re-profile in the cache state a call is timed in (``profile_as_timed``) runs once per
     kind of call and kind of context: DLRM's hundreds of ReLUs after Linears are few kinds."""

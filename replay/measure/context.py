@@ -26,6 +26,7 @@ from torch.func import functional_call
 from cbtrace import module_tree
 from cbtrace.calltree import CallTree
 from cbtrace.cost.dtypes import is_floating, itemsize, meta_bytes
+from cbtrace.cost.peaks import PeakLookup, device_name
 from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors
 from cbtrace.replay.measure.copies import (clone_like, copies_of, n_copies, table_copies,
@@ -405,13 +406,30 @@ REWRITTEN_AS = {"self": "x * 1", "sum": "x + 0 * y"}
 
 def _small(c: CallUnderTest) -> bool:
     """Whether the call is short enough to be timed in its context: under ``context_max_ms``
-    of device time, an activation under ``context_activation_max_ms``."""
+    of device time, an activation under ``context_activation_max_ms``, a memory-bound call
+    under ``context_memory_max_ms``."""
     ms = c.row.get("device_ms")
     if c.device.type != "cuda":
         return True
-    limit = max(c.cfg.context_max_ms, c.cfg.context_activation_max_ms if activation(
-        c.module, c.rec) else 0.0)
+    cfg = c.cfg
+    limit = max(cfg.context_max_ms,
+                cfg.context_activation_max_ms if activation(c.module, c.rec) else 0.0,
+                cfg.context_memory_max_ms if cfg.context_memory_max_ms and memory_bound(
+                    c.row, device_name(c.device)) else 0.0)
     return ms is not None and 0 < ms < limit
+
+
+def memory_bound(row: dict, device: str) -> bool:
+    """Whether a call's bytes at the device's peak bandwidth take longer than its FLOPs at the
+    peak of their dtype (its counted ``flops``, ``bytes`` and ``compute_dtype``): its time
+    then follows where its inputs are, in the cache or not. False without the figures."""
+    flops, nbytes = row.get("flops"), row.get("bytes")
+    peak = PeakLookup(device)(row.get("compute_dtype"))
+    if peak is None or not nbytes or flops is None or not peak.bytes_per_s:
+        return False
+    if not flops:
+        return True
+    return bool(peak.flops_per_s) and nbytes / peak.bytes_per_s > flops / peak.flops_per_s
 
 
 def activation(module, rec) -> bool:
