@@ -29,8 +29,8 @@ def warm_profiler(device) -> None:
     if _profiler_warm or torch.device(device).type != "cuda":
         return
     _profiler_warm = True
-    with torch.cuda.device(device), profile(activities=[ProfilerActivity.CPU,
-                                                        ProfilerActivity.CUDA]):
+    with torch.cuda.device(device), cupti_torn_down(), profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
         torch.cuda.synchronize()
 
 
@@ -52,9 +52,10 @@ def _cuda_version() -> tuple[int, ...]:
 
 @contextlib.contextmanager
 def cupti_torn_down():
-    """Wrap a profiler session whose stop should tear CUPTI down (TEARDOWN_CUPTI=1 while the
-    block runs; taken away after, unless the session changed it). Nothing is set where the
-    user or torch has a say already (either variable set) or CUDA is older than
+    """Wrap a profiler session, start to stop, in TEARDOWN_CUPTI=1 (taken away after, unless
+    the session changed it): Kineto then sets CUPTI up lazily at its start and tears it down at
+    its stop. Every session of cbtrace's runs so, as they were measured. Nothing is set where
+    the user or torch has a say already (either variable set) or CUDA is older than
     ``TEARDOWN_MIN_CUDA``."""
     if (not torch.cuda.is_available() or _cuda_version() < TEARDOWN_MIN_CUDA
             or "TEARDOWN_CUPTI" in os.environ or "DISABLE_CUPTI_LAZY_REINIT" in os.environ):

@@ -83,3 +83,43 @@ def test_graphs_and_sessions_after_a_teardown_still_run_and_profile():
     torch.cuda.synchronize()
     assert float(x[0]) == 5.0  # capture runs nothing: four replays
     assert all(k >= 1 for k in kernels), kernels
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_capture_holds_the_teardown_from_the_profilers_start_to_its_stop(tmp_path, monkeypatch,
+                                                                         fails):
+    import contextlib
+    import importlib
+
+    import cbtrace
+
+    recorder = importlib.import_module("cbtrace.capture.recorder")
+    seen = []
+
+    @contextlib.contextmanager
+    def watched():
+        seen.append("enter")
+        try:
+            yield
+        finally:
+            seen.append("exit")
+
+    real_profile = torch.profiler.profile
+
+    class Profile(real_profile):
+        def __enter__(self):
+            seen.append("start")
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            seen.append("stop")
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(recorder, "cupti_torn_down", watched)
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with contextlib.suppress(RuntimeError), cbtrace.capture(model, tmp_path / "r"):
+        model(torch.randn(2, 4))
+        if fails:
+            raise RuntimeError("the step failed")
+    assert seen == ["enter", "start", "stop", "exit"], seen

@@ -161,6 +161,7 @@ class capture:
         self._in_compiled: set[str] = set()  # fqns under torch.compile in the step
         self._recomputes = boundaries.Recomputes()  # forward call each recomputation redoes
         self._prof = None
+        self._cupti = None  # cupti_torn_down() while the profiler runs
         self._helper = InlineHelper()  # runs hook bookkeeping (a HelperThread under with_stack)
         self._lock = threading.RLock()
         self._acquire, self._release = untraced(self._lock.acquire), untraced(self._lock.release)
@@ -252,6 +253,10 @@ class capture:
         if self.cfg.trace:
             self._prof = torch.profiler.profile(activities=profiler_activities(), record_shapes=True,
                                                 with_stack=self.cfg.with_stack)
+            # the whole session with TEARDOWN_CUPTI=1, as replay's: CUPTI set up lazily at its
+            # start, torn down at its stop (device.cupti_torn_down)
+            self._cupti = cupti_torn_down()
+            self._cupti.__enter__()
             with quiet_kineto():  # Kineto's USDT/STAGE log lines stay off the terminal
                 self._prof.__enter__()
             self._lap("profiler_start")
@@ -260,6 +265,12 @@ class capture:
                 # ops; without with_stack no Python call is traced: the hand-off would only wait
                 self._helper = HelperThread()
             self._lap("helper_start")
+
+    def _end_cupti(self) -> None:
+        """TEARDOWN_CUPTI as it was before the session (``cupti_torn_down``)."""
+        cupti, self._cupti = self._cupti, None
+        if cupti is not None:
+            cupti.__exit__(None, None, None)
 
     def _undo_start(self) -> None:
         if self in _ACTIVE:
@@ -272,11 +283,12 @@ class capture:
             pass
         if self._prof is not None:
             try:
-                with quiet_kineto(), cupti_torn_down():
+                with quiet_kineto():
                     self._prof.__exit__(None, None, None)
             except Exception:  # noqa: BLE001 - the original error is the one to report
                 pass
             self._prof = None
+            self._end_cupti()
 
     @GlobalSettings()
     def __exit__(self, exc_type, exc, tb):
@@ -301,8 +313,11 @@ class capture:
                 helper_error = e
             self._lap("helper_drain")
             if self._prof is not None:
-                with quiet_kineto(), cupti_torn_down():
-                    self._prof.__exit__(exc_type, exc, tb)
+                try:
+                    with quiet_kineto():
+                        self._prof.__exit__(exc_type, exc, tb)
+                finally:
+                    self._end_cupti()
                 self._lap("profiler_stop")
         finally:
             self._remove_hooks()
