@@ -15,6 +15,7 @@ caches, so the loop should measure the same compiled calls). Usage:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -53,7 +54,12 @@ def variant(run: Path, device: str, modes: tuple, workers: int) -> dict:
             "status": {m: df[f"{m}_status"].fillna("-").str.split(":").str[0]
                        .value_counts().to_dict() for m in modes},
             "compile_ms": {str(k): v for k, v in
-                           df.set_index("call_id")["compile_ms"].dropna().items()}}
+                           df.set_index("call_id")["compile_ms"].dropna().items()},
+            # the modules whose compile made a graph in the loop, with their profiled kernels
+            "loop_graphs": [[f if isinstance(f, str) else "", t, int(k) if k == k else -1]
+                            for f, t, k in df.loc[df["compile_graphs"] > 0,
+                                                  ["fqn", "module_type", "kernel_count"]]
+                            .itertuples(index=False)]}
 
 
 def main(argv=None) -> None:
@@ -82,7 +88,9 @@ def main(argv=None) -> None:
     out = a.out or Path(tempfile.mkdtemp(prefix="bench_compile_ahead_"))
     run = out / "run"
     t0 = time.perf_counter()
-    capture_model(spec, run, device=a.device, dtype=dtype, options=options, trace=False)
+    # with its trace, as a user's run: the workers pick the leaves to compile from its kernels
+    cap = capture_model(spec, run, device=a.device, dtype=dtype, options=options)
+    ahead = ahead_modules(run, cap.model, a.device, modes)
     print(f"=== {a.model} on {a.device} ({dtype or 'fp32'}), modes {','.join(modes)}; captured "
           f"in {time.perf_counter() - t0:.1f} s; each variant a fresh process and inductor cache",
           flush=True)
@@ -115,6 +123,32 @@ def main(argv=None) -> None:
         print(f"{r['workers']:>7} {r['wall_s']:>7.1f} {r['ahead_s']:>7.1f} "
               f"{r['loop_compile_s']:>14.1f} {r['graphs']:>6} {r['fx_hits']:>6} "
               f"{r['fx_misses']:>7} {med:>16}  {r['status']}")
+    print("\nmodules whose compile made a graph in the loop, compiled ahead or not (the workers' "
+          "choice for this run):")
+    for r in rows:
+        made = r["loop_graphs"]
+        missed = [(t, k) for f, t, k in made if f not in ahead]
+        kinds = collections.Counter(f"{t} ({k} kernels)" for t, k in missed)
+        print(f"  workers={r['workers']}: {len(made)} modules, {len(made) - len(missed)} among "
+              f"the {len(ahead)} compiled ahead; not ahead: {dict(kinds.most_common(8))}")
+
+
+def ahead_modules(run: Path, model, device: str, modes: tuple) -> set:
+    """The fqns whose calls the workers compile ahead for this run (precompile.candidates,
+    the leaves chosen by their kernels in the step's trace, as compile_ahead does)."""
+    import torch
+
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.modes.precompile import candidates, kernels_in_step
+    from cbtrace.rundir.read import load_run
+    from cbtrace.schema.modules import frame_to_records
+
+    manifest, df = load_run(run)
+    records = frame_to_records(df)
+    dev = torch.device(device)
+    kernels = kernels_in_step(run, manifest, records) if dev.type == "cuda" else None
+    groups = candidates(records, model, ReplayConfig(modes=modes), dev, kernels)
+    return {r.fqn for g in groups for r in g}
 
 
 if __name__ == "__main__":
