@@ -118,8 +118,9 @@ def bench(name: str, out_dir: Path, device: str, compile_mode: str, max_depth) -
     s = settings(name, device)
     run = out_dir / name.replace(":", "_")
     t0 = time.perf_counter()
+    # with its trace, as a user's run: compile-ahead workers pick leaves by their step kernels
     capture_model(s["spec"], run, device=device, dtype=s["dtype"], options=s["options"],
-                  trace=False, max_depth=max_depth)
+                  max_depth=max_depth)
     t_cap = time.perf_counter() - t0
     t0 = time.perf_counter()
     df = cbtrace.replay(run, device=device, compile_mode=compile_mode, **REPLAY)
