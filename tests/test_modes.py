@@ -768,3 +768,35 @@ def test_a_one_kernel_leaf_on_a_gpu_is_not_compiled():
     assert not modes.nothing_to_fuse(call(leaf, None))
     step = modes.Compiled(ReplayConfig(**FAST_REPLAY), ["cpu"], {})
     assert step.run(call(leaf, 1)) == {"compile_status": f"skipped: {modes.NOTHING_TO_FUSE}"}
+
+
+def test_compile_host_issue_is_taken_once_per_kind_of_call(monkeypatch):
+    """Cold issue times run the step's root a dozen times each: a kind's later calls (the same
+    work, one shared compiled entry) take the first one's, the row saying whose."""
+    import types
+
+    from cbtrace.replay.config import ReplayConfig
+
+    taken = []
+    monkeypatch.setattr(modes, "steady_issue_ms", lambda run, n, device: taken.append("steady")
+                        or 0.2)
+    monkeypatch.setattr(modes, "cold_issue_ms", lambda run, n, device, evict: taken.append(
+        "cold") or (0.5 if run == "compiled" else 0.3))
+    comp = modes.Compiled(ReplayConfig(modes=("compile",)), ["cpu"], {})
+
+    def call(fqn, host_ms, parent=0):
+        rec = types.SimpleNamespace(fqn=fqn, parent_call_id=parent)
+        return types.SimpleNamespace(row={"host_ms": host_ms}, rec=rec, run="eager", n_copies=1,
+                                     device=torch.device("cuda"))
+
+    assert comp._host_ms(call("h.0", 1.0), "compiled", True, "kind") == (
+        pytest.approx(1.2), 0.2, None)
+    assert taken == ["steady", "cold", "cold"]
+    # another module of the kind: its own eager host time, the kind's added issue time
+    assert comp._host_ms(call("h.1", 2.0), "compiled", True, "kind") == (
+        pytest.approx(2.2), 0.2, "h.0")
+    assert taken == ["steady", "cold", "cold"]
+    # a module of no shared kind, and the back-to-back figure alone, are taken anew
+    comp._host_ms(call("odd", 1.0), "compiled", True, ("module", 1))
+    assert comp._host_ms(call("h.2", 1.0), "compiled", False, "kind") == (0.2, None, None)
+    assert taken == ["steady", "cold", "cold"] * 2 + ["steady"]

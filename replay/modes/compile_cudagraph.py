@@ -283,6 +283,8 @@ class Compiled:
         self.step = None  # the step's root call (its first), run as the eviction once replayed
         self.cache = EntryCache(self.mode)
         self.compiles: dict[int, tuple] = {}  # call_id -> (compile_s, graphs) of its first replay
+        # (kind, cold) -> (steady issue ms, what compiling adds cold, whose): _host_ms
+        self.issue: dict[tuple, tuple] = {}
         self.failures: list[str] = []  # the last calls' errors, alike and in a row
         self.stopped: str | None = None  # why compile mode stopped (FAILED_ALIKE calls in a row)
 
@@ -357,8 +359,8 @@ class Compiled:
                 in_context(cc, cc.context)
                 cc.context = None  # no embedding table copies: they would run the eager module
             timed = self.timed.run(cc)
-            host, steady = (self._host_ms(c, run, cold) if c.device.type == "cuda"
-                            else (None, None))
+            host, steady, like = (self._host_ms(c, run, cold, key) if c.device.type == "cuda"
+                                  else (None, None, None))
         except CallTimeout:
             raise
         except Exception as e:  # noqa: BLE001
@@ -372,26 +374,42 @@ class Compiled:
         return dict(compile_ms=timed["isolated_ms"], compile_status="ok", compile_s=seconds,
                     compile_graphs=graphs, compile_host_ms=host, compile_host_steady_ms=steady,
                     timer_notes=join_notes(c.row.get("timer_notes"), alone,
-                                           *self._notes(c, timed, first, later, host))), timed
+                                           *self._notes(c, timed, first, later, host),
+                                           like and f"compile host issue as {like}'s (same kind "
+                                                    "of call)")), timed
 
-    def _host_ms(self, c: CallUnderTest, run, cold: bool = True) -> tuple[float, float | None]:
-        """(compile_host_ms, compile_host_steady_ms). compile_host_ms: the compiled call's
-        issue time back to back (``steady_issue_ms``); with ``cold_host_issue``, the eager
-        call's host_ms plus what compiling adds to the issue time when both are issued right
-        after the step's root run eagerly (before the root is replayed: after a large write;
-        ``cold_issue_ms``), so that the opportunity's host saving, host_ms - compile_host_ms,
-        is a difference of figures taken as in a step; the back-to-back figure is then kept
-        beside it (compile_host_steady_ms, else None)."""
+    def _host_ms(self, c: CallUnderTest, run, cold: bool = True,
+                 key=None) -> tuple[float, float | None, str | None]:
+        """(compile_host_ms, compile_host_steady_ms, the fqn whose issue times these are when
+        another's). compile_host_ms: the compiled call's issue time back to back
+        (``steady_issue_ms``); with ``cold_host_issue``, the eager call's host_ms plus what
+        compiling adds to the issue time when both are issued right after the step's root run
+        eagerly (before the root is replayed: after a large write; ``cold_issue_ms``), so that
+        the opportunity's host saving, host_ms - compile_host_ms, is a difference of figures
+        taken as in a step; the back-to-back figure is then kept beside it
+        (compile_host_steady_ms, else None). The issue times are taken once per kind of call
+        (``key``, a ``reuse.call_key``: the same work, compiled into one shared entry): each
+        cold figure runs the root eagerly a dozen times, seconds a call on a large model."""
         eager = c.row.get("host_ms")
-        steady = steady_issue_ms(run, c.n_copies, c.device)
         if self.step is None and c.rec.parent_call_id == -1:
             self.step = c.run  # the root, replayed first: its eager run is the step's host work
-        if not cold or self.evict is None or eager is None:
-            return steady, None
-        evict = self.evict if self.step is None else self._after_step
-        added = (cold_issue_ms(run, c.n_copies, c.device, evict)
-                 - cold_issue_ms(c.run, c.n_copies, c.device, evict))
-        return max(eager + added, 0.0), steady
+        with_cold = cold and self.evict is not None and eager is not None
+        known = self.issue.get((key, with_cold)) if isinstance(key, str) else None
+        like = None
+        if known is None:
+            steady = steady_issue_ms(run, c.n_copies, c.device)
+            added = None
+            if with_cold:
+                evict = self.evict if self.step is None else self._after_step
+                added = (cold_issue_ms(run, c.n_copies, c.device, evict)
+                         - cold_issue_ms(c.run, c.n_copies, c.device, evict))
+            if isinstance(key, str):
+                self.issue[(key, with_cold)] = (steady, added, c.rec.fqn or "(root)")
+        else:
+            steady, added, like = known
+        if not with_cold:
+            return steady, None, like
+        return max(eager + added, 0.0), steady, like
 
     def _after_step(self) -> None:
         out = self.step(0)
