@@ -36,8 +36,8 @@ def warm_profiler(device) -> None:
 
 # Kineto tears CUPTI down at a profiler session's stop only if TEARDOWN_CUPTI is "1" then; left
 # subscribed, CUPTI's callbacks stay on every later launch of the process, and a host-bound
-# call issues slower, more so after each session (benchmarks/RESULTS.md, session 32: host issue
-# times 20-30 % lower with the teardown, as in a process never profiled). torch keeps CUPTI up
+# call issues slower, more so after each session, than in a process never profiled (the
+# teardown's A/B: benchmarks/RESULTS.md, "CUPTI left subscribed"). torch keeps CUPTI up
 # where CUDA graphs and a re-initialisation after teardown crashed: CUDA before 12.6, or lazy
 # re-initialisation off.
 TEARDOWN_MIN_CUDA = (12, 6)

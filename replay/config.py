@@ -75,11 +75,11 @@ class ReplayConfig:
     context_memory_max_ms: float = 0.0
     """A memory-bound call (its FLOPs take less time at the device's peak than its bytes at peak
     bandwidth: a normalisation, an elementwise op; ``context.memory_bound``) is timed in its
-    context up to this device time; 0: off. In the step a train-mode BatchNorm reads the
-    convolution's output just written; over ``context_max_ms`` it was timed without it, and
-    ResNet-50's (0.22 ms) read 10 % slow (benchmarks/RESULTS.md, session 32: every call up to
-    0.35 ms in context took ResNet-50 train from 57 to 79 % within 5 %). Off until an A/B over
-    the models whose LayerNorms a longer context spread (session 25) says more."""
+    context up to this device time; 0: off. In the step a train-mode BatchNorm or an RMSNorm
+    reads the output its producer has just written, from L2; over ``context_max_ms`` it is
+    timed without that producer, from memory, and reads slow (benchmarks/RESULTS.md, "Context
+    for calls after their producer"). Off until an A/B covers the models whose LayerNorms a
+    longer context spread."""
     context_rewrite: str = "self"
     """A call in context none of whose inputs is a context output (it reads what non-module
     code wrote, such as a residual add): "self" rewrites its larger floating-point inputs in
