@@ -16,6 +16,7 @@ time only the call (CUDA graph: events recorded inside the graph around it).
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -419,12 +420,18 @@ def _small(c: CallUnderTest) -> bool:
     return ms is not None and 0 < ms < limit
 
 
+@functools.lru_cache(maxsize=8)
+def _peaks(device: str) -> PeakLookup:
+    """One lookup a device for the replay's calls (each dtype's peak read once)."""
+    return PeakLookup(device)
+
+
 def memory_bound(row: dict, device: str) -> bool:
     """Whether a call's bytes at the device's peak bandwidth take longer than its FLOPs at the
     peak of their dtype (its counted ``flops``, ``bytes`` and ``compute_dtype``): its time
     then follows where its inputs are, in the cache or not. False without the figures."""
     flops, nbytes = row.get("flops"), row.get("bytes")
-    peak = PeakLookup(device)(row.get("compute_dtype"))
+    peak = _peaks(device)(row.get("compute_dtype"))
     if peak is None or not nbytes or flops is None or not peak.bytes_per_s:
         return False
     if not flops:
