@@ -35,8 +35,7 @@ class OnCopies:
 
     fn: Callable
     copies: list                  # (args, kwargs) per copy
-    states: list | None           # InputState per copy, None when no copy holds objects,
-    # lists or dicts
+    states: list | None           # InputState per copy; None: no object, list or dict in any
     rec: object                   # the call's ModuleRecord (grad mode, autocast)
     device: torch.device
     touch: Callable[[int], None] | None = None  # input_toucher(copies) where warm inputs are on
@@ -200,20 +199,19 @@ class InputState:
     keys and values (``self.keys = torch.cat([self.keys, k])``), a StaticLayer bumps its
     ``cumulative_length``. Timers run a call hundreds of times, so run N would see N-1 runs of
     growth; a module handed a list may append to it (torchvision's FPN extra block appends its
-    pooled level to the list of levels it is given), and run N would return N outputs and
-    meet a gradient for each. The snapshot is shallow: each object's attribute dict, and the
-    contents of every list and dict in the inputs or held by an object, recursively (not the
-    call's own argument tuple and keyword dict, which the call cannot reach); tensors are not
-    copied. Putting references back
-    suffices because DynamicLayer (and its sliding-window and quantized kin) reassigns rather
-    than writes: the tensors the snapshot points to are never changed. StaticLayer does write
-    in place (index_copy_ at ``cumulative_length + arange(n)``), but with its counter put back
-    every run writes the same positions with the same values, so run N does run 1's work on
-    run 1's data. That counter is a 0-dim tensor bumped with add_, so small tensors held by
-    objects are copied back in place, and only when their version counter moved (or while a
-    CUDA graph is being captured: the copy must be in the graph, which replays without us).
-    Large buffers written elsewhere (a full sliding window rolls) keep shapes and work; only
-    values drift, and copying them back would add a buffer copy to every timed run.
+    pooled level to the list of levels it is given), and run N would return N outputs and meet a
+    gradient for each. The snapshot is shallow: each object's attribute dict, and the contents
+    of every list and dict in the inputs or held by an object, recursively (not the call's own
+    argument tuple and keyword dict, which the call cannot reach); tensors are not copied.
+    Putting references back suffices because DynamicLayer (and its sliding-window and quantized
+    kin) reassigns rather than writes: the tensors the snapshot points to are never changed.
+    StaticLayer does write in place (index_copy_ at ``cumulative_length + arange(n)``), but with
+    its counter put back every run writes the same positions with the same values, so run N does
+    run 1's work on run 1's data. That counter is a 0-dim tensor bumped with add_, so small
+    tensors held by objects are copied back in place, and only when their version counter moved
+    (or while a CUDA graph is being captured: the copy must be in the graph, which replays
+    without us). Large buffers written elsewhere (a full sliding window rolls) keep shapes and
+    work; only values drift, and copying them back would add a buffer copy to every timed run.
     """
 
     def __init__(self, inputs):
