@@ -69,6 +69,25 @@ def cupti_torn_down():
             del os.environ["TEARDOWN_CUPTI"]
 
 
+def waited_off_cpu(wall_ms: float, cpu_ms: float, min_off_ms: float = 0.0) -> bool:
+    """Whether a thread spent most of ``wall_ms`` off the CPU (and at least ``min_off_ms``):
+    descheduled by a busy machine, or waiting for an intra-op worker that was."""
+    off = wall_ms - cpu_ms
+    return off > min_off_ms and off > 0.5 * wall_ms
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread inside (a CPU figure on a busy machine, whose parallel ops would wait
+    for workers that are not running); torch's count back after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def resolve_device(device=None, *, default: str = "auto"):
     """A torch.device: ``device`` if valid here, else ``default`` ("auto": cuda if available,
     else cpu); a bare "cuda" becomes the current CUDA device."""

@@ -7,12 +7,12 @@ from pathlib import Path
 import torch
 
 from cbtrace import module_tree
-from cbtrace.capture.host_times import host_times, one_thread, waited_off_cpu
+from cbtrace.capture.host_times import host_times
 from cbtrace.capture.plain_step import plain_trace
 from cbtrace.capture.recorder import CaptureConfig, capture
 from cbtrace.console import announce
 from cbtrace.cost.dtypes import CLI_DTYPES, torch_dtype
-from cbtrace.device import resolve_device, steps_ms
+from cbtrace.device import one_thread, resolve_device, steps_ms, waited_off_cpu
 from cbtrace.errors import CaptureError, CbtraceError, ProviderError, one_line
 from cbtrace.global_state import GlobalSettings
 from cbtrace.model.spec import resolve
@@ -74,8 +74,8 @@ def _plain_step(model, fqns: list[str], step, out: Path, device, guard):
     w0, c0 = time.perf_counter(), time.thread_time()
     with guard.call():
         got = plain_trace(model, fqns, step, out)
-    if torch.get_num_threads() == 1 or not waited_off_cpu(time.perf_counter() - w0,
-                                                           time.thread_time() - c0):
+    if torch.get_num_threads() == 1 or not waited_off_cpu(
+            (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3):
         return got
     with one_thread(), guard.call():
         return plain_trace(model, fqns, step, out)

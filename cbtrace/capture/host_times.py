@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
 
 import torch
 
 from cbtrace import module_tree
 from cbtrace.calltree import CallTree
 from cbtrace.capture import boundaries
+from cbtrace.device import one_thread, waited_off_cpu
 from cbtrace.state import StateGuard
 
 
@@ -96,7 +96,7 @@ def _repeats(model, records, run_step, guard, repeats: int, budget_s: float):
         with guard.call():
             spans = time_calls(model, [r.fqn for r in records], run_step)
         wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
-        waited += waited_off_cpu(wall, cpu)
+        waited += waited_off_cpu(wall * 1e3, cpu * 1e3)
         with guard.call(), module_tree.eager(model):
             t0 = time.perf_counter()
             run_step()
@@ -105,24 +105,6 @@ def _repeats(model, records, run_step, guard, repeats: int, budget_s: float):
             return None, None, 0
         runs.append(spans)
     return runs, plain, waited
-
-
-def waited_off_cpu(wall: float, cpu: float) -> bool:
-    """Whether a step's thread spent most of its wall time off the CPU: on a busy machine each
-    parallel op waits for an intra-op worker that is not running."""
-    return wall - cpu > 0.5 * wall
-
-
-@contextmanager
-def one_thread():
-    """One intra-op thread inside, as the CPU timer times on a busy machine; torch's count back
-    after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def descendants(records) -> list[int]:

@@ -16,12 +16,13 @@ import time
 
 import torch
 
+from cbtrace.device import one_thread, waited_off_cpu
 from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
                                            as_runner, join_notes)
 
 from .l2 import L2Flusher
 from .sampling import collect, timing_from_samples
-from .stats import NOISY_SHARE, noisy, waited_off_cpu
+from .stats import NOISY_SHARE, OFF_CPU_MS, noisy
 
 RETRY_PAUSE_S = 0.02  # lets a busy neighbour's time slice pass before the retry
 
@@ -73,7 +74,7 @@ class CpuTimer:
                 sync()
                 wall, cpu = (time.perf_counter_ns() - t0) / 1e6, (time.thread_time_ns() - c0) / 1e6
                 out.append(wall)
-                waits.append(not cuda and waited_off_cpu(wall, cpu))
+                waits.append(not cuda and waited_off_cpu(wall, cpu, OFF_CPU_MS))
             return out
 
         samples = collect(sample, cfg)
@@ -100,15 +101,11 @@ class CpuTimer:
         """(samples, waited) of a retry with one intra-op thread after a short pause, if it
         waited less than the first try; else (None, None)."""
         first = sum(waits)
-        threads = torch.get_num_threads()
         time.sleep(RETRY_PAUSE_S)
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             sample(0, 1)  # untimed: a compiled call guards on the thread count and recompiles here
             start = len(waits)
             samples = collect(sample, cfg)
-        finally:
-            torch.set_num_threads(threads)
         waited = sum(waits[start:])
         if waited >= first:
             return None, None

@@ -103,12 +103,6 @@ NOISY_SHARE = 0.25    # this share of waited samples makes a measurement noisy
 NOISY_SPREAD = 2.0    # as does p90 above twice p10 (and by more than OFF_CPU_MS)
 
 
-def waited_off_cpu(wall_ms: float, cpu_ms: float) -> bool:
-    """Whether a sample's thread spent most of its wall time off the CPU (pure)."""
-    off = wall_ms - cpu_ms
-    return off > OFF_CPU_MS and off > 0.5 * wall_ms
-
-
 def noisy(samples_ms: list[float], waited: int) -> bool:
     """Whether a call's samples say the machine was busy: many waited off-CPU, or a wide spread."""
     if not samples_ms:
