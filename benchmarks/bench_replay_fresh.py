@@ -75,15 +75,19 @@ def main():
         inside.append({**replay_figures(prof), "process wall_s": wall, "process cpu_s": cpu})
         print(f"repeat {i + 1}/{a.repeats}: fresh replay {fresh[-1]['replay wall_s']:.2f} s, "
               f"inside profile {inside[-1]['replay wall_s']:.2f} s", flush=True)
+        # after every repeat, so a call cut short by its time limit still leaves the phases
+        table(fresh, inside, f"{a.model} on {a.device}, median of {i + 1} (runs in {root})")
+
+
+def table(fresh: list[dict], inside: list[dict], title: str) -> None:
     keys = sorted({k for r in fresh + inside for k in r},
                   key=lambda k: (not k.startswith("loop."), not k.startswith("outside."), k))
-    print(f"\n{a.model} on {a.device}, median of {a.repeats} (runs in {root}); process rows: "
-          "the whole command (profile: capture too)")
+    print(f"\n{title}; process rows: the whole command (profile: capture too)")
     print(f"{'':28} {'cbtrace replay':>15} {'inside profile':>15}")
     for k in keys:
         f = statistics.median(r.get(k, 0.0) for r in fresh)
         p = statistics.median(r.get(k, 0.0) for r in inside)
-        print(f"{k:28} {f:15.3f} {p:15.3f}")
+        print(f"{k:28} {f:15.3f} {p:15.3f}", flush=True)
 
 
 if __name__ == "__main__":
