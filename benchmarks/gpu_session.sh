@@ -21,7 +21,7 @@
 # FIDELITY_OUT names the output folder (brought back as FIDELITY_OUT.tgz) and log, for two runs in one call; FIDELITY_VARIANTS,
 # space-separated NAME:KEY=VALUE[,KEY=VALUE], replays each capture again with those settings and
 # compares call by call, e.g. "sum:context_rewrite=sum again:context_rewrite=off");
-# train-set: fidelity_zoo.py --step train, one process a model (TRAIN_MODELS, TRAIN_TIMEOUT;
+# train-set: fidelity_zoo.py --step train, one process a model (TRAIN_MODELS, TRAIN_TIMEOUT, FIDELITY_VARIANTS;
 # PYTHONFAULTHANDLER on: an abort prints its Python stack);
 # opportunity: bench_opportunity.py per model (the root and top 5 modules compiled in place, estimated vs
 # measured saving; the replay's modes wall and out-of-memory rows; OPP_MODELS, OPP_MODES, OPP_ARGS
@@ -103,7 +103,7 @@ train-set)
   TRAIN_DIRS=""
   for M in ${TRAIN_MODELS:-gpt2 llama t5-base mixtral fasterrcnn-train gnn compiled-gpt2}; do
     echo "=== $M"
-    PYTHONFAULTHANDLER=1 timeout ${TRAIN_TIMEOUT:-150} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/train_$M --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models $M --step train 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |^frame #" > $OUT/train_${M}_zoo.log
+    PYTHONFAULTHANDLER=1 timeout ${TRAIN_TIMEOUT:-150} python3 $R/benchmarks/fidelity_zoo.py --out $OUT/train_$M --device cuda --dtype ${FIDELITY_DTYPE:-bf16} --models $M --step train $(for V in ${FIDELITY_VARIANTS:-}; do printf -- '--variant %s ' "$V"; done) 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: |^frame #" > $OUT/train_${M}_zoo.log
     echo "exit ${PIPESTATUS[0]}" >> $OUT/train_${M}_zoo.log
     tail -${TRAIN_LINES:-12} $OUT/train_${M}_zoo.log
     [ -d $OUT/train_$M ] && TRAIN_DIRS="$TRAIN_DIRS train_$M"
