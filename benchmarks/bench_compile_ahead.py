@@ -47,6 +47,10 @@ def variant(run: Path, device: str, modes: tuple, workers: int) -> dict:
     info = read_manifest(run).replay
     return {"workers": workers, "wall_s": wall,
             "ahead_s": info.outside_s.get("compile_ahead", 0.0), "ahead": info.compile_ahead,
+            # where the rest of the wall went: the loop's steps (time, profile, compile,
+            # cudagraph, ...) and the phases outside it, seconds each
+            "phases": {**{f"loop.{k}": v for k, v in info.timings_s.items()},
+                       **{f"outside.{k}": v for k, v in info.outside_s.items()}},
             "loop_compile_s": float(df["compile_s"].sum()),
             "graphs": int((df["compile_graphs"] > 0).sum()),
             "fx_hits": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
@@ -123,6 +127,11 @@ def main(argv=None) -> None:
         print(f"{r['workers']:>7} {r['wall_s']:>7.1f} {r['ahead_s']:>7.1f} "
               f"{r['loop_compile_s']:>14.1f} {r['graphs']:>6} {r['fx_hits']:>6} "
               f"{r['fx_misses']:>7} {med:>16}  {r['status']}")
+    names = sorted({k for r in rows for k in r["phases"]})
+    print("\nphases, s: " + " ".join(f"{'workers=' + str(r['workers']):>12}" for r in rows))
+    for k in names:
+        if any(r["phases"].get(k, 0.0) >= 0.05 for r in rows):
+            print(f"  {k:28}" + " ".join(f"{r['phases'].get(k, 0.0):>12.1f}" for r in rows))
     print("\nmodules whose compile made a graph in the loop, compiled ahead or not (the workers' "
           "choice for this run):")
     for r in rows:
