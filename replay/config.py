@@ -10,6 +10,7 @@ from cbtrace.replay.timer.contract import TimingConfig
 
 MODES = ("compile", "cudagraph")  # besides eager, which every replay times
 CONTEXT_REWRITES = ("off", "self", "sum")  # ReplayConfig.context_rewrite
+CONTEXT_FIGURES = ("kernels", "graph")  # ReplayConfig.context_figure
 
 
 @dataclass(kw_only=True)
@@ -89,6 +90,17 @@ class ReplayConfig:
     on an H100 it brought the < 10 us median error down on all seven models measured and
     ResNet-50's post-add ReLUs from +58...+85 % to -15...+1 %, the >= 10 us share unchanged
     (benchmarks/RESULTS.md, session 21)."""
+    context_figure: str = "kernels"
+    """The isolated figure of a call the graph timer ran in its context: "kernels", the
+    device-busy time of its own kernels in ``context_kernel_runs`` profiled runs, each after
+    its context (CUPTI's kernel durations, as the step's figure is); "graph", K slots of
+    context and call in one graph less a graph of the contexts alone, which carries the
+    context's own change between the two graphs: microseconds on a small call after a long
+    context whose kernels match the step (benchmarks/RESULTS.md, "The figure of a call in its
+    context"). The graph difference stays in ``timer_notes``."""
+    context_kernel_runs: int = 10
+    """Profiled runs of a call in its context when they give its figure (``context_figure``):
+    their spread is its p10 and p90."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,
@@ -172,6 +184,11 @@ class ReplayConfig:
         if self.host_runs < 1 or self.profile_runs < 1 or self.cpu_windows < 1:
             raise ValueError(f"host_runs, profile_runs and cpu_windows must be >= 1, got "
                              f"{self.host_runs}, {self.profile_runs}, {self.cpu_windows}")
+        if self.context_figure not in CONTEXT_FIGURES:
+            raise ValueError(f"context_figure: {self.context_figure!r} is not one of "
+                             f"{', '.join(CONTEXT_FIGURES)}")
+        if self.context_kernel_runs < 1:
+            raise ValueError(f"context_kernel_runs must be >= 1, got {self.context_kernel_runs}")
         if self.context_rewrite not in CONTEXT_REWRITES:
             raise ValueError(f"context_rewrite: {self.context_rewrite!r} is not one of "
                              f"{', '.join(CONTEXT_REWRITES)}")

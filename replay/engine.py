@@ -446,7 +446,10 @@ def timing_settings(cfg) -> dict:
     if cfg.cold:
         settings.update(cold_warmup_s=cfg.cold_warmup_s, cold_settle_tol=cfg.cold_settle_tol)
     elif cfg.context is not False:  # which calls get a context, and what is rewritten after it
-        settings.update(context_max_ms=cfg.context_max_ms, context_rewrite=cfg.context_rewrite)
+        settings.update(context_max_ms=cfg.context_max_ms, context_rewrite=cfg.context_rewrite,
+                        context_activation_max_ms=cfg.context_activation_max_ms,
+                        context_memory_max_ms=cfg.context_memory_max_ms,
+                        context_figure=cfg.context_figure)
     if cfg.eager_only:  # only when set: rows of earlier replays keep their settings
         settings["eager_only"] = True
     if cfg.cpu_windows != ReplayConfig.cpu_windows:  # a CPU row's fastest of how many windows

@@ -543,8 +543,8 @@ def test_own_device_work_counts_between_markers_only():
               ("kernel", mark, 1600, 10, 0, False),
               ("kernel", mark, 1800, 10, 0, False),
               ("cpu_op", "aten::relu", 1610, 5, 0, True))
-    count, ms = own_device_work(rs, runs=2)
-    assert count == 3 and ms == pytest.approx((130 + 120) / 1e6)
+    count, each = own_device_work(rs, runs=2)
+    assert count == 3 and each == [pytest.approx(130 / 1e6), pytest.approx(120 / 1e6)]
     # markers missing or extra (another kernel of that name, a profiler that dropped one):
     # no figure rather than a wrong one
     assert own_device_work(rs[:-2], runs=2) is None
@@ -659,8 +659,9 @@ def test_gpu_profile_as_timed_counts_the_call_not_its_context():
     x = torch.randn(1 << 20, device="cuda")
     runner = timing.CallRunner(run=lambda j: torch.relu(x), n_copies=1,
                                before=lambda j: a @ a)  # the context: a GEMM, untimed
-    count, ms = profile_as_timed(runner, "cuda", runs=3)
+    count, ms, each = profile_as_timed(runner, "cuda", runs=3)
     assert count == 1  # the ReLU's one kernel: neither the GEMM nor the markers
+    assert len(each) == 3 and ms == pytest.approx(sum(each) / 3)
     alone = profile_call(lambda: torch.relu(x), "cuda")
     assert 0 < ms < 3 * alone.device_ms  # not the GEMM's milliseconds
 

@@ -466,13 +466,14 @@ def test_a_call_like_one_profiled_as_timed_after_the_same_context_takes_its_figu
     from cbtrace.replay.config import ReplayConfig
     from cbtrace.replay.measure import steps
     from cbtrace.replay.measure.prepare import CallUnderTest
+    from cbtrace.replay.measure.profiler_pass import AsTimed
     from cbtrace.replay.timer.contract import CallRunner
 
     profiled = []
 
     def fake_profile(runner, device, runs):  # the GPU's part, stood in: which runner it got
         profiled.append(runner)
-        return 1, 0.01 * len(profiled)
+        return AsTimed(1, 0.01 * len(profiled), (0.01 * len(profiled),) * runs)
 
     monkeypatch.setattr(steps, "profile_as_timed", fake_profile)
     timed = steps.Timed(["graph"], {}, ReplayConfig())
@@ -490,15 +491,78 @@ def test_a_call_like_one_profiled_as_timed_after_the_same_context_takes_its_figu
         return c
 
     after_linear = ("context", (("Linear", '[{"shape": [1024]}]'),), 1, None)
-    first = timed._profile_as_timed(call("a.relu", after_linear))
-    again = timed._profile_as_timed(call("b.relu", after_linear))
-    other = timed._profile_as_timed(call("c.relu", ("tables", 8)))
+    first = timed._profile_as_timed(call("a.relu", after_linear), True)
+    again = timed._profile_as_timed(call("b.relu", after_linear), True)
+    other = timed._profile_as_timed(call("c.relu", ("tables", 8)), False)
     assert len(profiled) == 2  # a.relu, then c.relu after another context
-    assert first == ({"kernel_count": 1, "device_ms": 0.01}, "profiled as timed")
-    assert again == ({"kernel_count": 1, "device_ms": 0.01}, "profiled as timed as a.relu")
+    assert first[:2] == ({"kernel_count": 1, "device_ms": 0.01}, "profiled as timed")
+    assert again[:2] == ({"kernel_count": 1, "device_ms": 0.01}, "profiled as timed as a.relu")
     assert other[0]["device_ms"] == 0.02 and other[1] == "profiled as timed"
+    # a call in its context is profiled for its figure (context_kernel_runs), one on table
+    # copies for its kernels alone (profile_runs)
+    assert len(first[2].run_ms) == 10 and len(other[2].run_ms) == 3
     # off with the counts' reuse, as the profiled pass's own cache is
     alone = steps.Timed(["graph"], {}, ReplayConfig(reuse_counts=False))
-    alone._profile_as_timed(call("a.relu", after_linear))
-    alone._profile_as_timed(call("b.relu", after_linear))
+    alone._profile_as_timed(call("a.relu", after_linear), True)
+    alone._profile_as_timed(call("b.relu", after_linear), True)
     assert len(profiled) == 4
+
+
+@pytest.mark.parametrize("figure", ["kernels", "graph"])
+def test_a_call_in_its_context_takes_its_figure_from_its_kernels_so_profiled(monkeypatch, figure):
+    """The graph difference (context and call, less the context alone) carries the context's
+    own change between the two graphs: microseconds a call off kernels that match the step.
+    By default the figure is the call's kernels' busy time in profiled runs after its context
+    (``context_figure``), their spread its p10..p90; the difference stays in the notes."""
+    import types
+
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure import steps
+    from cbtrace.replay.measure.profiler_pass import AsTimed
+    from cbtrace.replay.timer.contract import CallRunner, Timing
+
+    class Graph:
+        name = "graph"
+
+        def unavailable_reason(self, device):
+            return None
+
+        def measure(self, call, n_copies, device, cfg):
+            return Timing(median_ms=0.0152, p10_ms=0.0150, p90_ms=0.0154, runs=40, timer="graph")
+
+    asked = []
+
+    def fake_profile(runner, device, runs):  # the GPU's part: the ReLU's kernel after bn
+        asked.append(runs)
+        each = tuple(0.0124 + 0.0001 * i for i in range(runs))
+        return AsTimed(1, sum(each) / runs, each)
+
+    monkeypatch.setattr(steps, "profile_as_timed", fake_profile)
+    monkeypatch.setattr(steps, "in_step_cache_state", lambda c: None)
+    monkeypatch.setattr(steps, "sm_clock_mhz", lambda device: None)
+    step = steps.Timed(["graph"], {"graph": Graph()}, ReplayConfig(context_figure=figure))
+
+    def call(before):
+        return types.SimpleNamespace(
+            row={"device_ms": 0.0126, "kernel_count": 1}, n_copies=4, context_key=None,
+            timed=CallRunner(run=lambda i: None, n_copies=4, before=before),
+            device=torch.device("cuda"), context_note="context: 2 calls before (conv1, bn1)",
+            rec=types.SimpleNamespace(fqn="layer1.0.relu"), value_free=False,
+            module=nn.ReLU())
+
+    got = step.run(call(before=lambda j: None))
+    assert got["timer"] == "graph"
+    if figure == "graph":
+        assert got["device_ms"] == pytest.approx(0.0125)
+        assert got["isolated_ms"] == 0.0152 and got["runs"] == 40 and asked == [3]
+        assert "its kernels in context" not in got["timer_notes"]
+        return
+    assert asked == [10]  # context_kernel_runs: a spread for its p10 and p90
+    assert got["isolated_ms"] == pytest.approx(0.01285) and got["runs"] == 10
+    assert got["isolated_ms_p10"] == pytest.approx(0.01241)
+    assert got["isolated_ms_p90"] == pytest.approx(0.01329)
+    assert ("its kernels in context, 10 profiled runs (graph less context: 0.0152 ms)"
+            in got["timer_notes"])
+    # a call on table copies, with nothing run before it, keeps its graph figure
+    alone = step.run(call(before=None))
+    assert alone["isolated_ms"] == 0.0152 and asked == [10, 3]

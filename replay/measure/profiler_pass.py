@@ -84,17 +84,17 @@ def device_totals(rows: list[Row]) -> tuple[int, float]:
     return len(dev), float((hi - lo).sum()) / 1e6
 
 
-def own_device_work(rows: list[Row], runs: int) -> tuple[int, float] | None:
-    """(count, busy ms) of the device work between each pair of marker kernels (the call's own,
-    ``MARKER_KERNEL``), over ``runs`` runs each between two markers; None unless exactly
-    ``2 * runs`` markers are found. A marker is queued after a device sync, so everything the
-    call's run does starts after its first marker and ends before its second."""
+def own_device_work(rows: list[Row], runs: int) -> tuple[int, list[float]] | None:
+    """(count, busy ms of each run) of the device work between each pair of marker kernels
+    (the call's own, ``MARKER_KERNEL``), over ``runs`` runs each between two markers; None
+    unless exactly ``2 * runs`` markers are found. A marker is queued after a device sync, so
+    everything the call's run does starts after its first marker and ends before its second."""
     dev = sorted((r for r in rows if r.activity in DEVICE_ACTIVITIES), key=lambda r: r.start_ns)
     marks = [k for k, r in enumerate(dev) if MARKER_KERNEL in r.name]
     if len(marks) != 2 * runs:
         return None
-    own = [r for a, b in zip(marks[::2], marks[1::2]) for r in dev[a + 1:b]]
-    return device_totals(own)
+    each = [device_totals(dev[a + 1:b]) for a, b in zip(marks[::2], marks[1::2])]
+    return sum(n for n, _ in each), [ms for _, ms in each]
 
 
 def aten_op_count(rows: list[Row]) -> int:
@@ -154,8 +154,16 @@ def _profile_rows(call, device, runs: int) -> list[Row]:
     return rows_from_kineto(prof.kineto_results.events())
 
 
-def profile_as_timed(runner, device, runs: int = 3) -> tuple[int, float] | None:
-    """(kernel count, device-busy ms) per run of a call as its timer runs it: run j after its
+class AsTimed(NamedTuple):
+    """A call's own kernels, run as its timer runs it (``profile_as_timed``)."""
+
+    kernel_count: int              # per run
+    device_ms: float               # device-busy ms, the mean of the runs
+    run_ms: tuple[float, ...]      # each run's
+
+
+def profile_as_timed(runner, device, runs: int = 3) -> AsTimed | None:
+    """The kernels and device-busy time of a call as its timer runs it: run j after its
     ``before(j)`` (its context, or its inputs' rewrite) on ``runner.run(j)``'s copies. Only the
     call's own device work counts: each run sits between two marker kernels queued after a
     device sync, the untimed work before the first. None on a CPU, or if the markers are not
@@ -178,8 +186,8 @@ def profile_as_timed(runner, device, runs: int = 3) -> tuple[int, float] | None:
     got = own_device_work(_profile_rows(lambda: slot(next(slots)), device, runs), runs)
     if got is None:
         return None
-    count, ms = got
-    return round(count / runs), ms / runs
+    count, each = got
+    return AsTimed(round(count / runs), sum(each) / runs, tuple(each))
 
 
 def profile_call(call: Callable[[], object], device, runs: int = 3) -> CallStats:

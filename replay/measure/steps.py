@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import statistics
 import time
 import warnings
 
@@ -63,6 +64,11 @@ class Timed:
         self.chain, self.backends, self.eager_kernels = chain, backends, eager_kernels
         self.tcfg, self.cold = cfg.timing(), cfg.cold
         self.profile_runs = cfg.profile_runs if cfg.profile_as_timed and eager_kernels else 0
+        # a call in its context takes its figure from its kernels so profiled (the config's
+        # context_figure): enough runs for a spread
+        self.from_kernels = cfg.context_figure == "kernels" and self.profile_runs > 0
+        self.context_runs = (max(cfg.profile_runs, cfg.context_kernel_runs) if self.from_kernels
+                             else self.profile_runs)
         # a call of the same work as one profiled as timed before, after a context of the same
         # kinds of call on the same inputs (or as many table copies), takes its figures
         self.as_timed = ProfileCache() if cfg.count_flops and cfg.reuse_counts else None
@@ -79,10 +85,10 @@ class Timed:
                 c.row.get("timer_notes"), f"{COPIED}{fqn or '(root)'} (--reuse-timing)")}
         in_step_cache_state(c)
         eager = {k: c.row.get(k) for k in ("kernel_count", "device_ms")}
-        profiled, profiled_note = self._profile_as_timed(c)
+        with_context = c.timed is not None and c.timed.before is not None
+        profiled, profiled_note, kernels = self._profile_as_timed(c, with_context)
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")
-        with_context = c.timed is not None and c.timed.before is not None
         expected = expected * (2 if with_context else 1) if expected else None
         run = dataclasses.replace(c.timed or c.run.timed(), expected_ms=expected)
         # a call in a context that the graph refuses is timed back to back without it (below)
@@ -102,7 +108,7 @@ class Timed:
                 if alone:
                     context_note = "no context: timed back to back, which a context would break"
                     c.row.update(eager)
-                    profiled, profiled_note = {}, None
+                    profiled, profiled_note, kernels = {}, None, None
         finally:
             if run.release is not None:
                 run.release()
@@ -110,10 +116,17 @@ class Timed:
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy,
                       timed_clock_mhz=sm_clock_mhz(c.device))
+        runs, figure_note = t.runs, None
+        if (self.from_kernels and with_context and kernels is not None and t.timer == "graph"
+                and kernels.device_ms > 0):
+            fields.update(kernel_figure(kernels.run_ms))
+            runs = len(kernels.run_ms)
+            figure_note = (f"its kernels in context, {runs} profiled runs (graph less context: "
+                           f"{t.median_ms:.4g} ms)")
         check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
-        return dict(fields, **profiled, runs=t.runs, timed_ms=t.timed_ms, timer_notes=join_notes(
+        return dict(fields, **profiled, runs=runs, timed_ms=t.timed_ms, timer_notes=join_notes(
             c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, context_note,
-            profiled_note, check))
+            profiled_note, figure_note, check))
 
     def _without_context(self, c: CallUnderTest, run, tail: list[str], refused: list[str]):
         """(Timing, timer_fallback, whether it ran without its context) of a call in a context
@@ -154,14 +167,14 @@ class Timed:
             fallback = "; ".join(x for x in (fallback, other, more) if x)
         return t, fallback
 
-    def _profile_as_timed(self, c: CallUnderTest) -> tuple[dict, str | None]:
-        """(kernel_count and device_ms, the row's note) of a call timed in its context or on
-        table copies, profiled so (``profile_as_timed``): its kernels in the cache state its
-        isolated time has, not warm on copy 0; or those of a call of the same work profiled so
-        before, after the same kinds of context call (``context_key``). ({}, None) when not
-        asked, not so timed, or not found."""
+    def _profile_as_timed(self, c: CallUnderTest, with_context: bool):
+        """(kernel_count and device_ms, the row's note, the ``AsTimed``) of a call timed in its
+        context or on table copies, profiled so (``profile_as_timed``): its kernels in the
+        cache state its isolated time has, not warm on copy 0; or those of a call of the same
+        work profiled so before, after the same kinds of context call (``context_key``).
+        ({}, None, None) when not asked, not so timed, or not found."""
         if not self.profile_runs or c.timed is None or c.device.type != "cuda":
-            return {}, None
+            return {}, None, None
         key = None
         if self.as_timed is not None and c.context_key is not None:
             base = ProfileCache.key(signature(c.module, c.rec), c.row)
@@ -171,19 +184,28 @@ class Timed:
         if hit is not None:
             got, note = hit[1], f"profiled as timed as {hit[0] or '(root)'}"
         else:
-            got = profile_as_timed(c.timed, c.device, self.profile_runs)
+            runs = self.context_runs if with_context else self.profile_runs
+            got = profile_as_timed(c.timed, c.device, runs)
             if got is None:
-                return {}, None
+                return {}, None, None
             if key is not None:
                 self.as_timed.put(key, c.rec.fqn, got)
-        c.row["kernel_count"], c.row["device_ms"] = got
-        return dict(kernel_count=got[0], device_ms=got[1]), note
+        c.row["kernel_count"], c.row["device_ms"] = got.kernel_count, got.device_ms
+        return dict(kernel_count=got.kernel_count, device_ms=got.device_ms), note, got
 
     def _key(self, c: CallUnderTest):
         if self.reuse is None or not c.value_free:
             return None
 
         return ProfileCache.key(signature(c.module, c.rec), c.row)
+
+
+def kernel_figure(run_ms) -> dict:
+    """isolated_ms, p10 and p90 from a call's kernels' busy time in each profiled run."""
+    ms = sorted(run_ms)
+    lo, hi = ((ms[0], ms[-1]) if len(ms) < 3 else
+              (statistics.quantiles(ms, n=10)[0], statistics.quantiles(ms, n=10)[-1]))
+    return dict(isolated_ms=statistics.median(ms), isolated_ms_p10=lo, isolated_ms_p90=hi)
 
 
 def profiled_copies(n: int) -> list[int]:

@@ -377,8 +377,9 @@ def _kernels(c: CallUnderTest, bwd: CallRunner, runs: int) -> dict:
         return dict(bwd_profile_error=f"backward not profiled: {one_line(e)}")
     finally:
         bwd.unstage()
-    count, ms = got if got is not None else (None, None)
-    return dict(bwd_kernel_count=count, bwd_device_ms=ms)
+    if got is None:
+        return dict(bwd_kernel_count=None, bwd_device_ms=None)
+    return dict(bwd_kernel_count=got.kernel_count, bwd_device_ms=got.device_ms)
 
 
 def _cost(c: CallUnderTest, backward: _Backward) -> dict:
