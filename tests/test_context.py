@@ -508,12 +508,13 @@ def test_a_call_like_one_profiled_as_timed_after_the_same_context_takes_its_figu
     assert len(profiled) == 4
 
 
-@pytest.mark.parametrize("figure", ["kernels", "graph"])
-def test_a_call_in_its_context_takes_its_figure_from_its_kernels_so_profiled(monkeypatch, figure):
+@pytest.mark.parametrize("kernels_max_ms", [0.015, 0.0, 0.01])
+def test_a_short_call_in_its_context_takes_its_figure_from_its_kernels_so_profiled(
+        monkeypatch, kernels_max_ms):
     """The graph difference (context and call, less the context alone) carries the context's
-    own change between the two graphs: microseconds a call off kernels that match the step.
-    By default the figure is the call's kernels' busy time in profiled runs after its context
-    (``context_figure``), their spread its p10..p90; the difference stays in the notes."""
+    own change between the two graphs: microseconds a short call off kernels that match the
+    step. A call whose kernels so profiled take under ``context_kernels_max_ms`` has their
+    busy time as its figure, their spread its p10..p90; the difference stays in the notes."""
     import types
 
     from cbtrace.replay.config import ReplayConfig
@@ -540,7 +541,8 @@ def test_a_call_in_its_context_takes_its_figure_from_its_kernels_so_profiled(mon
     monkeypatch.setattr(steps, "profile_as_timed", fake_profile)
     monkeypatch.setattr(steps, "in_step_cache_state", lambda c: None)
     monkeypatch.setattr(steps, "sm_clock_mhz", lambda device: None)
-    step = steps.Timed(["graph"], {"graph": Graph()}, ReplayConfig(context_figure=figure))
+    step = steps.Timed(["graph"], {"graph": Graph()},
+                       ReplayConfig(context_kernels_max_ms=kernels_max_ms))
 
     def call(before):
         return types.SimpleNamespace(
@@ -552,10 +554,14 @@ def test_a_call_in_its_context_takes_its_figure_from_its_kernels_so_profiled(mon
 
     got = step.run(call(before=lambda j: None))
     assert got["timer"] == "graph"
-    if figure == "graph":
+    if kernels_max_ms == 0:  # off: the graph difference, the kernels profiled as before
         assert got["device_ms"] == pytest.approx(0.0125)
         assert got["isolated_ms"] == 0.0152 and got["runs"] == 40 and asked == [3]
         assert "its kernels in context" not in got["timer_notes"]
+        return
+    if kernels_max_ms == 0.01:  # kernels of 12.85 us: a call too long for their figure
+        assert got["isolated_ms"] == 0.0152 and got["device_ms"] == pytest.approx(0.01285)
+        assert "its kernels in context" not in got["timer_notes"] and asked == [10]
         return
     assert asked == [10]  # context_kernel_runs: a spread for its p10 and p90
     assert got["isolated_ms"] == pytest.approx(0.01285) and got["runs"] == 10

@@ -64,11 +64,11 @@ class Timed:
         self.chain, self.backends, self.eager_kernels = chain, backends, eager_kernels
         self.tcfg, self.cold = cfg.timing(), cfg.cold
         self.profile_runs = cfg.profile_runs if cfg.profile_as_timed and eager_kernels else 0
-        # a call in its context takes its figure from its kernels so profiled (the config's
-        # context_figure): enough runs for a spread
-        self.from_kernels = cfg.context_figure == "kernels" and self.profile_runs > 0
-        self.context_runs = (max(cfg.profile_runs, cfg.context_kernel_runs) if self.from_kernels
-                             else self.profile_runs)
+        # a short call in its context takes its figure from its kernels so profiled
+        # (context_kernels_max_ms): enough runs for a spread
+        self.kernels_max_ms = cfg.context_kernels_max_ms if self.profile_runs else 0.0
+        self.context_runs = (max(cfg.profile_runs, cfg.context_kernel_runs)
+                             if self.kernels_max_ms > 0 else self.profile_runs)
         # a call of the same work as one profiled as timed before, after a context of the same
         # kinds of call on the same inputs (or as many table copies), takes its figures
         self.as_timed = ProfileCache() if cfg.count_flops and cfg.reuse_counts else None
@@ -117,8 +117,8 @@ class Timed:
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy,
                       timed_clock_mhz=sm_clock_mhz(c.device))
         runs, figure_note = t.runs, None
-        if (self.from_kernels and with_context and kernels is not None and t.timer == "graph"
-                and kernels.device_ms > 0):
+        if (with_context and kernels is not None and t.timer == "graph"
+                and 0 < kernels.device_ms < self.kernels_max_ms):
             fields.update(kernel_figure(kernels.run_ms))
             runs = len(kernels.run_ms)
             figure_note = (f"its kernels in context, {runs} profiled runs (graph less context: "
