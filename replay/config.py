@@ -72,14 +72,14 @@ class ReplayConfig:
     step it reads its producer's output still in L2, alone a cold copy. Other calls keep
     ``context_max_ms``: a longer context spreads the figures of GEMMs and LayerNorms
     (benchmarks/RESULTS.md, session 25)."""
-    context_memory_max_ms: float = 0.0
+    context_memory_max_ms: float = 0.1
     """A memory-bound call (its FLOPs take less time at the device's peak than its bytes at peak
     bandwidth: a normalisation, an elementwise op; ``context.memory_bound``) is timed in its
-    context up to this device time; 0: off. In the step a train-mode BatchNorm or an RMSNorm
-    reads the output its producer has just written, from L2; over ``context_max_ms`` it is
-    timed without that producer, from memory, and reads slow (benchmarks/RESULTS.md, "Context
-    for calls after their producer"). Off until an A/B covers the models whose LayerNorms a
-    longer context spread."""
+    context up to this device time; 0: off. In the step a BatchNorm or an RMSNorm reads the
+    output its producer has just written, from L2; over ``context_max_ms`` it was timed without
+    that producer, from memory, and read slow. With its kernels' figure
+    (``context_kernels_max_ms``) a wider context no longer spreads the LayerNorms' figures
+    (benchmarks/RESULTS.md, "The figure of a call in its context")."""
     context_rewrite: str = "self"
     """A call in context none of whose inputs is a context output (it reads what non-module
     code wrote, such as a residual add): "self" rewrites its larger floating-point inputs in
@@ -89,7 +89,7 @@ class ReplayConfig:
     on an H100 it brought the < 10 us median error down on all seven models measured and
     ResNet-50's post-add ReLUs from +58...+85 % to -15...+1 %, the >= 10 us share unchanged
     (benchmarks/RESULTS.md, session 21)."""
-    context_kernels_max_ms: float = 0.015
+    context_kernels_max_ms: float = 0.1
     """A call the graph timer ran in its context whose own kernels, profiled in
     ``context_kernel_runs`` runs each after its context, take less than this (ms) has their
     busy time as its figure (CUPTI's kernel durations, as the step's figure is), their spread
@@ -97,7 +97,8 @@ class ReplayConfig:
     graph, less a graph of the contexts alone), which stays in ``timer_notes`` either way. The
     difference carries the context's own change between the two graphs, microseconds that
     outweigh a short call; the sparse profiled runs miss the SM clock a step of heavy GEMMs
-    runs at, percents that outweigh the difference's error on a long compute-bound call
+    runs at, percents on a compute-bound call (NanoGPT's Linears, given a context). At the
+    default limits every call in a context is short, memory-bound or an activation
     (benchmarks/RESULTS.md, "The figure of a call in its context"). 0: always the graph
     difference."""
     context_kernel_runs: int = 10

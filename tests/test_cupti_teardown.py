@@ -57,8 +57,10 @@ def test_a_value_torch_set_during_the_session_stays(cuda13):
 
 @pytest.mark.gpu
 def test_graphs_and_sessions_after_a_teardown_still_run_and_profile():
-    """A CUDA graph captured before a torn-down session replays after it, and the next session
-    (CUPTI set up again) still records the graph's kernels."""
+    """A CUDA graph captured before a torn-down session replays after it, and every later
+    session (CUPTI set up again) records the eager kernels cbtrace's profiled passes read. A
+    graph's own kernels are not always recorded right after a teardown (an H100 read 1, 0, 1
+    of them in three sessions); no profiled pass of cbtrace's profiles a graph replay."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from torch.profiler import ProfilerActivity, profile
@@ -72,17 +74,22 @@ def test_graphs_and_sessions_after_a_teardown_still_run_and_profile():
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(g):
         x.add_(1.0)
+    y = torch.ones(1 << 20, device="cuda")
     kernels = []
     for _ in range(3):
         with device.cupti_torn_down(), profile(activities=[ProfilerActivity.CPU,
                                                             ProfilerActivity.CUDA]) as prof:
             g.replay()
             torch.cuda.synchronize()
-        kernels.append(sum(1 for e in prof.events() if e.device_type.name == "CUDA"))
+            y.mul_(2.0)  # eager, as a profiled pass runs its call
+            torch.cuda.synchronize()
+        kernels.append(sum(1 for e in prof.events() if e.device_type.name == "CUDA"
+                           and "mul" in e.name.lower()))
     g.replay()
     torch.cuda.synchronize()
     assert float(x[0]) == 5.0  # capture runs nothing: four replays
-    assert all(k >= 1 for k in kernels), kernels
+    assert float(y[0]) == 8.0
+    assert kernels == [1, 1, 1], kernels
 
 
 @pytest.mark.parametrize("fails", [False, True])
