@@ -495,6 +495,7 @@ def test_a_call_like_one_profiled_as_timed_after_the_same_context_takes_its_figu
     after_linear = ("context", (("Linear", '[{"shape": [1024]}]'),), 1, None)
     first = timed._profile_as_timed(call("a.relu", after_linear), True)
     again = timed._profile_as_timed(call("b.relu", after_linear), True)
+    assert first[3] is None and again[3] == "a.relu"  # whose runs the figures are
     other = timed._profile_as_timed(call("c.relu", ("tables", 8)), False)
     assert len(profiled) == 2  # a.relu, then c.relu after another context
     assert first[:2] == ({"kernel_count": 1, "device_ms": 0.01}, "profiled as timed")
@@ -574,3 +575,18 @@ def test_a_short_call_in_its_context_takes_its_figure_from_its_kernels_so_profil
     # a call on table copies, with nothing run before it, keeps its graph figure
     alone = step.run(call(before=None))
     assert alone["isolated_ms"] == 0.0152 and asked == [10, 3]
+    # a call of the same work after the same kinds of context takes the first one's runs, and
+    # says so: none of the row's own
+    shared = steps.Timed(["graph"], {"graph": Graph()}, ReplayConfig())
+    first, second = call(before=lambda j: None), call(before=lambda j: None)
+    second.rec = types.SimpleNamespace(fqn="layer1.1.relu")
+    for x in (first, second):
+        x.context_key = ("context", (("BatchNorm2d", "[]"),), 1, None)
+        x.rec.input_meta, x.rec.training, x.rec.grad_enabled = "[]", False, False
+        x.rec.autocast_dtype = None
+        x.row.update(flops=0.0, flops_executed=0.0, bytes=4096.0, unknown_ops=0,
+                     compute_dtype=None)
+    a, b = shared.run(first), shared.run(second)
+    assert asked == [10, 3, 10] and a["isolated_ms"] == b["isolated_ms"]
+    assert a["runs"] == 10 and b["runs"] == 0
+    assert "layer1.0.relu's kernels in context, 10 profiled runs" in b["timer_notes"]

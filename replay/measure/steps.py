@@ -86,7 +86,7 @@ class Timed:
         in_step_cache_state(c)
         eager = {k: c.row.get(k) for k in ("kernel_count", "device_ms")}
         with_context = c.timed is not None and c.timed.before is not None
-        profiled, profiled_note, kernels = self._profile_as_timed(c, with_context)
+        profiled, profiled_note, kernels, kernels_of = self._profile_as_timed(c, with_context)
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")
         expected = expected * (2 if with_context else 1) if expected else None
@@ -108,7 +108,7 @@ class Timed:
                 if alone:
                     context_note = "no context: timed back to back, which a context would break"
                     c.row.update(eager)
-                    profiled, profiled_note, kernels = {}, None, None
+                    profiled, profiled_note, kernels, kernels_of = {}, None, None, None
         finally:
             if run.release is not None:
                 run.release()
@@ -120,9 +120,12 @@ class Timed:
         if (with_context and kernels is not None and t.timer == "graph"
                 and 0 < kernels.device_ms < self.kernels_max_ms):
             fields.update(kernel_figure(kernels.run_ms))
-            runs = len(kernels.run_ms)
-            figure_note = (f"its kernels in context, {runs} profiled runs (graph less context: "
-                           f"{t.median_ms:.4g} ms)")
+            # another call's profiled runs (the same work after the same kinds of context):
+            # none of this row's own, as a timing reuse says
+            runs = len(kernels.run_ms) if kernels_of is None else 0
+            whose = "its kernels" if kernels_of is None else f"{kernels_of}'s kernels"
+            figure_note = (f"{whose} in context, {len(kernels.run_ms)} profiled runs (graph "
+                           f"less context: {t.median_ms:.4g} ms)")
         check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
         return dict(fields, **profiled, runs=runs, timed_ms=t.timed_ms, timer_notes=join_notes(
             c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, context_note,
@@ -168,30 +171,32 @@ class Timed:
         return t, fallback
 
     def _profile_as_timed(self, c: CallUnderTest, with_context: bool):
-        """(kernel_count and device_ms, the row's note, the ``AsTimed``) of a call timed in its
-        context or on table copies, profiled so (``profile_as_timed``): its kernels in the
-        cache state its isolated time has, not warm on copy 0; or those of a call of the same
-        work profiled so before, after the same kinds of context call (``context_key``).
-        ({}, None, None) when not asked, not so timed, or not found."""
+        """(kernel_count and device_ms, the row's note, the ``AsTimed``, the fqn of the call
+        whose runs they are or None) of a call timed in its context or on table copies,
+        profiled so (``profile_as_timed``): its kernels in the cache state its isolated time
+        has, not warm on copy 0; or those of a call of the same work profiled so before, after
+        the same kinds of context call (``context_key``). ({}, None, None, None) when not
+        asked, not so timed, or not found."""
         if not self.profile_runs or c.timed is None or c.device.type != "cuda":
-            return {}, None, None
+            return {}, None, None, None
         key = None
         if self.as_timed is not None and c.context_key is not None:
             base = ProfileCache.key(signature(c.module, c.rec), c.row)
             key = None if base is None else (*base, c.context_key)
         hit = self.as_timed.get(key) if key is not None else None
-        note = "profiled as timed"
+        note, of = "profiled as timed", None
         if hit is not None:
-            got, note = hit[1], f"profiled as timed as {hit[0] or '(root)'}"
+            of = hit[0] or "(root)"
+            got, note = hit[1], f"profiled as timed as {of}"
         else:
             runs = self.context_runs if with_context else self.profile_runs
             got = profile_as_timed(c.timed, c.device, runs)
             if got is None:
-                return {}, None, None
+                return {}, None, None, None
             if key is not None:
                 self.as_timed.put(key, c.rec.fqn, got)
         c.row["kernel_count"], c.row["device_ms"] = got.kernel_count, got.device_ms
-        return dict(kernel_count=got.kernel_count, device_ms=got.device_ms), note, got
+        return dict(kernel_count=got.kernel_count, device_ms=got.device_ms), note, got, of
 
     def _key(self, c: CallUnderTest):
         if self.reuse is None or not c.value_free:
