@@ -527,11 +527,13 @@ def test_a_short_call_in_its_context_takes_its_figure_from_its_kernels_so_profil
 
     class Graph:
         name = "graph"
+        runs_asked: list = []
 
         def unavailable_reason(self, device):
             return None
 
         def measure(self, call, n_copies, device, cfg):
+            self.runs_asked.append((cfg.min_runs, cfg.budget_s))
             return Timing(median_ms=0.0152, p10_ms=0.0150, p90_ms=0.0154, runs=40, timer="graph")
 
     asked = []
@@ -558,6 +560,7 @@ def test_a_short_call_in_its_context_takes_its_figure_from_its_kernels_so_profil
     got = step.run(call(before=lambda j: None))
     assert got["timer"] == "graph"
     if kernels_max_ms == 0:  # off: the graph difference, the kernels profiled as before
+        assert Graph.runs_asked[-1] == (10, 0.03)
         assert got["device_ms"] == pytest.approx(0.0125)
         assert got["isolated_ms"] == 0.0152 and got["runs"] == 40 and asked == [3]
         assert "its kernels in context" not in got["timer_notes"]
@@ -570,8 +573,11 @@ def test_a_short_call_in_its_context_takes_its_figure_from_its_kernels_so_profil
     assert got["isolated_ms"] == pytest.approx(0.01285) and got["runs"] == 10
     assert got["isolated_ms_p10"] == pytest.approx(0.01241)
     assert got["isolated_ms_p90"] == pytest.approx(0.01329)
-    assert ("its kernels in context, 10 profiled runs (graph less context: 0.0152 ms)"
+    assert ("its kernels in context, 10 profiled runs (graph less context: 0.0152 ms, 40 runs)"
             in got["timer_notes"])
+    # its graph only a check then: a few runs, no budget; a call its graph gives the figure
+    # of has the replay's
+    assert Graph.runs_asked[-1] == (steps.CHECK_RUNS, 0.0)
     # a call on table copies, with nothing run before it, keeps its graph figure
     alone = step.run(call(before=None))
     assert alone["isolated_ms"] == 0.0152 and asked == [10, 3]

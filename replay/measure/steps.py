@@ -38,6 +38,11 @@ from cbtrace.replay.timer.contract import TimerUnavailable, host_paced, join_not
 # no longer counts several times over, or run slower profiled: the GPU probe pos-conv says
 # which. benchmarks/RESULTS.md.)
 GRAPH_OTHER_KERNELS, GRAPH_OTHER_MIN_MS, PROFILED_KERNEL_COST_MS = 0.5, 0.010, 0.001
+# A call in its context whose kernels give its figure (``context_kernels_max_ms``) is still
+# captured and replayed by the graph timer, which says whether the graph can hold it in its
+# context at all (else it is timed back to back without one) and gives the difference for its
+# notes: a few runs do, the rest of its budget would buy nothing its figure uses.
+CHECK_RUNS = 3
 
 
 def graph_ran_other_kernels(t, device_ms, kernels=None) -> str | None:
@@ -100,7 +105,8 @@ class Timed:
         context_note = c.context_note
         try:
             try:
-                t, fallback = self._measure(c, run, head)
+                t, fallback = self._measure(c, run, head, self._check_cfg(
+                    with_context, kernels))
             except TimerUnavailable as e:
                 if not with_context or "stream" not in self.chain:
                     raise
@@ -117,15 +123,14 @@ class Timed:
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy,
                       timed_clock_mhz=sm_clock_mhz(c.device))
         runs, figure_note = t.runs, None
-        if (with_context and kernels is not None and t.timer == "graph"
-                and 0 < kernels.device_ms < self.kernels_max_ms):
+        if t.timer == "graph" and self._kernels_give_figure(with_context, kernels):
             fields.update(kernel_figure(kernels.run_ms))
             # another call's profiled runs (the same work after the same kinds of context):
             # none of this row's own, as a timing reuse says
             runs = len(kernels.run_ms) if kernels_of is None else 0
             whose = "its kernels" if kernels_of is None else f"{kernels_of}'s kernels"
             figure_note = (f"{whose} in context, {len(kernels.run_ms)} profiled runs (graph "
-                           f"less context: {t.median_ms:.4g} ms)")
+                           f"less context: {t.median_ms:.4g} ms, {t.runs} runs)")
         check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
         return dict(fields, **profiled, runs=runs, timed_ms=t.timed_ms, timer_notes=join_notes(
             c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, context_note,
@@ -152,18 +157,33 @@ class Timed:
             raise choice.refused([*refused, *e.reasons]) from e
         return t, "; ".join([*refused, *([more] if more else [])]), False
 
-    def _measure(self, c: CallUnderTest, run, chain: list[str]):
+    def _kernels_give_figure(self, with_context: bool, kernels) -> bool:
+        return with_context and kernels is not None and 0 < kernels.device_ms < self.kernels_max_ms
+
+    def _check_cfg(self, with_context: bool, kernels):
+        """The graph timer's settings for this call: ``CHECK_RUNS`` runs where its kernels give
+        its figure, else the replay's."""
+        if not self._kernels_give_figure(with_context, kernels):
+            return self.tcfg
+        return dataclasses.replace(self.tcfg, budget_s=0.0, min_runs=CHECK_RUNS,
+                                   max_runs=max(CHECK_RUNS, 1))
+
+    def _measure(self, c: CallUnderTest, run, chain: list[str], tcfg=None):
         """(Timing, why the timers before it refused) by the first of ``chain`` that can; a
         graph whose capture ran other kernels than the step's gives way to the rest of
         ``chain``. TimerUnavailable, with every reason (``reasons``), where none can."""
-        t, fallback = choice.measure(run, c.n_copies, c.device, chain, self.backends, self.tcfg)
+        full = self.tcfg
+        tcfg = tcfg or full
+        t, fallback = choice.measure(run, c.n_copies, c.device, chain, self.backends, tcfg)
+        if t.timer != "graph" and tcfg is not full:  # not a check then: the call's figure
+            t, fallback = choice.measure(run, c.n_copies, c.device, chain, self.backends, full)
         other = (graph_ran_other_kernels(t, c.row.get("device_ms"), c.row.get("kernel_count"))
                  if self.eager_kernels else None)
         rest = chain[chain.index(t.timer) + 1:] if t.timer in chain else []
         if other and rest:  # time what the step ran: the call's eager kernels
             try:
                 t, more = choice.measure(run, c.n_copies, c.device, rest, self.backends,
-                                         self.tcfg)
+                                         full)
             except TimerUnavailable as e:
                 raise choice.refused([*([fallback] if fallback else []), other,
                                       *e.reasons]) from e
