@@ -91,7 +91,8 @@ class ReplayConfig:
     (benchmarks/RESULTS.md, session 21)."""
     context_kernels_max_ms: float = 0.1
     """A call the graph timer ran in its context whose own kernels, profiled in
-    ``context_kernel_runs`` runs each after its context, take less than this (ms) has their
+    ``context_kernel_runs`` runs (at least ``profile_runs``) each after its context
+    (``profile_as_timed``; off with it), take less than this (ms) has their
     busy time as its figure (CUPTI's kernel durations, as the step's figure is), their spread
     its p10..p90; longer calls keep the graph difference (K slots of context and call in one
     graph, less a graph of the contexts alone), which stays in ``timer_notes`` either way. The

@@ -449,7 +449,8 @@ def timing_settings(cfg) -> dict:
         settings.update(context_max_ms=cfg.context_max_ms, context_rewrite=cfg.context_rewrite,
                         context_activation_max_ms=cfg.context_activation_max_ms,
                         context_memory_max_ms=cfg.context_memory_max_ms,
-                        context_kernels_max_ms=cfg.context_kernels_max_ms)
+                        context_kernels_max_ms=cfg.context_kernels_max_ms,
+                        profile_as_timed=cfg.profile_as_timed)
     if cfg.eager_only:  # only when set: rows of earlier replays keep their settings
         settings["eager_only"] = True
     if cfg.cpu_windows != ReplayConfig.cpu_windows:  # a CPU row's fastest of how many windows

@@ -540,11 +540,15 @@ def test_own_device_work_counts_between_markers_only():
               ("kernel", mark, 800, 10, 0, False),
               ("kernel", "ctx_gemm", 1000, 500, 0, False),
               ("kernel", "relu", 1620, 120, 0, False),
+              ("gpu_memcpy", "Memcpy DtoD", 1745, 50, 0, False),   # after it: busy 170
               ("kernel", mark, 1600, 10, 0, False),
               ("kernel", mark, 1800, 10, 0, False),
               ("cpu_op", "aten::relu", 1610, 5, 0, True))
     count, each = own_device_work(rs, runs=2)
-    assert count == 3 and each == [pytest.approx(130 / 1e6), pytest.approx(120 / 1e6)]
+    assert count == 4 and each == [pytest.approx(130 / 1e6), pytest.approx(170 / 1e6)]
+    # a run whose kernels the profiler lost (one fewer than the others): no figure, not 0 ms
+    lost = [r for r in rs if not (r.name == "Memcpy DtoD" and r.start_ns == 1745)]
+    assert own_device_work(lost, runs=2) is None
     # markers missing or extra (another kernel of that name, a profiler that dropped one):
     # no figure rather than a wrong one
     assert own_device_work(rs[:-2], runs=2) is None

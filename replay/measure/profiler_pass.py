@@ -87,13 +87,17 @@ def device_totals(rows: list[Row]) -> tuple[int, float]:
 def own_device_work(rows: list[Row], runs: int) -> tuple[int, list[float]] | None:
     """(count, busy ms of each run) of the device work between each pair of marker kernels
     (the call's own, ``MARKER_KERNEL``), over ``runs`` runs each between two markers; None
-    unless exactly ``2 * runs`` markers are found. A marker is queued after a device sync, so
-    everything the call's run does starts after its first marker and ends before its second."""
+    unless exactly ``2 * runs`` markers are found and every run holds as many kernels (a run
+    whose kernels the profiler lost would read 0 ms). A marker is queued after a device sync,
+    so everything the call's run does starts after its first marker and ends before its
+    second."""
     dev = sorted((r for r in rows if r.activity in DEVICE_ACTIVITIES), key=lambda r: r.start_ns)
     marks = [k for k, r in enumerate(dev) if MARKER_KERNEL in r.name]
     if len(marks) != 2 * runs:
         return None
     each = [device_totals(dev[a + 1:b]) for a, b in zip(marks[::2], marks[1::2])]
+    if len({n for n, _ in each}) > 1:
+        return None
     return sum(n for n, _ in each), [ms for _, ms in each]
 
 

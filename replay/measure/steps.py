@@ -59,7 +59,10 @@ def graph_ran_other_kernels(t, device_ms, kernels=None) -> str | None:
 
 
 class Timed:
-    """isolated_ms (median, p10, p90) from the first timer of the chain that can time the call."""
+    """isolated_ms (median, p10, p90) from the first timer of the chain that can time the call;
+    for a short call the graph timer holds in its context, from its own kernels' busy time in
+    profiled runs after its context (``ReplayConfig.context_kernels_max_ms``), the graph then
+    run as a check."""
 
     name = "time"
 
@@ -106,7 +109,7 @@ class Timed:
         try:
             try:
                 t, fallback = self._measure(c, run, head, self._check_cfg(
-                    with_context, kernels))
+                    head, with_context, kernels))
             except TimerUnavailable as e:
                 if not with_context or "stream" not in self.chain:
                     raise
@@ -131,7 +134,9 @@ class Timed:
             whose = "its kernels" if kernels_of is None else f"{kernels_of}'s kernels"
             figure_note = (f"{whose} in context, {len(kernels.run_ms)} profiled runs (graph "
                            f"less context: {t.median_ms:.4g} ms, {t.runs} runs)")
-        check = self.reuse.record(key, c.rec.fqn, fields) if key is not None else None
+        # a figure another call's runs gave checks nothing (--reuse-timing)
+        check = (self.reuse.record(key, c.rec.fqn, fields)
+                 if key is not None and (figure_note is None or kernels_of is None) else None)
         return dict(fields, **profiled, runs=runs, timed_ms=t.timed_ms, timer_notes=join_notes(
             c.row.get("timer_notes"), t.notes, "cold" if self.cold else None, context_note,
             profiled_note, figure_note, check))
@@ -160,18 +165,20 @@ class Timed:
     def _kernels_give_figure(self, with_context: bool, kernels) -> bool:
         return with_context and kernels is not None and 0 < kernels.device_ms < self.kernels_max_ms
 
-    def _check_cfg(self, with_context: bool, kernels):
-        """The graph timer's settings for this call: ``CHECK_RUNS`` runs where its kernels give
-        its figure, else the replay's."""
-        if not self._kernels_give_figure(with_context, kernels):
+    def _check_cfg(self, chain: list[str], with_context: bool, kernels):
+        """The first timer's settings for this call: ``CHECK_RUNS`` runs where the graph timer
+        comes first and the call's kernels give its figure, else the replay's."""
+        if chain[:1] != ["graph"] or not self._kernels_give_figure(with_context, kernels):
             return self.tcfg
         return dataclasses.replace(self.tcfg, budget_s=0.0, min_runs=CHECK_RUNS,
-                                   max_runs=max(CHECK_RUNS, 1))
+                                   max_runs=CHECK_RUNS)
 
     def _measure(self, c: CallUnderTest, run, chain: list[str], tcfg=None):
-        """(Timing, why the timers before it refused) by the first of ``chain`` that can; a
-        graph whose capture ran other kernels than the step's gives way to the rest of
-        ``chain``. TimerUnavailable, with every reason (``reasons``), where none can."""
+        """(Timing, why the timers before it refused) by the first of ``chain`` that can, with
+        ``tcfg`` (default: the replay's settings; a timer other than the graph that times the
+        call with a check's settings times it again with the replay's); a graph whose capture
+        ran other kernels than the step's gives way to the rest of ``chain``.
+        TimerUnavailable, with every reason (``reasons``), where none can."""
         full = self.tcfg
         tcfg = tcfg or full
         t, fallback = choice.measure(run, c.n_copies, c.device, chain, self.backends, tcfg)
@@ -228,9 +235,13 @@ class Timed:
 def kernel_figure(run_ms) -> dict:
     """isolated_ms, p10 and p90 from a call's kernels' busy time in each profiled run."""
     ms = sorted(run_ms)
-    lo, hi = ((ms[0], ms[-1]) if len(ms) < 3 else
-              (statistics.quantiles(ms, n=10)[0], statistics.quantiles(ms, n=10)[-1]))
-    return dict(isolated_ms=statistics.median(ms), isolated_ms_p10=lo, isolated_ms_p90=hi)
+    if len(ms) < 2:
+        return dict(isolated_ms=ms[0], isolated_ms_p10=ms[0], isolated_ms_p90=ms[0])
+    # inclusive: within the runs, as the timers' percentiles are (the exclusive method reaches
+    # past the lowest and highest of a few runs, below zero)
+    deciles = statistics.quantiles(ms, n=10, method="inclusive")
+    return dict(isolated_ms=statistics.median(ms), isolated_ms_p10=deciles[0],
+                isolated_ms_p90=deciles[-1])
 
 
 def profiled_copies(n: int) -> list[int]:
