@@ -478,6 +478,7 @@ def test_a_call_like_one_profiled_as_timed_after_the_same_context_takes_its_figu
         return AsTimed(1, 0.01 * len(profiled), (0.01 * len(profiled),) * runs)
 
     monkeypatch.setattr(steps, "profile_as_timed", fake_profile)
+    monkeypatch.setattr(steps, "sm_clock_mhz", lambda device: None)
     timed = steps.Timed(["graph"], {}, ReplayConfig())
     cost = dict(flops=0.0, flops_executed=0.0, bytes=4096.0, unknown_ops=0, compute_dtype=None)
 
@@ -545,7 +546,8 @@ def test_a_short_call_in_its_context_takes_its_figure_from_its_kernels_so_profil
 
     monkeypatch.setattr(steps, "profile_as_timed", fake_profile)
     monkeypatch.setattr(steps, "in_step_cache_state", lambda c: None)
-    monkeypatch.setattr(steps, "sm_clock_mhz", lambda device: None)
+    clocks = iter([1700.0, 1900.0] * 8)  # after the profiled runs, after the graph's
+    monkeypatch.setattr(steps, "sm_clock_mhz", lambda device: next(clocks))
     step = steps.Timed(["graph"], {"graph": Graph()},
                        ReplayConfig(context_kernels_max_ms=kernels_max_ms))
 
@@ -571,6 +573,7 @@ def test_a_short_call_in_its_context_takes_its_figure_from_its_kernels_so_profil
         return
     assert asked == [10]  # context_kernel_runs: a spread for its p10 and p90
     assert got["isolated_ms"] == pytest.approx(0.01285) and got["runs"] == 10
+    assert got["timed_clock_mhz"] == 1700.0  # the clock its figure's runs left
     assert got["isolated_ms_p10"] == pytest.approx(0.01249)  # within the runs, inclusive
     assert got["isolated_ms_p90"] == pytest.approx(0.01321)
     assert ("its kernels in context, 10 profiled runs (graph less context: 0.0152 ms, 40 runs)"

@@ -164,6 +164,7 @@ class AsTimed(NamedTuple):
     kernel_count: int              # per run
     device_ms: float               # device-busy ms, the mean of the runs
     run_ms: tuple[float, ...]      # each run's
+    clock_mhz: float | None = None  # the SM clock right after them (the caller's reading)
 
 
 def profile_as_timed(runner, device, runs: int = 3) -> AsTimed | None:

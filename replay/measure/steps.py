@@ -127,7 +127,7 @@ class Timed:
                       timed_clock_mhz=sm_clock_mhz(c.device))
         runs, figure_note = t.runs, None
         if t.timer == "graph" and self._kernels_give_figure(with_context, kernels):
-            fields.update(kernel_figure(kernels.run_ms))
+            fields.update(kernel_figure(kernels.run_ms), timed_clock_mhz=kernels.clock_mhz)
             # another call's profiled runs (the same work after the same kinds of context):
             # none of this row's own, as a timing reuse says
             runs = len(kernels.run_ms) if kernels_of is None else 0
@@ -220,6 +220,8 @@ class Timed:
             got = profile_as_timed(c.timed, c.device, runs)
             if got is None:
                 return {}, None, None, None
+            # the clock its runs left: the row's timed clock where they give its figure
+            got = got._replace(clock_mhz=sm_clock_mhz(c.device))
             if key is not None:
                 self.as_timed.put(key, c.rec.fqn, got)
         c.row["kernel_count"], c.row["device_ms"] = got.kernel_count, got.device_ms
