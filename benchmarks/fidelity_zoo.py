@@ -86,7 +86,8 @@ ROW_COLUMNS = ("call_id", "parent_call_id", "fqn", "module_type", "status", "sta
                "step_clock_mhz", "timed_clock_mhz", "clock_error_pct",
                "bwd_kernel_count", "bwd_insitu_kernel_count", "bwd_device_ms",
                "bwd_kernel_error_pct", "bwd_miss_cause")
-COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "fell_back", "within5%",
+COLUMNS = ("model", "phase", "calls", "errors", "skipped", "n>=10us", "fell_back", "by_kernels",
+           "within5%",
            "EmbBag_med%",
            "root_err%", "<10us_|err|_med%", "<10us_|kern|_med%", "misses_named",
            "hooked_within5%", "step/timed_MHz", "clock_free_within5%")
@@ -118,7 +119,8 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
            "EmbBag_med%": _pct(bags[err].median()) if len(bags) else float("nan"),
            "root_err%": _pct(root[err].iloc[0]) if len(root) else float("nan"),
            "<10us_|err|_med%": _pct(small[err].abs().median()) if len(small) else float("nan"),
-           "hooked_within5%": hooked_within(big, phase), "fell_back": fell_back(big, phase)}
+           "hooked_within5%": hooked_within(big, phase), "fell_back": fell_back(big, phase),
+           "by_kernels": by_kernels(ok, phase)}
     if phase == "fwd" and "kernel_error_pct" in df:  # like with like: kernels alone vs in the step
         kern = small["kernel_error_pct"].dropna().abs()
         row["<10us_|kern|_med%"] = _pct(kern.median()) if len(kern) else float("nan")
@@ -135,6 +137,15 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
                for t, d in g]
     classes.sort(key=lambda c: -c["insitu_ms_median"])
     return row, classes
+
+
+def by_kernels(ok, phase: str) -> int:
+    """Of the timed calls, those whose figure is their own kernels' busy time in profiled runs
+    after their context (``ReplayConfig.context_kernels_max_ms``; the row's note says so): how
+    much of a table that figure, not the graph difference, makes."""
+    if phase != "fwd" or "timer_notes" not in ok:
+        return 0
+    return int(ok["timer_notes"].fillna("").str.contains("kernels in context, ").sum())
 
 
 def fell_back(big, phase: str) -> int:
