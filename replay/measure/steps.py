@@ -122,12 +122,14 @@ class Timed:
             if run.release is not None:
                 run.release()
         # the clock its runs left, beside the step's (``attribution.miss``)
+        by_kernels = t.timer == "graph" and self._kernels_give_figure(with_context, kernels)
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy,
-                      timed_clock_mhz=sm_clock_mhz(c.device))
+                      # the clock the figure's runs left: its profiled runs', else its timer's
+                      timed_clock_mhz=kernels.clock_mhz if by_kernels else sm_clock_mhz(c.device))
         runs, figure_note = t.runs, None
-        if t.timer == "graph" and self._kernels_give_figure(with_context, kernels):
-            fields.update(kernel_figure(kernels.run_ms), timed_clock_mhz=kernels.clock_mhz)
+        if by_kernels:
+            fields.update(kernel_figure(kernels.run_ms))
             # another call's profiled runs (the same work after the same kinds of context):
             # none of this row's own, as a timing reuse says
             runs = len(kernels.run_ms) if kernels_of is None else 0
