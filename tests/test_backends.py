@@ -19,7 +19,8 @@ from torch import nn
 
 from cbtrace import hookspecs
 from cbtrace.errors import ReplayError
-from cbtrace.plugins.backends import hooks, stats
+from cbtrace.plugins.backends import hooks
+from cbtrace.replay.timer import stats
 from cbtrace.replay.timer import choice as timers
 from cbtrace.replay.timer import contract as timing
 from cbtrace.replay.timer.contract import Timing, TimerUnavailable, TimingConfig, join_notes

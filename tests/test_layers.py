@@ -58,7 +58,8 @@ def test_a_planted_upward_import_breaks_them(installed, tmp_path):
 
 
 @pytest.mark.parametrize("module, planted", [
-    ("plugins/backends/stats.py", "cbtrace.replay.measure.prepare"),   # a timer calling back up
+    ("plugins/backends/sampling.py", "cbtrace.replay.measure.prepare"),  # a timer calling back up
+    ("replay/timer/stats.py", "cbtrace.replay.engine"),  # the timers' statistics reaching up
     ("replay/timer/graph_capture.py", "cbtrace.replay.engine"),  # the contract reaching up
 ])
 def test_the_timer_contract_is_the_layer_timers_build_on(installed, tmp_path, module, planted):

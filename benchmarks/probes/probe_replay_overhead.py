@@ -137,7 +137,7 @@ def device_costs() -> str:
     """Device time of what the graph timer queues around each replay: the L2 flush (memset of
     256 and 128 MB) and the shortest spin, each the median of 50 between events."""
     from cbtrace.plugins.backends.l2 import L2Flusher, spin
-    from cbtrace.plugins.backends.stats import percentile
+    from cbtrace.replay.timer.stats import percentile
 
     dev = torch.device("cuda")
     rows = []

@@ -19,10 +19,10 @@ import torch
 from cbtrace.device import one_thread, waited_off_cpu
 from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
                                            as_runner, join_notes)
+from cbtrace.replay.timer.stats import NOISY_SHARE, OFF_CPU_MS, noisy
 
 from .l2 import L2Flusher
 from .sampling import collect, timing_from_samples
-from .stats import NOISY_SHARE, OFF_CPU_MS, noisy
 
 RETRY_PAUSE_S = 0.02  # lets a busy neighbour's time slice pass before the retry
 

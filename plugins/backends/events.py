@@ -7,10 +7,10 @@ import torch
 
 from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
                                            as_runner, join_notes)
+from cbtrace.replay.timer.stats import percentile, spin_for
 
 from .l2 import L2Flusher, spin
 from .sampling import collect, timing_from_samples, warm_until_settled
-from .stats import percentile, spin_for
 
 
 def cuda_reason(device, timer: str) -> str | None:

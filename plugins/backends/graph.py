@@ -12,11 +12,11 @@ from cbtrace.replay.timer.graph_capture import (ASKS_CAPTURE, capturing, end_poo
                                                 watch_capture_checks)
 from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
                                            as_runner, join_notes)
+from cbtrace.replay.timer.stats import EVENT_JITTER_MS, graph_calls
 
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher, spin
 from .sampling import collect, timing_from_samples, warm_until_settled
-from .stats import EVENT_JITTER_MS, graph_calls
 
 
 def capture(call, n_copies: int, k: int, touch=None, stream=None,

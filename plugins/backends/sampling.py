@@ -6,7 +6,7 @@ from typing import Callable
 
 from cbtrace.replay.timer.contract import Timing, TimingConfig
 
-from .stats import converged, percentile, plan_runs, settled, summarize
+from cbtrace.replay.timer.stats import converged, percentile, plan_runs, settled, summarize
 
 
 def collect(sample: Callable[[int, int], list[float]], cfg: TimingConfig,

@@ -13,11 +13,11 @@ import torch
 
 from cbtrace.replay.timer.contract import (CallRunner, Timing, TimerUnavailable, TimingConfig,
                                            as_runner, host_paced, join_notes)
+from cbtrace.replay.timer.stats import EVENT_JITTER_MS, graph_calls
 
 from .events import CudaTimer, event_pairs
 from .l2 import L2Flusher
 from .sampling import collect, timing_from_samples, warm_until_settled
-from .stats import EVENT_JITTER_MS, graph_calls
 
 WINDOW_MS = 3.0  # a few ms: one launch latency per window is lost in it, the clock stays put
 K_MAX = 200      # past this a window of tiny calls is long enough already

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import statistics
 import time
 import warnings
 
@@ -26,6 +25,7 @@ from cbtrace.replay.measure.reuse import (COPIED, CountCache, ProfileCache, Timi
                                           call_key, signature, value_free)
 from cbtrace.replay.timer import choice
 from cbtrace.replay.timer.contract import TimerUnavailable, host_paced, join_notes
+from cbtrace.replay.timer.stats import summarize
 
 
 # A CUDA graph replay of a call shorter than this share of its kernels' eager busy time (the
@@ -237,15 +237,10 @@ class Timed:
 
 
 def kernel_figure(run_ms) -> dict:
-    """isolated_ms, p10 and p90 from a call's kernels' busy time in each profiled run."""
-    ms = sorted(run_ms)
-    if len(ms) < 2:
-        return dict(isolated_ms=ms[0], isolated_ms_p10=ms[0], isolated_ms_p90=ms[0])
-    # inclusive: within the runs, as the timers' percentiles are (the exclusive method reaches
-    # past the lowest and highest of a few runs, below zero)
-    deciles = statistics.quantiles(ms, n=10, method="inclusive")
-    return dict(isolated_ms=statistics.median(ms), isolated_ms_p10=deciles[0],
-                isolated_ms_p90=deciles[-1])
+    """isolated_ms, p10 and p90 from a call's kernels' busy time in each profiled run, by the
+    timers' own percentiles (within the runs: a few runs give no decile below the lowest)."""
+    median, p10, p90 = summarize(list(run_ms))
+    return dict(isolated_ms=median, isolated_ms_p10=p10, isolated_ms_p90=p90)
 
 
 def profiled_copies(n: int) -> list[int]:
