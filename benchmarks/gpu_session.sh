@@ -46,6 +46,8 @@
 # mem-train: probes/probe_memory.py on ResNet-50 train (MEM_VARIANTS; the capture-room fix);
 # engine-sums: probes/probe_engine_sums.py on the GPU (a leaf's engine adds, its own gradient
 # sums, its in-situ backward with and without them, captured and plain step; SUMS_SPEC, SUMS_SIZE);
+# insitu-repeat: probes/probe_insitu_repeat.py (the in-situ figure's own noise: one capture and
+# replay, the plain step profiled REPEAT_STEPS times; REPEAT_MODELS, fidelity_zoo names);
 # capture-failure: probes/probe_capture_failure.py (a train replay with --backward; each failed
 # backward capture's C++ stack and what holds graphs reaching its parameters; FAIL_SPEC, FAIL_SIZE).
 R=$PWD
@@ -71,6 +73,8 @@ modes)
   for M in ${MODES_MODELS:-nanogpt dlrm}; do
     timeout ${MODES_TIMEOUT:-300} python3 $R/benchmarks/bench_modes_gpu.py --out /tmp/modes --models $M ${MODES_DEPTH:+--max-depth $MODES_DEPTH} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_modes_$M.log | tail -45
   done ;;
+insitu-repeat)
+  timeout ${REPEAT_TIMEOUT:-400} python3 $R/benchmarks/probes/probe_insitu_repeat.py /tmp/rep ${REPEAT_MODELS:-dcn resnet50 nanogpt} --steps ${REPEAT_STEPS:-5} 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/insitu_repeat.log | tail -${REPEAT_LINES:-45} ;;
 nproc)
   timeout ${NPROC_TIMEOUT:-150} python3 $R/benchmarks/bench_nproc.py /tmp/nproc 2>&1 | grep -v -E "USDT|Warn|warn|^cbtrace: " | tee $OUT/bench_nproc.log | tail -6 ;;
 probe-backward)
