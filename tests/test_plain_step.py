@@ -50,6 +50,44 @@ def test_the_plain_step_has_a_range_per_captured_call_and_nothing_of_capture(tmp
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_plain_steps_run_in_profiler_steps_and_a_calls_figure_is_their_median(tmp_path):
+    model, x = Net(), torch.randn(4, 8)
+    with cbtrace.capture(model, tmp_path / "run") as cap:
+        model(x)
+    fqns = [r.fqn for r in cap.records]
+    path, _ = plain_trace(model, fqns, lambda: model(x), tmp_path / "run", steps=3)
+    df = attribute_file(path)
+    fwd = df[(df["phase"] == "fwd") & (df["depth"] >= 0)]
+    assert sorted(set(fwd["step"])) == [0, 1, 2]
+    for _, one in fwd.groupby("step"):  # each step holds every call, numbered within it
+        assert _calls(one) == _calls(attribute_file(cap.trace_path))
+    table = join.insitu_for_run(tmp_path / "run", None, trace=path, median_steps=True)
+    want = fwd.groupby(["fqn", "call_index"])["cpu_ms"].median()  # a CPU trace: host times
+    got = table.set_index(["fqn", "call_index"])["insitu_ms"]
+    assert sorted(got.index) == sorted(want.index) and ("act", 1) in got.index
+    assert (got - want[got.index]).abs().max() < 1e-12
+    # without medians: the first step's own figures
+    first = join.insitu_for_run(tmp_path / "run", None, trace=path)
+    step0 = fwd[fwd["step"] == 0].set_index(["fqn", "call_index"])["cpu_ms"]
+    assert (first.set_index(["fqn", "call_index"])["cpu_ms"] - step0).abs().max() < 1e-12
+
+
+def test_each_plain_train_step_starts_from_the_gradients_the_first_found(tmp_path):
+    """A second backward would add into the first's gradients (other kernels than the user's
+    step runs after zeroing them): each step starts from the gradients found, None here."""
+    model, x = Net(), torch.randn(4, 8)
+    with cbtrace.capture(model, tmp_path / "run") as cap:
+        model(x)
+    fresh = []
+    model.a.weight.register_hook(lambda g: fresh.append(model.a.weight.grad is None))
+    plain_trace(model, [r.fqn for r in cap.records], lambda: model(x).sum().backward(),
+                tmp_path / "run", steps=3)
+    assert fresh == [True, True, True]
+    assert all(p.grad is None for p in model.parameters())  # as the steps found them
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        plain_trace(model, [], lambda: model(x), tmp_path / "run", steps=0)
+
+
 def test_a_shared_module_gets_no_range_of_its_own(tmp_path):
     class Shared(nn.Module):
         def __init__(self):
@@ -84,8 +122,10 @@ def _join(monkeypatch, tmp_path, with_plain: bool, listed: bool = True, plain_ke
     plain = pd.DataFrame(dict(fqn=["m0", "m1"], call_index=0, gpu_ms=0.8, gpu_span_ms=0.9,
                               kernel_count=plain_kernels, insitu_ms=0.8))
 
-    def insitu_for_run(run_dir, manifest, phase="fwd", grad_sums=None, trace=None):
+    def insitu_for_run(run_dir, manifest, phase="fwd", grad_sums=None, trace=None,
+                       median_steps=False):
         assert trace is None or trace == run / PLAIN_TRACE
+        assert median_steps == (trace is not None)  # the plain steps' medians, per call
         return plain if trace is not None else hooked
 
     monkeypatch.setattr(join, "insitu_for_run", insitu_for_run)

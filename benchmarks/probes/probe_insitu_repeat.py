@@ -4,11 +4,12 @@
 step (``capture.plain_step``). A call whose kernels vary step to step by more than the +-5 %
 bar cannot be within it in every capture, whatever the replay does. Per model (a fidelity_zoo
 name): capture once and replay once as ``fidelity_zoo`` does, then profile the plain step
-``--steps`` - 1 more times on the same model and batch and join the replay with each. Prints,
-for calls >= 10 us: the share within +-5 % against each step (min, median, max over steps),
-against the per-call median of all the steps, the steps' own spread per call (median and p90
-of (max - min) / median over steps), and, per module class, the share of calls whose steps
-span over 10 %. Usage (on the GPU):
+``--steps`` more times, one step a trace, on the same model and batch, and join the replay with
+each. Prints, for calls >= 10 us: the share within +-5 % against each single step (min, median,
+max over steps), against the per-call median of those steps, against the capture's own in-situ
+figure (its plain steps' median, ``capture.from_spec.PLAIN_STEPS``), the steps' own spread per
+call (median and p90 of (max - min) / median over steps), and, per module class, the share of
+calls whose steps span over 10 %. Usage (on the GPU):
 
     python benchmarks/probes/probe_insitu_repeat.py /tmp/rep dcn resnet50 nanogpt --steps 5
 """
@@ -45,8 +46,8 @@ def captured(name, spec, options, args, run):
 
 
 def plain_repeats(spec, options, device, dtype, model, fqns, run, steps: int) -> list:
-    """``steps`` - 1 more plain steps of the captured model; each joined with the run's replay
-    as the run's own plain trace (the first, capture's, is kept aside and put back)."""
+    """``steps`` more plain steps of the captured model, one a trace; each joined with the run's
+    replay as the run's own plain trace (capture's is kept aside and put back)."""
     from cbtrace.attribution.join import join_insitu
     from cbtrace.capture.from_spec import run_step, stored_spec
     from cbtrace.capture.plain_step import plain_trace
@@ -65,7 +66,7 @@ def plain_repeats(spec, options, device, dtype, model, fqns, run, steps: int) ->
         shutil.copy(first, kept)
     guard, tables = StateGuard(model), []
     try:
-        for _ in range(steps - 1):
+        for _ in range(steps):
             with guard.call():
                 plain_trace(model, fqns, lambda: run_step(provider, model, batch, "forward"),
                             Path(run), torch.device(device))
@@ -76,10 +77,10 @@ def plain_repeats(spec, options, device, dtype, model, fqns, run, steps: int) ->
     return tables
 
 
-def summary(name: str, dfs: list) -> None:
+def summary(name: str, captured_df, dfs: list) -> None:
     import pandas as pd
 
-    base = dfs[0]
+    base = captured_df
     ok = base[(base["status"] == "ok") & (base["insitu_ms"] >= MIN_MS)]
     ids = ok["call_id"]
     steps = pd.concat([d.set_index("call_id").loc[ids, "insitu_ms"].rename(i)
@@ -89,12 +90,15 @@ def summary(name: str, dfs: list) -> None:
                 for c in steps.columns]
     med = steps.median(axis=1)
     vs_median = 100 * float(((iso / med - 1).abs() * 100 <= WITHIN).mean())
+    own = base.set_index("call_id").loc[ids, "insitu_ms"]
+    vs_own = 100 * float(((iso / own - 1).abs() * 100 <= WITHIN).mean())
     span = 100 * (steps.max(axis=1) - steps.min(axis=1)) / med
     per_step.sort()
     print(f"{name}: {len(ids)} calls >= 10 us, {len(dfs)} plain steps\n"
           f"  within +-5 % against one step: min {per_step[0]:.1f} / median "
           f"{per_step[len(per_step) // 2]:.1f} / max {per_step[-1]:.1f} %; against the "
-          f"median of the steps: {vs_median:.1f} %\n"
+          f"median of the steps: {vs_median:.1f} %; against the capture's own figure: "
+          f"{vs_own:.1f} %\n"
           f"  the steps' own span per call, (max - min) / median: median {span.median():.1f} %, "
           f"p90 {span.quantile(0.9):.1f} %; calls spanning > 10 %: "
           f"{100 * float((span > 10).mean()):.1f} %", flush=True)
@@ -129,9 +133,8 @@ def main() -> int:
             df, model = captured(name, spec, options, zargs, run)
             fqns = list(df.sort_values("call_id")["fqn"])
             dtype = None if name in zoo.OWN_DTYPE else args.dtype
-            dfs = [df] + plain_repeats(spec, options, device, dtype, model, fqns, run,
-                                       args.steps)
-            summary(name, dfs)
+            dfs = plain_repeats(spec, options, device, dtype, model, fqns, run, args.steps)
+            summary(name, df, dfs)
         except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         finally:

@@ -125,7 +125,8 @@ def _plain_table(run, manifest, plain, hooked, phase: str = "fwd", grad_sums=Non
     if plain is None:
         return None
     try:
-        table = insitu_for_run(run, manifest, phase=phase, grad_sums=grad_sums, trace=plain)
+        table = insitu_for_run(run, manifest, phase=phase, grad_sums=grad_sums, trace=plain,
+                               median_steps=True)
     except (CbtraceError, OSError, ValueError) as e:
         announce(f"{plain}: not read ({one_line(e)}); in-situ times from the captured step")
         return None
@@ -193,9 +194,10 @@ def _by_call(df, ins, column: str = "insitu_ms") -> dict:
 
 
 def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None = None,
-                   trace: Path | None = None):
+                   trace: Path | None = None, median_steps: bool = False):
     """In-situ time per captured call from the run's own capture trace (or ``trace``, another
-    trace of the run: its plain step).
+    trace of the run: its plain steps); of a trace of several profiler steps, the first step's,
+    or with ``median_steps`` each figure's median over the steps (the plain steps').
 
     Returns a DataFrame[fqn, call_index, cpu_ms, gpu_ms, gpu_busy_ms, gpu_span_ms, kernel_count,
     insitu_ms] of the module rows of ``phase`` (fwd, or bwd: the autograd ops attribution maps
@@ -212,11 +214,16 @@ def insitu_for_run(run_dir, manifest, phase: str = "fwd", grad_sums: dict | None
         raise RunDirError(f"{run_dir}: no capture trace (*.pt.trace.json*) in the run")
     df = _attributed(Path(trace), grad_sums)
     df = df[(df["phase"] == phase) & (df["depth"] >= 0)]
+    figures = ["cpu_ms", "gpu_ms", "gpu_busy_ms", "gpu_span_ms", "kernel_count"]
     if (df["step"] >= 0).any():
-        df = df[df["step"] == df.loc[df["step"] >= 0, "step"].min()]
+        df = df[df["step"] >= 0]
+        if median_steps:  # per call, the median of its steps' figures
+            df = df.groupby(["fqn", "call_index"], sort=False, as_index=False)[figures].median()
+            df["kernel_count"] = df["kernel_count"].round().astype(int)
+        else:
+            df = df[df["step"] == df["step"].min()]
     has_device = df["kernel_count"].sum() > 0
-    out = df[["fqn", "call_index", "cpu_ms", "gpu_ms", "gpu_busy_ms", "gpu_span_ms",
-              "kernel_count"]].copy()
+    out = df[["fqn", "call_index", *figures]].copy()
     out["insitu_ms"] = out["gpu_busy_ms"] if has_device else out["cpu_ms"]
     return out.reset_index(drop=True)
 

@@ -63,22 +63,29 @@ def warm_up(provider, model, batch, step: str, n: int, guard) -> None:
         torch.cuda.synchronize()
 
 
+# Plain steps profiled, by whether the device is a GPU: a call's in-situ figure is its median
+# over them. One step's kernel times of a call are one sample, which the step-to-step spread of
+# a short or memory-bound kernel moves by more than the figures' bar.
+PLAIN_STEPS = {True: 5, False: 3}
+
+
 def _plain_step(model, fqns: list[str], step, out: Path, device, guard):
-    """``plain_trace`` of ``step``, the model's state kept by ``guard``. On a CPU whose step
-    waited off the CPU for most of its wall time (a busy machine: each parallel op waits for a
+    """``plain_trace`` of ``step``, the model's state kept by ``guard``. On a CPU whose steps
+    waited off the CPU for most of their wall time (a busy machine: each parallel op waits for a
     worker thread that is not running), once more on one intra-op thread, as the CPU timer and
     the host times then run: the second trace replaces the first."""
+    steps = PLAIN_STEPS[device.type == "cuda"]
     if device.type == "cuda":
         with guard.call():
-            return plain_trace(model, fqns, step, out, device)
+            return plain_trace(model, fqns, step, out, device, steps=steps)
     w0, c0 = time.perf_counter(), time.thread_time()
     with guard.call():
-        got = plain_trace(model, fqns, step, out)
+        got = plain_trace(model, fqns, step, out, steps=steps)
     if torch.get_num_threads() == 1 or not waited_off_cpu(
             (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3):
         return got
     with one_thread(), guard.call():
-        return plain_trace(model, fqns, step, out)
+        return plain_trace(model, fqns, step, out, steps=steps)
 
 
 # Windows of the step's forward repeated as the user runs it (``insitu_step_ms``), by whether
@@ -97,8 +104,8 @@ def capture_model(spec: str, out: Path, *, device: str | None = None, dtype: str
     forward call's host time in unprofiled repeats of the forward (the CPU in-situ times; on a
     GPU, host issue times); of a step with one root, time its forward as the user runs it, in a
     loop (``insitu_step_ms``; of a train step with grad, its activations freed each time as a
-    training loop's are); on a GPU, profile one more step with only a range per call, the
-    in-situ times' step (``plain_step``).
+    training loop's are); on a GPU, profile more steps with only a range per call, the
+    in-situ times' steps (``plain_step``; each call's median over them).
 
     Returns the capture (``cap.out``: the run; ``cap.model``: the model, its parameters,
     buffers, gradients and RNG state as they were when the run's state digest was taken, so

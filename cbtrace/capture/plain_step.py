@@ -1,4 +1,4 @@
-"""The in-situ figures' own step: one more profiled step with a range per call and nothing else.
+"""The in-situ figures' own steps: more profiled steps with a range per call and nothing else.
 
 The captured step copies each call's inputs on the device just before the call and runs
 cbtrace's hooks around it: the copies read the inputs through the L2 and write as much again,
@@ -53,19 +53,31 @@ def ranged_calls(model, fqns: list[str]) -> list:
     return handles
 
 
-def plain_trace(model, fqns: list[str], run_step, out: Path,
-                device=None) -> tuple[Path, float | None]:
-    """Run ``run_step`` once under torch.profiler with only ranges around the calls of
-    ``fqns``; write its trace as the run's ``PLAIN_TRACE``. Returns its path and the SM clock
-    (MHz) right after the step on a CUDA ``device`` (None elsewhere). The caller keeps the
-    model's state (a StateGuard) and runs this after the step is warm."""
+def plain_trace(model, fqns: list[str], run_step, out: Path, device=None,
+                steps: int = 1) -> tuple[Path, float | None]:
+    """Run ``run_step`` ``steps`` times under torch.profiler, each in a ``ProfilerStep#N``
+    range, with only ranges around the calls of ``fqns``; write the trace as the run's
+    ``PLAIN_TRACE``. Each step starts from the gradients the first found (a train step's
+    second backward would otherwise add into the first's gradients, as the user's does not
+    after zeroing them). Returns its path and the SM clock (MHz) right after the steps on a
+    CUDA ``device`` (None elsewhere). The caller keeps the model's state (a StateGuard) and runs
+    this after the step is warm."""
+    if steps < 1:
+        raise ValueError(f"plain_trace: steps must be >= 1, got {steps}")
     handles = ranged_calls(model, fqns)
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
     clock = None
     try:
         with quiet_kineto(), cupti_torn_down(), \
                 torch.profiler.profile(activities=profiler_activities()) as prof:
             with module_tree.eager(model):  # compiled parts eagerly, as the capture ran them
-                run_step()
+                for n in range(steps):
+                    with torch.profiler.record_function(f"ProfilerStep#{n}"):
+                        run_step()
+                    for p, g in zip(params, grads):
+                        if p.grad is not g:
+                            p.grad = g
             if device is not None:
                 clock = sm_clock_mhz(device)  # queued behind the step's kernels
             if torch.cuda.is_available():
