@@ -77,7 +77,7 @@ def plain_repeats(spec, options, device, dtype, model, fqns, run, steps: int) ->
     return tables
 
 
-def summary(name: str, captured_df, dfs: list) -> None:
+def summary(name: str, captured_df, dfs: list, rows_of: str | None = None) -> None:
     import pandas as pd
 
     base = captured_df
@@ -103,6 +103,13 @@ def summary(name: str, captured_df, dfs: list) -> None:
           f"p90 {span.quantile(0.9):.1f} %; calls spanning > 10 %: "
           f"{100 * float((span > 10).mean()):.1f} %", flush=True)
     types = ok.set_index("call_id")["module_type"]
+    if rows_of:  # each call of that class: its steps, the isolated figure, the errors
+        fqn = ok.set_index("call_id")["fqn"]
+        for cid in types.index[types == rows_of]:
+            each = " ".join(f"{1e3 * v:6.1f}" for v in steps.loc[cid])
+            print(f"    {fqn[cid]:<36} steps us {each}  isolated {1e3 * iso[cid]:6.1f}  "
+                  f"vs median {100 * (iso[cid] / med[cid] - 1):+5.1f} %  span {span[cid]:4.1f} %",
+                  flush=True)
     for t, s in span.groupby(types):
         if len(s) >= 3:
             near = ((iso[s.index] / med[s.index] - 1).abs() * 100 <= WITHIN).mean()
@@ -119,6 +126,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--size", default="real", choices=["real", "tiny"])
+    ap.add_argument("--rows", default="EmbeddingBag",
+                    help="a module class whose calls are printed one by one")
     args = ap.parse_args()
     device = args.device
     zargs = zoo.parse(["--out", args.out, "--device", device, "--dtype", args.dtype,
@@ -134,7 +143,7 @@ def main() -> int:
             fqns = list(df.sort_values("call_id")["fqn"])
             dtype = None if name in zoo.OWN_DTYPE else args.dtype
             dfs = plain_repeats(spec, options, device, dtype, model, fqns, run, args.steps)
-            summary(name, df, dfs)
+            summary(name, df, dfs, args.rows)
         except Exception as e:  # noqa: BLE001 - one model failing must not hide the others
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         finally:
