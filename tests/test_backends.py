@@ -29,7 +29,8 @@ from cbtrace.plugins.backends.events import EventsTimer
 from cbtrace.plugins.backends.graph import GraphTimer
 from cbtrace.plugins.backends.l2 import L2Flusher
 from cbtrace.replay.measure.profiler_pass import (MARKER_KERNEL, Row, aten_op_count,
-                                                  device_totals, own_device_work,
+                                                  device_totals, lost_device_events,
+                                                  own_device_work,
                                                   profile_as_timed,
                                                   peak_live_bytes, profile_call)
 from cbtrace.plugins.backends.sampling import collect, timing_from_samples, warm_until_settled
@@ -502,6 +503,16 @@ def rows(*spec):
     return [Row(a, n, t, d, b, c) for a, n, t, d, b, c in spec]
 
 
+def test_a_session_that_launched_kernels_and_recorded_none_lost_them():
+    launch = ("cuda_runtime", "cudaLaunchKernel", 0, 5, 0, True)
+    kernel = ("kernel", "sm90_gemm", 10, 500, 0, False)
+    assert lost_device_events(rows(("cpu_op", "aten::mm", 0, 9, 0, True), launch))
+    assert lost_device_events(rows(("cuda_runtime", "cudaGraphLaunch", 0, 5, 0, True)))
+    assert not lost_device_events(rows(launch, kernel))
+    assert not lost_device_events(rows(("cpu_op", "aten::view", 0, 9, 0, True)))  # no launch
+    assert not lost_device_events([])
+
+
 def test_row_summaries_hand_worked():
     rs = rows(("cpu_op", "aten::linear", 0, 900, 0, True),
               ("cpu_op", "aten::addmm", 10, 800, 0, True),
@@ -664,7 +675,7 @@ def test_gpu_profile_as_timed_counts_the_call_not_its_context():
     x = torch.randn(1 << 20, device="cuda")
     runner = timing.CallRunner(run=lambda j: torch.relu(x), n_copies=1,
                                before=lambda j: a @ a)  # the context: a GEMM, untimed
-    count, ms, each = profile_as_timed(runner, "cuda", runs=3)
+    count, ms, each, _ = profile_as_timed(runner, "cuda", runs=3)
     assert count == 1  # the ReLU's one kernel: neither the GEMM nor the markers
     assert len(each) == 3 and ms == pytest.approx(sum(each) / 3)
     alone = profile_call(lambda: torch.relu(x), "cuda")

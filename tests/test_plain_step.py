@@ -202,12 +202,16 @@ def test_gpu_a_capture_from_a_spec_profiles_the_plain_step_and_signs_it(tmp_path
     from cbtrace.capture.from_spec import capture_model
     from cbtrace.rundir.read import read_manifest
 
+    from cbtrace.capture.from_spec import PLAIN_STEPS
+
     cap = capture_model("nanogpt:tiny", tmp_path / "run", device="cuda")
     assert (cap.out / PLAIN_TRACE).is_file()
     assert PLAIN_TRACE in read_manifest(cap.out).files  # checksummed with the run's files
     df = attribute_file(cap.out / PLAIN_TRACE)
-    assert _calls(df) == _calls(attribute_file(cap.trace_path))
-    assert df.loc[df["depth"] >= 0, "kernel_count"].sum() > 0
+    assert sorted(set(df.loc[df["depth"] >= 0, "step"])) == list(range(PLAIN_STEPS[True]))
+    for _, one in df[df["step"] >= 0].groupby("step"):  # every step holds every call
+        assert _calls(one) == _calls(attribute_file(cap.trace_path))
+        assert one.loc[one["depth"] >= 0, "kernel_count"].sum() > 0
     # the SM clock the step left, the same on every row
     rows = pd.read_parquet(cap.out / "modules.parquet")
     assert rows["step_clock_mhz"].notna().all() and rows["step_clock_mhz"].nunique() == 1
