@@ -9,7 +9,6 @@ each row as it finishes; ``finish`` derives the figures and writes the table and
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,8 +262,7 @@ class ReplayLoop:
                         if self.context is not None:  # a later call's context may need them
                             self.context.offer(rec, (args, kwargs))
                     # loaded only if the call qualifies, once its device time is known (Timed)
-                    ctx = (functools.partial(self.context.calls, rec.call_id)
-                           if self.context is not None else None)
+                    ctx = self.context.of(rec.call_id) if self.context is not None else None
                     self.flags.apply(module, rec)
                     row = measure_call(module, rec, args, kwargs, device, cfg, plan or self.plan,
                                        grads, timings, context=ctx)

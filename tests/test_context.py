@@ -265,6 +265,63 @@ def test_an_identitys_output_is_not_a_fresh_input_but_an_in_place_write_is(tmp_p
         str(df.loc["t", "timer_notes"]))
 
 
+class Square(nn.Module):
+    def forward(self, x):
+        return x * x
+
+
+class ReadEarlier(nn.Module):
+    """DLRM's inter_arch in small: an MLP reads the embeddings first, then ``fm`` reads them
+    again after the MLP's calls, which are its context; with ``first=False`` only ``fm`` reads
+    them, right after what the parent wrote."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.first = first
+        self.deep = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(64, 64), nn.ReLU())])
+        self.fm = Square()
+
+    def forward(self, emb, h):
+        h = self.deep(emb if self.first else h)
+        return h.sum() + self.fm(emb * 1 if not self.first else emb).sum()
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_an_input_read_before_the_context_is_not_rewritten_after_it(tmp_path, first):
+    torch.manual_seed(0)
+    model = ReadEarlier(first).eval()
+    run = _capture(tmp_path, model, torch.randn(512, 4, 64), torch.randn(512, 4, 64))
+    df = cbtrace.replay(run, model=model, device="cpu", **FAST).set_index("fqn")
+    assert (df.status == "ok").all()
+    fm = str(df.loc["fm", "timer_notes"])
+    if first:  # written before deep.0, which lies before fm's four calls of context
+        assert "no context: its inputs were read before, not written just before it" in fm
+    else:  # written by the parent just before fm: as its producer left it
+        assert "its inputs rewritten after them (x * 1)" in fm
+
+
+def test_inputs_read_before_counts_readers_before_the_context_not_ancestors_nor_in_it():
+    from cbtrace.replay.measure.context import inputs_read_before
+    from cbtrace.store import ref_format
+
+    def ref(*rows):  # one 64 KiB float tensor per stored chunk row
+        chunks = {str(i): [0, r, 1, 0, 65536, "d"] for i, r in enumerate(rows)}
+        args = [{"t": "tensor", "dtype": "float32", "shape": [16384], "c": i}
+                for i in range(len(rows))]
+        return ref_format.build(args, {}, chunks)
+
+    recs = [_rec(0, -1), _rec(1, 0), _rec(2, 0), _rec(3, 0), _rec(4, 0)]
+    for r, refs in zip(recs, [ref(7), ref(7), ref(8), ref(9), ref(7)]):
+        r.inputs_ref = refs
+    # call 4 reads chunk 7, which call 1 (outside its context [2, 3]) and its parent 0 read
+    assert inputs_read_before(recs, {4: [2, 3], 1: [], 3: [2]}) == {4}
+    assert inputs_read_before(recs, {4: [1, 2, 3]}) == set()  # the reader is in its context
+    recs[1].inputs_ref = ref(6)
+    assert inputs_read_before(recs, {4: [2, 3]}) == set()  # only its parent read it before
+    recs[4].inputs_ref = "not json"
+    assert inputs_read_before(recs, {4: [2, 3]}) == set()  # unreadable: as unread
+
+
 def test_written_outputs_leave_out_untouched_inputs_and_their_views():
     from cbtrace.replay.measure.context import ContextCall, written_outputs
 

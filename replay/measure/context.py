@@ -28,7 +28,7 @@ from cbtrace import module_tree
 from cbtrace.calltree import CallTree
 from cbtrace.cost.dtypes import is_floating, itemsize, meta_bytes
 from cbtrace.cost.peaks import PeakLookup, device_name
-from cbtrace.errors import one_line
+from cbtrace.errors import SerializationError, one_line
 from cbtrace.nested import flat_tensors
 from cbtrace.replay.measure.copies import (clone_like, copies_of, n_copies, table_copies,
                                            tensor_bytes)
@@ -36,6 +36,7 @@ from cbtrace.replay.measure.prepare import (WARM_MIN_BYTES, CallUnderTest, Input
                                             call_context, input_toucher)
 from cbtrace.replay.timer.contract import CallRunner
 from cbtrace.schema.modules import COPY_FAILED
+from cbtrace.store import ref_format
 
 
 def cache_bytes(device: torch.device) -> int:
@@ -111,6 +112,9 @@ class ContextSource:
         self.model, self.load, self.flags = model, load, flags
         budget = max_bytes if max_bytes is not None else cache_bytes(self.device)
         self.before = predecessors(records, max_calls, budget)
+        # calls whose inputs a rewrite would touch were all read before their context: not
+        # written just before them, so not rewritten (``inputs_read_before``)
+        self.read_before = inputs_read_before(records, self.before)
         self.keep_bytes, self.max_copies = keep_bytes, max_copies
         self._cache: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._cached = 0
@@ -134,8 +138,18 @@ class ContextSource:
         rec = self.by_id[call_id]
         if not before or rec.module_type in LOOKUPS:  # a lookup: table copies instead
             return False
-        return ((self.rewrite and may_be_rewritten(rec))
+        return ((self.may_rewrite(call_id) and may_be_rewritten(rec))
                 or may_feed(rec, [self.by_id[c] for c in before]))
+
+    def may_rewrite(self, call_id: int) -> bool:
+        """Whether the call's inputs may be rewritten after its context: rewriting is on and
+        some input it would touch was not read by an earlier call."""
+        return self.rewrite and call_id not in self.read_before
+
+    def of(self, call_id: int) -> "ContextOf":
+        """The call's context, loaded when the timer asks for it."""
+        return ContextOf(functools.partial(self.calls, call_id),
+                         rewrite=self.may_rewrite(call_id))
 
     def offer(self, rec, inputs) -> None:
         """The captured inputs of ``rec``'s call, as the replay just loaded them (before it
@@ -223,6 +237,73 @@ class ContextSource:
             _, old = self._cache.popitem(last=False)
             self._cached -= len(old) * tensor_bytes(old[0])
         return copies
+
+
+@dataclass
+class ContextOf:
+    """A call's context as the timer meets it: ``load()`` gives its calls (read on first
+    use); ``rewrite``: whether its inputs may be rewritten after them (``in_context``)."""
+
+    load: object
+    rewrite: bool = True
+
+    def __call__(self) -> list:
+        return self.load()
+
+
+def inputs_read_before(records, before: dict) -> set[int]:
+    """The call_ids whose inputs a rewrite would touch (floating point, WARM_MIN_BYTES or more)
+    were each an input of a call that began before its context (``before``: call_id -> its
+    predecessors, oldest first) and is not one of its ancestors: the same stored chunk, which
+    capture keeps once while the tensor is unchanged. In the step such an input was written
+    before the whole context, not just before the call (DLRM's factorization machine reads
+    the embeddings its sibling's MLP read first), so rewriting it after the context would
+    leave it in the L2 as the step did not. A reader inside the context (an Identity handing
+    its input on) does not count: what it read was written just before it. A parent's input
+    is its first child's, so ancestors do not count. A reference that does not parse counts
+    as unread."""
+    parent = {r.call_id: r.parent_call_id for r in records}
+    readers: dict = collections.defaultdict(list)  # chunk -> the calls that read it, in order
+    wanted: dict[int, list] = {}
+    for rec in sorted(records, key=lambda r: r.call_id):
+        try:
+            keys = _rewritable_chunks(rec.inputs_ref)
+        except (SerializationError, ValueError, TypeError, KeyError):
+            continue
+        wanted[rec.call_id] = keys
+        for k in keys:
+            readers[k].append(rec.call_id)
+    out = set()
+    for cid, keys in wanted.items():
+        if not keys or not before.get(cid):
+            continue
+        start = before[cid][0]  # the context's first call
+        ancestors, p = set(), parent.get(cid, -1)
+        while p != -1 and p not in ancestors:
+            ancestors.add(p)
+            p = parent.get(p, -1)
+        if all(any(r < start and r not in ancestors for r in readers[k]) for k in keys):
+            out.add(cid)
+    return out
+
+
+def _rewritable_chunks(inputs_ref) -> list:
+    """The stored chunks (shard, row, lo, nbytes) of a call's inputs that ``input_toucher``
+    would rewrite, by their reference: floating point, of WARM_MIN_BYTES or more."""
+    if not inputs_ref:
+        return []
+    doc = ref_format.parse(inputs_ref)
+    chunks = doc["chunks"]
+    keys = []
+    for node in ref_format.tensor_nodes(doc):
+        if not is_floating(str(node.get("dtype"))):
+            continue
+        if math.prod(node.get("shape") or ()) * itemsize(str(node["dtype"])) < WARM_MIN_BYTES:
+            continue
+        entry = chunks.get(str(node.get("c")))
+        if entry is not None:
+            keys.append((entry[0], entry[1], entry[3], entry[4]))
+    return keys
 
 
 def may_feed(rec, context_recs) -> bool:
@@ -374,6 +455,9 @@ def in_context(c: CallUnderTest, context) -> None:
     rewrite = None
     if not chained:
         if c.cfg.context_rewrite == "off":
+            return
+        if not getattr(c.context, "rewrite", True):
+            c.context_note = "no context: its inputs were read before, not written just before it"
             return
         # as what non-module code wrote just before it left it
         rewrite = input_toucher(copies, as_a_sum=c.cfg.context_rewrite == "sum",
