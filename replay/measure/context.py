@@ -143,7 +143,7 @@ class ContextSource:
 
     def may_rewrite(self, call_id: int) -> bool:
         """Whether the call's inputs may be rewritten after its context: rewriting is on and
-        some input it would touch was not read by an earlier call."""
+        some input it would touch was not read before its context (``inputs_read_before``)."""
         return self.rewrite and call_id not in self.read_before
 
     def of(self, call_id: int) -> "ContextOf":
@@ -440,6 +440,7 @@ def in_context(c: CallUnderTest, context) -> None:
     loading them, called only for a call that qualifies (loading reads their inputs)."""
     if not context or not _small(c):
         return
+    may_rewrite = getattr(context, "rewrite", True)  # a ContextOf's; a list of calls: True
     try:
         context = context() if callable(context) else context
         if not context:
@@ -456,7 +457,7 @@ def in_context(c: CallUnderTest, context) -> None:
     if not chained:
         if c.cfg.context_rewrite == "off":
             return
-        if not getattr(c.context, "rewrite", True):
+        if not may_rewrite:
             c.context_note = "no context: its inputs were read before, not written just before it"
             return
         # as what non-module code wrote just before it left it
