@@ -626,6 +626,7 @@ def test_a_short_call_in_its_context_takes_its_figure_from_its_kernels_so_profil
         return
     if kernels_max_ms == 0.01:  # kernels of 12.85 us: a call too long for their figure
         assert got["isolated_ms"] == 0.0152 and got["device_ms"] == pytest.approx(0.01285)
+        assert got["timed_clock_mhz"] == 1700.0  # one reading, the graph's: none after profiling
         assert "its kernels in context" not in got["timer_notes"] and asked == [10]
         return
     assert asked == [10]  # context_kernel_runs: a spread for its p10 and p90

@@ -222,8 +222,10 @@ class Timed:
             got = profile_as_timed(c.timed, c.device, runs)
             if got is None:
                 return {}, None, None, None
-            # the clock its runs left: the row's timed clock where they give its figure
-            got = got._replace(clock_mhz=sm_clock_mhz(c.device))
+            # the clock its runs left: the row's timed clock where they give its figure (read
+            # only there: a reading queues a spin kernel and waits for it)
+            if self._kernels_give_figure(with_context, got):
+                got = got._replace(clock_mhz=sm_clock_mhz(c.device))
             if key is not None:
                 self.as_timed.put(key, c.rec.fqn, got)
         c.row["kernel_count"], c.row["device_ms"] = got.kernel_count, got.device_ms
