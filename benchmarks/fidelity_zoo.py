@@ -347,14 +347,14 @@ def parse(argv):
                    help="ReplayConfig.context_max_ms (calls timed in context: under this)")
     p.add_argument("--context-rewrite", choices=CONTEXT_REWRITES, default=None,
                    help="ReplayConfig.context_rewrite (inputs no context call wrote, rewritten "
-                        "as x * 1: self, the default, or x + 0 * y: sum; off: neither)")
+                        "as x + 0 * y: sum, the default, or x * 1: self; off: neither)")
     p.add_argument("--budget-s", type=float, default=None, help="ReplayConfig.budget_s")
     p.add_argument("--top", type=int, default=8, help="classes printed per model and phase")
     p.add_argument("--keep-runs", action="store_true", help="keep the run directories in OUT/runs")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,...]",
                    help="also replay each capture with these ReplayConfig fields over the base "
                         "settings, compared call by call (repeatable), e.g. "
-                        "sum:context_rewrite=sum")
+                        "self:context_rewrite=self")
     args = p.parse_args(argv)
     try:
         args.variant = [parse_variant(v) for v in args.variant]

@@ -20,7 +20,7 @@
 # < 10 us median |error|; FIDELITY_MODELS comma-separated, FIDELITY_ARGS e.g. "--step train", "--no-context";
 # FIDELITY_OUT names the output folder (brought back as FIDELITY_OUT.tgz) and log, for two runs in one call; FIDELITY_VARIANTS,
 # space-separated NAME:KEY=VALUE[,KEY=VALUE], replays each capture again with those settings and
-# compares call by call, e.g. "sum:context_rewrite=sum again:context_rewrite=off");
+# compares call by call, e.g. "self:context_rewrite=self off:context_rewrite=off");
 # train-set: fidelity_zoo.py --step train, one process a model (TRAIN_MODELS, TRAIN_TIMEOUT, FIDELITY_VARIANTS;
 # PYTHONFAULTHANDLER on: an abort prints its Python stack);
 # opportunity: bench_opportunity.py per model (the root and top 5 modules compiled in place, estimated vs

@@ -80,15 +80,14 @@ class ReplayConfig:
     that producer, from memory, and read slow. With its kernels' figure
     (``context_kernels_max_ms``) a wider context no longer spreads the LayerNorms' figures
     (benchmarks/RESULTS.md, "The figure of a call in its context")."""
-    context_rewrite: str = "self"
+    context_rewrite: str = "sum"
     """A call in context none of whose inputs is a context output (it reads what non-module
-    code wrote, such as a residual add): "self" rewrites its larger floating-point inputs in
-    place after the context (x * 1), as their producer would have left them; "sum" as an op
-    of two operands of their size would have (x + 0 * y, y another copy's: a residual add also
-    read y); "off": neither (``CONTEXT_REWRITES``). "self" by default: against the plain step
-    on an H100 it brought the < 10 us median error down on all seven models measured and
-    ResNet-50's post-add ReLUs from +58...+85 % to -15...+1 %, the >= 10 us share unchanged
-    (benchmarks/RESULTS.md, session 21)."""
+    code wrote, such as a residual add): "sum" rewrites its larger floating-point inputs in
+    place after the context as an op of two operands of their size would have (x + 0 * y, y
+    another copy's: a residual add also read y); "self" as their producer would have left them
+    (x * 1); "off": neither (``CONTEXT_REWRITES``). "sum" by default: against "self", every
+    call it moved came closer to the step, ResNet-50's post-add ReLUs among them, and none
+    went further (benchmarks/RESULTS.md, "The sum rewrite")."""
     context_kernels_max_ms: float = 0.1
     """A call the graph timer ran in its context whose own kernels, profiled in
     ``context_kernel_runs`` runs (at least ``profile_runs``) each after its context

@@ -259,7 +259,7 @@ def test_an_identitys_output_is_not_a_fresh_input_but_an_in_place_write_is(tmp_p
     df = cbtrace.replay(run, model=model, device="cpu", **FAST).set_index("fqn")
     assert (df.status == "ok").all()
     act = str(df.loc["bnact.act", "timer_notes"])
-    assert "context: 2 calls before (a, bnact.drop); its inputs rewritten after them (x * 1)" \
+    assert "context: 2 calls before (a, bnact.drop); its inputs rewritten after them (x + 0 * y)" \
         in act and "from their outputs" not in act
     assert "context: 3 calls before (a, bnact.drop, bnact.act); 1 input from their outputs" in (
         str(df.loc["t", "timer_notes"]))
@@ -296,8 +296,8 @@ def test_an_input_read_before_the_context_is_not_rewritten_after_it(tmp_path, fi
     fm = str(df.loc["fm", "timer_notes"])
     if first:  # written before deep.0, which lies before fm's four calls of context
         assert "no context: its inputs were read before, not written just before it" in fm
-    else:  # written by the parent just before fm: as its producer left it
-        assert "its inputs rewritten after them (x * 1)" in fm
+    else:  # written by the parent just before fm: rewritten as an op of two operands would
+        assert "its inputs rewritten after them (x + 0 * y)" in fm
 
 
 def test_inputs_read_before_counts_readers_before_the_context_not_ancestors_nor_in_it():
@@ -377,12 +377,12 @@ def test_an_input_no_module_wrote_is_rewritten_after_the_context_when_asked(tmp_
         assert "context" not in note
 
 
-def test_the_rewrite_is_the_default_for_a_residual_output(tmp_path):
+def test_the_sum_rewrite_is_the_default_for_a_residual_output(tmp_path):
     torch.manual_seed(0)
     model = Residual().eval()
     run = _capture(tmp_path, model, torch.randn(512, 256))
     df = cbtrace.replay(run, model=model, device="cpu", **FAST).set_index("fqn")
-    assert "its inputs rewritten after them (x * 1)" in str(df.loc["act", "timer_notes"])
+    assert "its inputs rewritten after them (x + 0 * y)" in str(df.loc["act", "timer_notes"])
 
 
 class Lookups(nn.Module):
