@@ -141,11 +141,14 @@ def fidelity(df, phase: str = "fwd") -> tuple[dict, list[dict]]:
 
 def by_kernels(ok, phase: str) -> int:
     """Of the timed calls, those whose figure is their own kernels' busy time in profiled runs
-    after their context (``ReplayConfig.context_kernels_max_ms``; the row's note says so): how
-    much of a table that figure, not the graph difference, makes."""
-    if phase != "fwd" or "timer_notes" not in ok:
+    (after their context, ``ReplayConfig.context_kernels_max_ms``, or of many kernels,
+    ``kernels_figure_min``; the row's note says so): how much of a table that figure, not the
+    graph's, makes."""
+    column = "timer_notes" if phase == "fwd" else "bwd_timer_notes"
+    if column not in ok:
         return 0
-    return int(ok["timer_notes"].fillna("").str.contains("kernels in context, ").sum())
+    return int(ok[column].fillna("").str.contains("kernels in context, |kernels' busy time \\(")
+               .sum())
 
 
 def fell_back(big, phase: str) -> int:

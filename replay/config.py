@@ -104,6 +104,15 @@ class ReplayConfig:
     context_kernel_runs: int = 10
     """Profiled runs of a call in its context that may give its figure
     (``context_kernels_max_ms``): their spread is its p10 and p90."""
+    kernels_figure_min: int = 4
+    """A call the graph timer ran whose kernels number at least this takes their busy time in
+    profiled runs as its figure (after its timing: ``context_kernel_runs`` runs as timed, on
+    rotating copies; a backward's its profiled runs), as a short call in its context does. A
+    graph figure holds the device's gap between each two kernels, which the step's busy time
+    does not: a call of many small kernels (a normalisation's backward, a convolution with its
+    own transforms) read slow by that alone. A call of fewer keeps the graph's many runs at the
+    step's clock. 0: always the graph (benchmarks/RESULTS.md, "Kernels' figure for calls of
+    many kernels")."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,
@@ -189,6 +198,8 @@ class ReplayConfig:
                              f"{self.host_runs}, {self.profile_runs}, {self.cpu_windows}")
         if self.context_kernel_runs < 1:
             raise ValueError(f"context_kernel_runs must be >= 1, got {self.context_kernel_runs}")
+        if self.kernels_figure_min < 0:
+            raise ValueError(f"kernels_figure_min must be >= 0, got {self.kernels_figure_min}")
         if self.context_rewrite not in CONTEXT_REWRITES:
             raise ValueError(f"context_rewrite: {self.context_rewrite!r} is not one of "
                              f"{', '.join(CONTEXT_REWRITES)}")

@@ -75,8 +75,10 @@ class Timed:
         # a short call in its context takes its figure from its kernels so profiled
         # (context_kernels_max_ms): enough runs for a spread
         self.kernels_max_ms = cfg.context_kernels_max_ms if self.profile_runs else 0.0
-        self.context_runs = (max(cfg.profile_runs, cfg.context_kernel_runs)
-                             if self.kernels_max_ms > 0 else self.profile_runs)
+        # a graph-timed call of this many kernels or more takes its kernels' figure too
+        self.kernels_min = cfg.kernels_figure_min if self.profile_runs else 0
+        self.figure_runs = max(cfg.profile_runs, cfg.context_kernel_runs)
+        self.context_runs = self.figure_runs if self.kernels_max_ms > 0 else self.profile_runs
         # a call of the same work as one profiled as timed before, after a context of the same
         # kinds of call on the same inputs (or as many table copies), takes its figures
         self.as_timed = ProfileCache() if cfg.count_flops and cfg.reuse_counts else None
@@ -123,6 +125,11 @@ class Timed:
                 run.release()
         # the clock its runs left, beside the step's (``attribution.miss``)
         by_kernels = t.timer == "graph" and self._kernels_give_figure(with_context, kernels)
+        alone = (not by_kernels and t.timer == "graph" and c.timed is None
+                 and self._many_kernels(c.row.get("kernel_count")))
+        if alone:  # its kernels as the graph ran them, after it: their busy time, no gaps
+            profiled, profiled_note, kernels, kernels_of = self._profile_alone(c)
+            by_kernels = kernels is not None
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy,
                       # the clock the figure's runs left: its profiled runs', else its timer's
@@ -136,6 +143,10 @@ class Timed:
             whose = "its kernels" if kernels_of is None else f"{kernels_of}'s kernels"
             figure_note = (f"{whose} in context, {len(kernels.run_ms)} profiled runs (graph "
                            f"less context: {t.median_ms:.4g} ms, {t.runs} runs)")
+            if not with_context:
+                figure_note = (f"{whose}' busy time ({kernels.kernel_count} kernels), "
+                               f"{len(kernels.run_ms)} profiled runs (graph: {t.median_ms:.4g} "
+                               f"ms, {t.runs} runs)")
         # a figure another call's runs gave checks nothing (--reuse-timing)
         check = (self.reuse.record(key, c.rec.fqn, fields)
                  if key is not None and (figure_note is None or kernels_of is None) else None)
@@ -165,7 +176,39 @@ class Timed:
         return t, "; ".join([*refused, *([more] if more else [])]), False
 
     def _kernels_give_figure(self, with_context: bool, kernels) -> bool:
-        return with_context and kernels is not None and 0 < kernels.device_ms < self.kernels_max_ms
+        """Whether a graph-timed call's profiled kernels give its figure: a short call in its
+        context (``context_kernels_max_ms``), or one of many kernels (``kernels_figure_min``)."""
+        if kernels is None or not kernels.device_ms > 0:
+            return False
+        return ((with_context and kernels.device_ms < self.kernels_max_ms)
+                or self._many_kernels(kernels.kernel_count))
+
+    def _many_kernels(self, count) -> bool:
+        return bool(self.kernels_min) and count is not None and count == count \
+            and count >= self.kernels_min
+
+    def _profile_alone(self, c: CallUnderTest):
+        """``_profile_as_timed``'s four of a call timed without a context or table copies, its
+        runs on rotating copies as the graph timer ran it (``kernels_figure_min``); a call of
+        the same work profiled so before gives its figures."""
+        key = None
+        if self.as_timed is not None:
+            base = ProfileCache.key(signature(c.module, c.rec), c.row)
+            key = None if base is None else (*base, "alone")
+        hit = self.as_timed.get(key) if key is not None else None
+        if hit is not None:
+            of = hit[0] or "(root)"
+            got, note = hit[1], f"profiled as timed as {of}"
+        else:
+            of, note = None, "profiled as timed"
+            got = profile_as_timed(c.run.timed(), c.device, self.figure_runs)
+            if got is None or not self._many_kernels(got.kernel_count):
+                return {}, None, None, None
+            got = got._replace(clock_mhz=sm_clock_mhz(c.device))
+            if key is not None:
+                self.as_timed.put(key, c.rec.fqn, got)
+        c.row["kernel_count"], c.row["device_ms"] = got.kernel_count, got.device_ms
+        return dict(kernel_count=got.kernel_count, device_ms=got.device_ms), note, got, of
 
     def _check_cfg(self, chain: list[str], with_context: bool, kernels):
         """The first timer's settings for this call: ``CHECK_RUNS`` runs where the graph timer

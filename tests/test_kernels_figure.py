@@ -1,0 +1,154 @@
+"""A graph-timed call of many kernels takes its kernels' busy time as its figure
+(``ReplayConfig.kernels_figure_min``): a graph figure holds the device's gap between each two
+kernels, the step's busy time none. The GPU's parts (the profiled runs, the SM clock) are stood
+in for; the rest is the replay's own code."""
+import dataclasses
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import cbtrace
+from cbtrace.replay.config import ReplayConfig
+from cbtrace.replay.measure import steps
+from cbtrace.replay.measure.profiler_pass import AsTimed
+from cbtrace.replay.timer.contract import CallRunner, Timing, TimerUnavailable
+
+
+class Graph:
+    name = "graph"
+
+    def __init__(self, refuse: bool = False):
+        self.refuse, self.runs_asked = refuse, []
+
+    def unavailable_reason(self, device):
+        return None
+
+    def measure(self, call, n_copies, device, cfg):
+        if self.refuse:
+            raise TimerUnavailable("graph capture failed: operation not permitted")
+        self.runs_asked.append((cfg.min_runs, cfg.budget_s))
+        return Timing(median_ms=0.0371, p10_ms=0.0369, p90_ms=0.0374, runs=40, timer="graph")
+
+
+class Stream(Graph):
+    name = "stream"
+
+    def measure(self, call, n_copies, device, cfg):
+        return Timing(median_ms=0.0402, p10_ms=0.04, p90_ms=0.0405, runs=12, timer="stream")
+
+
+def _call(fqn: str, kernels: int):
+    """A conv of ``kernels`` kernels timed alone: no context, no table copies."""
+    rec = types.SimpleNamespace(fqn=fqn, input_meta="[]", training=False, grad_enabled=False,
+                                autocast_dtype=None)
+    run = types.SimpleNamespace(timed=lambda: CallRunner(run=lambda i: None, n_copies=4))
+    return types.SimpleNamespace(
+        row={"device_ms": 0.0352, "kernel_count": kernels, "flops": 1e9, "flops_executed": 1e9,
+             "bytes": 4096.0, "unknown_ops": 0, "compute_dtype": None},
+        n_copies=4, context_key=None, timed=None, run=run, device=torch.device("cuda"),
+        context_note=None, rec=rec, value_free=False, module=nn.Conv2d(8, 8, 1))
+
+
+@pytest.fixture
+def profiled(monkeypatch):
+    """The profiled runs asked for; each run's busy time 35.0, 35.1, ... us."""
+    asked = []
+
+    def fake_profile(runner, device, runs):
+        asked.append(runs)
+        each = tuple(0.0350 + 0.0001 * i for i in range(runs))
+        return AsTimed(4, sum(each) / runs, each)
+
+    monkeypatch.setattr(steps, "profile_as_timed", fake_profile)
+    monkeypatch.setattr(steps, "in_step_cache_state", lambda c: None)
+    clocks = iter([1700.0, 1900.0] * 8)  # after the profiled runs, else after the graph's
+    monkeypatch.setattr(steps, "sm_clock_mhz", lambda device: next(clocks))
+    return asked
+
+
+def test_a_call_of_many_kernels_takes_its_kernels_busy_time_after_its_graph(profiled):
+    graph = Graph()
+    got = steps.Timed(["graph"], {"graph": graph}, ReplayConfig()).run(_call("layer4.0.conv3", 4))
+    assert got["timer"] == "graph" and profiled == [10]  # context_kernel_runs: a spread
+    # its graph was timed with the replay's settings: the profile runs after it
+    assert graph.runs_asked == [(ReplayConfig().timing().min_runs, ReplayConfig().budget_s)]
+    assert got["isolated_ms"] == pytest.approx(0.03545) and got["runs"] == 10
+    assert got["isolated_ms_p10"] == pytest.approx(0.03509)
+    assert got["isolated_ms_p90"] == pytest.approx(0.03581)
+    assert got["device_ms"] == pytest.approx(0.03545) and got["kernel_count"] == 4
+    assert got["timed_clock_mhz"] == 1700.0  # the clock its figure's runs left
+    assert ("its kernels' busy time (4 kernels), 10 profiled runs (graph: 0.0371 ms, 40 runs)"
+            in got["timer_notes"]) and "profiled as timed" in got["timer_notes"]
+
+
+@pytest.mark.parametrize("kernels, setting", [(3, 4), (6, 0)])
+def test_a_call_of_few_kernels_or_with_the_setting_off_keeps_its_graph(profiled, kernels,
+                                                                      setting):
+    step = steps.Timed(["graph"], {"graph": Graph()}, ReplayConfig(kernels_figure_min=setting))
+    got = step.run(_call("layer4.0.conv3", kernels))
+    assert got["isolated_ms"] == 0.0371 and got["runs"] == 40 and profiled == []
+    assert "busy time" not in (got["timer_notes"] or "")
+
+
+def test_a_call_the_graph_refuses_keeps_its_back_to_back_figure(profiled, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # after the refusal
+    step = steps.Timed(["graph", "stream"], {"graph": Graph(refuse=True), "stream": Stream()},
+                       ReplayConfig())
+    got = step.run(_call("encoder", 40))
+    assert got["timer"] == "stream" and got["isolated_ms"] == 0.0402 and profiled == []
+
+
+def test_a_call_like_one_so_profiled_takes_its_runs_and_says_whose(profiled):
+    step = steps.Timed(["graph"], {"graph": Graph()}, ReplayConfig())
+    a, b = step.run(_call("layer4.1.conv3", 4)), step.run(_call("layer4.2.conv3", 4))
+    assert profiled == [10] and a["isolated_ms"] == b["isolated_ms"]
+    assert a["runs"] == 10 and b["runs"] == 0
+    assert "layer4.1.conv3's kernels' busy time (4 kernels)" in b["timer_notes"]
+    assert "profiled as timed as layer4.1.conv3" in b["timer_notes"]
+
+
+def test_the_setting_is_checked():
+    with pytest.raises(ValueError, match="kernels_figure_min must be >= 0"):
+        ReplayConfig(kernels_figure_min=-1)
+
+
+def test_a_backward_of_many_kernels_takes_its_kernels_busy_time(tmp_path, monkeypatch):
+    """A backward's profiled runs (after its timing, each after its untimed forward) give its
+    figure where they hold at least ``kernels_figure_min`` kernels; its graph's stays in the
+    notes. On this CPU the graph timer and the profile are stood in for."""
+    from cbtrace.replay.modes import backward as backward_mode
+    from cbtrace.replay.timer import choice
+
+    measure = choice.measure
+
+    def as_graph(run, n_copies, device, chain, backends, tcfg):
+        t, why = measure(run, n_copies, device, chain, backends, tcfg)
+        return dataclasses.replace(t, timer="graph", median_ms=0.05), why
+
+    def fake_profile(runner, device, runs=3):
+        runner.before(0)
+        runner.run(0)
+        return AsTimed(6, 0.041, (0.040, 0.041, 0.042))
+
+    # the backward's timer alone: the forward's is the CPU's
+    monkeypatch.setattr(backward_mode, "choice", types.SimpleNamespace(measure=as_graph))
+    monkeypatch.setattr(backward_mode, "profile_as_timed", fake_profile)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32)).train()
+    run = tmp_path / "r"
+    with cbtrace.capture(model, run):
+        model(torch.randn(16, 64)).sum().backward()
+    for setting, want in ((4, 0.041), (7, 0.05), (0, 0.05)):
+        df = cbtrace.replay(run, model=model, backward=True, budget_s=0.05,
+                            kernels_figure_min=setting)
+        assert (df["bwd_status"] == "ok").all(), df[["status", "status_reason"]].to_string()
+        assert df["bwd_ms"].tolist() == pytest.approx([want] * len(df)), setting
+        assert (df["bwd_kernel_count"] == 6).all() and (df["bwd_device_ms"] == 0.041).all()
+        notes = df["bwd_timer_notes"].fillna("")
+        said = notes.str.contains("its kernels' busy time (6 kernels), 3 profiled runs "
+                                  "(graph: 0.05 ms", regex=False)
+        assert said.all() if want == 0.041 else not said.any(), notes
+        if want == 0.041:
+            assert (df["bwd_ms_p10"] >= 0.040).all() and (df["bwd_ms_p90"] <= 0.042).all()
