@@ -11,6 +11,8 @@ Then captures SPEC once (bf16), and times the forward's host issue (perf_counter
 5 back to back, no sync between, the first left out: what replay's HostIssue does) and its wall
 a call (CUDA events around 5 back to back), in turn:
   plain              the model called as the user calls it
+  collection off     the same with Python's collection off, as replay's timers run a call
+  no grad            the same without grad (a forward that records no autograd graph)
   reader thread      the same while a thread reads the run's next calls' inputs, as replay's
                      read-ahead does (load.read_call_chunks into pageable memory, in a loop)
   after profiler     the same after one torch.profiler session (CUPTI may stay subscribed)
@@ -132,6 +134,16 @@ def main(out, spec, device, size, step="forward"):
     for _ in range(3):
         call()
     line("plain", call, device)
+    # what replay's timers run under: the interpreter's collection off (engine's
+    # MainThreadCollection); and, to tell a forward that records no autograd graph, no grad
+    import gc
+    gc.disable()
+    try:
+        line("plain, collection off", call, device)
+    finally:
+        gc.enable()
+    with torch.no_grad():
+        line("plain, no grad", call, device)
 
     refs = [r for r in df["inputs_ref"].dropna()][:16]
     stop = threading.Event()
