@@ -94,20 +94,22 @@ class ReplayConfig:
     (``profile_as_timed``; off with it), take less than this (ms) has their
     busy time as its figure (CUPTI's kernel durations, as the step's figure is), their spread
     its p10..p90; longer calls keep the graph difference (K slots of context and call in one
-    graph, less a graph of the contexts alone), which stays in ``timer_notes`` either way. The
+    graph, less a graph of the contexts alone) unless they run ``kernels_figure_min`` kernels
+    or more, and the difference stays in ``timer_notes`` either way. The
     difference carries the context's own change between the two graphs, microseconds that
     outweigh a short call; the sparse profiled runs miss the SM clock a step of heavy GEMMs
     runs at, percents on a compute-bound call (NanoGPT's Linears, given a context). At the
     default limits every call in a context is short, memory-bound or an activation
-    (benchmarks/RESULTS.md, "The figure of a call in its context"). 0: always the graph
-    difference."""
+    (benchmarks/RESULTS.md, "The figure of a call in its context"). 0: the graph difference
+    but for calls of ``kernels_figure_min`` kernels or more."""
     context_kernel_runs: int = 10
     """Profiled runs of a call in its context that may give its figure
     (``context_kernels_max_ms``): their spread is its p10 and p90."""
     kernels_figure_min: int = 4
     """A call the graph timer ran whose kernels number at least this takes their busy time in
-    profiled runs as its figure (after its timing: ``context_kernel_runs`` runs as timed, on
-    rotating copies; a backward's its profiled runs), as a short call in its context does. A
+    profiled runs as its figure (``context_kernel_runs`` runs as timed: after its graph, which
+    is then a check, on rotating copies, or after its context or on its table copies; a
+    backward's its profiled runs), as a short call in its context does; never ``cold``. A
     graph figure holds the device's gap between each two kernels, which the step's busy time
     does not: a call of many small kernels (a normalisation's backward, a convolution with its
     own transforms) read slow by that alone. A call of fewer keeps the graph's many runs at the

@@ -449,6 +449,9 @@ def timing_settings(cfg) -> dict:
                         context_memory_max_ms=cfg.context_memory_max_ms,
                         context_kernels_max_ms=cfg.context_kernels_max_ms,
                         profile_as_timed=cfg.profile_as_timed)
+    if not cfg.cold:  # which graph-timed calls take their kernels' busy time as their figure
+        settings.update(kernels_figure_min=cfg.kernels_figure_min,
+                        profile_as_timed=cfg.profile_as_timed)
     if cfg.eager_only:  # only when set: rows of earlier replays keep their settings
         settings["eager_only"] = True
     if cfg.cpu_windows != ReplayConfig.cpu_windows:  # a CPU row's fastest of how many windows

@@ -72,8 +72,8 @@ def test_a_call_of_many_kernels_takes_its_kernels_busy_time_after_its_graph(prof
     graph = Graph()
     got = steps.Timed(["graph"], {"graph": graph}, ReplayConfig()).run(_call("layer4.0.conv3", 4))
     assert got["timer"] == "graph" and profiled == [10]  # context_kernel_runs: a spread
-    # its graph was timed with the replay's settings: the profile runs after it
-    assert graph.runs_asked == [(ReplayConfig().timing().min_runs, ReplayConfig().budget_s)]
+    # its graph only a check then: a few runs, no budget
+    assert graph.runs_asked == [(steps.CHECK_RUNS, 0.0)]
     assert got["isolated_ms"] == pytest.approx(0.03545) and got["runs"] == 10
     assert got["isolated_ms_p10"] == pytest.approx(0.03509)
     assert got["isolated_ms_p90"] == pytest.approx(0.03581)
@@ -83,13 +83,55 @@ def test_a_call_of_many_kernels_takes_its_kernels_busy_time_after_its_graph(prof
             in got["timer_notes"]) and "profiled as timed" in got["timer_notes"]
 
 
-@pytest.mark.parametrize("kernels, setting", [(3, 4), (6, 0)])
-def test_a_call_of_few_kernels_or_with_the_setting_off_keeps_its_graph(profiled, kernels,
-                                                                      setting):
-    step = steps.Timed(["graph"], {"graph": Graph()}, ReplayConfig(kernels_figure_min=setting))
+@pytest.mark.parametrize("kernels, settings", [(3, {}), (6, {"kernels_figure_min": 0}),
+                                                (6, {"cold": True})])
+def test_a_call_of_few_kernels_with_the_setting_off_or_cold_keeps_its_graph(profiled, kernels,
+                                                                           settings):
+    """Cold: its graph flushes the L2 before each run, which profiled runs do not."""
+    graph = Graph()
+    step = steps.Timed(["graph"], {"graph": graph}, ReplayConfig(**settings))
     got = step.run(_call("layer4.0.conv3", kernels))
     assert got["isolated_ms"] == 0.0371 and got["runs"] == 40 and profiled == []
     assert "busy time" not in (got["timer_notes"] or "")
+    assert graph.runs_asked[0][0] != steps.CHECK_RUNS or graph.runs_asked[0][1] > 0
+
+
+def test_a_profile_that_gives_no_figure_has_the_graph_timed_in_full(profiled, monkeypatch):
+    monkeypatch.setattr(steps, "profile_as_timed", lambda runner, device, runs: None)
+    graph = Graph()
+    got = steps.Timed(["graph"], {"graph": graph}, ReplayConfig()).run(_call("conv", 5))
+    full = (ReplayConfig().timing().min_runs, ReplayConfig().budget_s)
+    assert graph.runs_asked == [(steps.CHECK_RUNS, 0.0), full]
+    assert got["isolated_ms"] == 0.0371 and got["runs"] == 40
+    assert "busy time" not in (got["timer_notes"] or "")
+
+
+def test_a_lookup_of_many_kernels_on_table_copies_is_profiled_for_a_spread(profiled):
+    """A call on table copies is profiled before its timing, as timed; of many kernels, in
+    enough runs for its figure's spread, its graph then a check."""
+    graph = Graph()
+    call = _call("sparse.t_0", 4)
+    call.timed = CallRunner(run=lambda i: None, n_copies=4)  # its table copies, nothing before
+    got = steps.Timed(["graph"], {"graph": graph}, ReplayConfig()).run(call)
+    assert profiled == [10] and graph.runs_asked == [(steps.CHECK_RUNS, 0.0)]
+    assert got["isolated_ms"] == pytest.approx(0.03545)
+
+
+def test_with_reused_timings_the_second_call_checks_and_the_rest_copy(profiled):
+    step = steps.Timed(["graph"], {"graph": Graph()}, ReplayConfig(reuse_timing=True))
+    calls = [_call(f"layer4.{i}.conv3", 4) for i in range(4)]
+    for c in calls:
+        c.value_free = True
+    got = [step.run(c) for c in calls]
+    assert profiled == [10, 10]  # the first and the one that checks it, each its own runs
+    assert [g["runs"] for g in got] == [10, 10, 0, 0]
+    assert all("timed as layer4.0.conv3 (--reuse-timing)" in g["timer_notes"] for g in got[2:])
+
+
+def test_resume_tells_rows_of_another_kernels_figure_setting():
+    from cbtrace.replay.engine import timing_settings
+    assert timing_settings(ReplayConfig())["kernels_figure_min"] == 4
+    assert timing_settings(ReplayConfig(kernels_figure_min=0)) != timing_settings(ReplayConfig())
 
 
 def test_a_call_the_graph_refuses_keeps_its_back_to_back_figure(profiled, monkeypatch):
@@ -140,9 +182,10 @@ def test_a_backward_of_many_kernels_takes_its_kernels_busy_time(tmp_path, monkey
     run = tmp_path / "r"
     with cbtrace.capture(model, run):
         model(torch.randn(16, 64)).sum().backward()
-    for setting, want in ((4, 0.041), (7, 0.05), (0, 0.05)):
-        df = cbtrace.replay(run, model=model, backward=True, budget_s=0.05,
-                            kernels_figure_min=setting)
+    for setting, want in (({}, 0.041), ({"kernels_figure_min": 7}, 0.05),
+                          ({"kernels_figure_min": 0}, 0.05), ({"cold": True}, 0.05)):
+        df = cbtrace.replay(run, model=model, backward=True, budget_s=0.05, cold_budget_s=0.05,
+                            **setting)
         assert (df["bwd_status"] == "ok").all(), df[["status", "status_reason"]].to_string()
         assert df["bwd_ms"].tolist() == pytest.approx([want] * len(df)), setting
         assert (df["bwd_kernel_count"] == 6).all() and (df["bwd_device_ms"] == 0.041).all()

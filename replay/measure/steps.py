@@ -75,10 +75,10 @@ class Timed:
         # a short call in its context takes its figure from its kernels so profiled
         # (context_kernels_max_ms): enough runs for a spread
         self.kernels_max_ms = cfg.context_kernels_max_ms if self.profile_runs else 0.0
-        # a graph-timed call of this many kernels or more takes its kernels' figure too
-        self.kernels_min = cfg.kernels_figure_min if self.profile_runs else 0
+        # a graph-timed call of this many kernels or more takes its kernels' figure too; not
+        # cold, whose graph flushes the L2 before each run and the profiled runs do not
+        self.kernels_min = cfg.kernels_figure_min if self.profile_runs and not cfg.cold else 0
         self.figure_runs = max(cfg.profile_runs, cfg.context_kernel_runs)
-        self.context_runs = self.figure_runs if self.kernels_max_ms > 0 else self.profile_runs
         # a call of the same work as one profiled as timed before, after a context of the same
         # kinds of call on the same inputs (or as many table copies), takes its figures
         self.as_timed = ProfileCache() if cfg.count_flops and cfg.reuse_counts else None
@@ -96,6 +96,8 @@ class Timed:
         in_step_cache_state(c)
         eager = {k: c.row.get(k) for k in ("kernel_count", "device_ms")}
         with_context = c.timed is not None and c.timed.before is not None
+        # of many kernels and timed alone: profiled after its graph, which is then a check
+        after_graph = c.timed is None and self._many_kernels(c.row.get("kernel_count"))
         profiled, profiled_note, kernels, kernels_of = self._profile_as_timed(c, with_context)
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")
@@ -111,7 +113,7 @@ class Timed:
         try:
             try:
                 t, fallback = self._measure(c, run, head, self._check_cfg(
-                    head, with_context, kernels))
+                    head, with_context, kernels, after_graph))
             except TimerUnavailable as e:
                 if not with_context or "stream" not in self.chain:
                     raise
@@ -123,13 +125,14 @@ class Timed:
         finally:
             if run.release is not None:
                 run.release()
-        # the clock its runs left, beside the step's (``attribution.miss``)
         by_kernels = t.timer == "graph" and self._kernels_give_figure(with_context, kernels)
-        alone = (not by_kernels and t.timer == "graph" and c.timed is None
-                 and self._many_kernels(c.row.get("kernel_count")))
-        if alone:  # its kernels as the graph ran them, after it: their busy time, no gaps
+        if after_graph and t.timer == "graph":  # its kernels as the graph ran them: no gaps
             profiled, profiled_note, kernels, kernels_of = self._profile_alone(c)
             by_kernels = kernels is not None
+            if not by_kernels:  # its graph's few check runs are no figure: timed in full
+                t, fallback = self._measure(c, dataclasses.replace(c.run.timed(),
+                                                                   expected_ms=expected), head)
+        # the clock its runs left, beside the step's (``attribution.miss``)
         fields = dict(timer=t.timer, timer_fallback=fallback, isolated_ms=t.median_ms,
                       isolated_ms_p10=t.p10_ms, isolated_ms_p90=t.p90_ms, noisy=t.noisy,
                       # the clock the figure's runs left: its profiled runs', else its timer's
@@ -137,6 +140,9 @@ class Timed:
         runs, figure_note = t.runs, None
         if by_kernels:
             fields.update(kernel_figure(kernels.run_ms))
+            # its device time is its figure: the miss's kernels against the step's are its own
+            profiled = dict(profiled, device_ms=fields["isolated_ms"])
+            c.row["device_ms"] = fields["isolated_ms"]
             # another call's profiled runs (the same work after the same kinds of context):
             # none of this row's own, as a timing reuse says
             runs = len(kernels.run_ms) if kernels_of is None else 0
@@ -190,9 +196,10 @@ class Timed:
     def _profile_alone(self, c: CallUnderTest):
         """``_profile_as_timed``'s four of a call timed without a context or table copies, its
         runs on rotating copies as the graph timer ran it (``kernels_figure_min``); a call of
-        the same work profiled so before gives its figures."""
+        the same work profiled so before gives its figures, unless timings are reused
+        (``--reuse-timing``), whose check needs a second call's own."""
         key = None
-        if self.as_timed is not None:
+        if self.as_timed is not None and self.reuse is None:
             base = ProfileCache.key(signature(c.module, c.rec), c.row)
             key = None if base is None else (*base, "alone")
         hit = self.as_timed.get(key) if key is not None else None
@@ -210,10 +217,13 @@ class Timed:
         c.row["kernel_count"], c.row["device_ms"] = got.kernel_count, got.device_ms
         return dict(kernel_count=got.kernel_count, device_ms=got.device_ms), note, got, of
 
-    def _check_cfg(self, chain: list[str], with_context: bool, kernels):
+    def _check_cfg(self, chain: list[str], with_context: bool, kernels,
+                   after_graph: bool = False):
         """The first timer's settings for this call: ``CHECK_RUNS`` runs where the graph timer
-        comes first and the call's kernels give its figure, else the replay's."""
-        if chain[:1] != ["graph"] or not self._kernels_give_figure(with_context, kernels):
+        comes first and the call's kernels give its figure (or will, profiled
+        ``after_graph``), else the replay's."""
+        if chain[:1] != ["graph"] or not (after_graph or self._kernels_give_figure(
+                with_context, kernels)):
             return self.tcfg
         return dataclasses.replace(self.tcfg, budget_s=0.0, min_runs=CHECK_RUNS,
                                    max_runs=CHECK_RUNS)
@@ -261,7 +271,10 @@ class Timed:
             of = hit[0] or "(root)"
             got, note = hit[1], f"profiled as timed as {of}"
         else:
-            runs = self.context_runs if with_context else self.profile_runs
+            # for its figure: enough runs for a spread (context_kernel_runs)
+            for_figure = self._many_kernels(c.row.get("kernel_count")) or (
+                with_context and self.kernels_max_ms > 0)
+            runs = self.figure_runs if for_figure else self.profile_runs
             got = profile_as_timed(c.timed, c.device, runs)
             if got is None:
                 return {}, None, None, None
