@@ -195,3 +195,38 @@ def test_a_backward_of_many_kernels_takes_its_kernels_busy_time(tmp_path, monkey
         assert said.all() if want == 0.041 else not said.any(), notes
         if want == 0.041:
             assert (df["bwd_ms_p10"] >= 0.040).all() and (df["bwd_ms_p90"] <= 0.042).all()
+
+
+class RMSNorm(nn.Module):
+    """Llama's, in Python: several small kernels forward and more backward."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(var + 1e-6)).to(x.dtype)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_call_of_many_kernels_takes_its_profiled_busy_time(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    model = nn.Sequential(RMSNorm(1024), nn.Linear(1024, 1024)).cuda().train()
+    x = torch.randn(4096, 1024, device="cuda")
+    with cbtrace.capture(model, tmp_path / "r", trace=False):
+        model(x).float().pow(2).mean().backward()
+    df = cbtrace.replay(tmp_path / "r", model=model, backward=True, progress=False,
+                        budget_s=0.05).set_index("fqn")
+    assert (df.status == "ok").all() and (df.bwd_status == "ok").all()
+    norm = df.loc["0"]
+    assert norm.timer == "graph" and norm.kernel_count >= 4, norm.timer_notes
+    assert "its kernels' busy time (" in norm.timer_notes and norm.runs == 10
+    assert norm.isolated_ms == pytest.approx(norm.device_ms)  # its figure, its device time
+    assert norm.isolated_ms_p10 <= norm.isolated_ms <= norm.isolated_ms_p90
+    assert norm.bwd_kernel_count >= 4 and "its kernels' busy time (" in norm.bwd_timer_notes
+    assert norm.bwd_ms == pytest.approx(norm.bwd_device_ms)
+    # the graph's own figure, gaps and all, stays in the notes
+    assert "(graph: " in norm.timer_notes and "(graph: " in norm.bwd_timer_notes
