@@ -26,11 +26,11 @@ from cbtrace.device import OOM_RETRIED, hand_back
 from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors, map_tensors
 from cbtrace.replay.measure.prepare import CallUnderTest
+from cbtrace.replay.measure.steps import kernel_figure
 from cbtrace.replay.measure.profiler_pass import (peak_live_bytes, profile_as_timed,
                                                   rows_from_kineto)
 from cbtrace.replay.timer import choice
 from cbtrace.replay.timer.contract import CallRunner, join_notes
-from cbtrace.replay.timer.stats import summarize
 from cbtrace.store.autograd_shape import as_non_leaf, is_non_leaf
 
 
@@ -89,10 +89,10 @@ class BackwardStep:
         count = kernels.get("bwd_kernel_count")
         if (t.timer == "graph" and run_ms and self.kernels_min and count is not None
                 and count >= self.kernels_min):  # its kernels' busy time, as the step's
-            median, p10, p90 = summarize(list(run_ms))
-            if median > 0:
-                figure = (median, p10, p90)
-                kernels["bwd_device_ms"] = median  # its figure, as its miss compares it
+            got = kernel_figure(run_ms)  # as a forward's, from its runs
+            if got["isolated_ms"] > 0:
+                figure = (got["isolated_ms"], got["isolated_ms_p10"], got["isolated_ms_p90"])
+                kernels["bwd_device_ms"] = figure[0]  # its figure, as its miss compares it
                 figure_note = (f"its kernels' busy time ({count} kernels), {len(run_ms)} "
                                f"profiled runs (graph: {t.median_ms:.4g} ms, {t.runs} runs)")
         row = dict(bwd_status="ok", grad_source=source, bwd_grad_sums=sums,
