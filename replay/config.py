@@ -113,8 +113,8 @@ class ReplayConfig:
     graph figure holds the device's gap between each two kernels, which the step's busy time
     does not: a call of many small kernels (a normalisation's backward, a convolution with its
     own transforms) read slow by that alone. A call of fewer keeps the graph's many runs at the
-    step's clock. 0: always the graph (benchmarks/RESULTS.md, "Kernels' figure for calls of
-    many kernels")."""
+    step's clock. 0: off, a short call in its context alone takes it (benchmarks/RESULTS.md,
+    "Kernels' figure for calls of many kernels")."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,
