@@ -127,7 +127,8 @@ class Timed:
                 run.release()
         by_kernels = t.timer == "graph" and self._kernels_give_figure(with_context, kernels)
         if after_graph and t.timer == "graph":  # its kernels as the graph ran them: no gaps
-            profiled, profiled_note, kernels, kernels_of = self._profile_alone(c)
+            profiled, profiled_note, kernels, kernels_of = self._profile_as_timed(
+                c, False, after_graph=True)
             by_kernels = kernels is not None
             if not by_kernels:  # its graph's few check runs are no figure: timed in full
                 t, fallback = self._measure(c, dataclasses.replace(c.run.timed(),
@@ -193,30 +194,6 @@ class Timed:
         return bool(self.kernels_min) and count is not None and count == count \
             and count >= self.kernels_min
 
-    def _profile_alone(self, c: CallUnderTest):
-        """``_profile_as_timed``'s four of a call timed without a context or table copies, its
-        runs on rotating copies as the graph timer ran it (``kernels_figure_min``); a call of
-        the same work profiled so before gives its figures, unless timings are reused
-        (``--reuse-timing``), whose check needs a second call's own."""
-        key = None
-        if self.as_timed is not None and self.reuse is None:
-            base = ProfileCache.key(signature(c.module, c.rec), c.row)
-            key = None if base is None else (*base, "alone")
-        hit = self.as_timed.get(key) if key is not None else None
-        if hit is not None:
-            of = hit[0] or "(root)"
-            got, note = hit[1], f"profiled as timed as {of}"
-        else:
-            of, note = None, "profiled as timed"
-            got = profile_as_timed(c.run.timed(), c.device, self.figure_runs)
-            if got is None or not self._many_kernels(got.kernel_count):
-                return {}, None, None, None
-            got = got._replace(clock_mhz=sm_clock_mhz(c.device))
-            if key is not None:
-                self.as_timed.put(key, c.rec.fqn, got)
-        c.row["kernel_count"], c.row["device_ms"] = got.kernel_count, got.device_ms
-        return dict(kernel_count=got.kernel_count, device_ms=got.device_ms), note, got, of
-
     def _check_cfg(self, chain: list[str], with_context: bool, kernels,
                    after_graph: bool = False):
         """The first timer's settings for this call: ``CHECK_RUNS`` runs where the graph timer
@@ -252,19 +229,24 @@ class Timed:
             fallback = "; ".join(x for x in (fallback, other, more) if x)
         return t, fallback
 
-    def _profile_as_timed(self, c: CallUnderTest, with_context: bool):
+    def _profile_as_timed(self, c: CallUnderTest, with_context: bool, after_graph: bool = False):
         """(kernel_count and device_ms, the row's note, the ``AsTimed``, the fqn of the call
-        whose runs they are or None) of a call timed in its context or on table copies,
-        profiled so (``profile_as_timed``): its kernels in the cache state its isolated time
-        has, not warm on copy 0; or those of a call of the same work profiled so before, after
-        the same kinds of context call (``context_key``). ({}, None, None, None) when not
-        asked, not so timed, or not found."""
-        if not self.profile_runs or c.timed is None or c.device.type != "cuda":
-            return {}, None, None, None
+        whose runs they are or None) of a call timed in its context or on table copies, or
+        (``after_graph``) of many kernels timed alone, profiled so (``profile_as_timed``): its
+        kernels in the cache state its isolated time has, not warm on copy 0; or those of a
+        call of the same work profiled so before, after the same kinds of context call
+        (``context_key``) or alone, unless timings are reused (``--reuse-timing``), whose
+        check needs a second call's own. ({}, None, None, None) when not asked, not so timed,
+        not found, or (``after_graph``) of fewer kernels after all."""
+        none = {}, None, None, None
+        runner = c.run.timed() if after_graph else c.timed
+        if not self.profile_runs or runner is None or c.device.type != "cuda":
+            return none
+        tag = ("alone" if self.reuse is None else None) if after_graph else c.context_key
         key = None
-        if self.as_timed is not None and c.context_key is not None:
+        if self.as_timed is not None and tag is not None:
             base = ProfileCache.key(signature(c.module, c.rec), c.row)
-            key = None if base is None else (*base, c.context_key)
+            key = None if base is None else (*base, tag)
         hit = self.as_timed.get(key) if key is not None else None
         note, of = "profiled as timed", None
         if hit is not None:
@@ -274,10 +256,10 @@ class Timed:
             # for its figure: enough runs for a spread (context_kernel_runs)
             for_figure = self._many_kernels(c.row.get("kernel_count")) or (
                 with_context and self.kernels_max_ms > 0)
-            runs = self.figure_runs if for_figure else self.profile_runs
-            got = profile_as_timed(c.timed, c.device, runs)
-            if got is None:
-                return {}, None, None, None
+            got = profile_as_timed(runner, c.device,
+                                   self.figure_runs if for_figure else self.profile_runs)
+            if got is None or (after_graph and not self._many_kernels(got.kernel_count)):
+                return none
             # the clock its runs left: the row's timed clock where they give its figure (read
             # only there: a reading queues a spin kernel and waits for it)
             if self._kernels_give_figure(with_context, got):
