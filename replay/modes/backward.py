@@ -26,9 +26,9 @@ from cbtrace.device import OOM_RETRIED, hand_back
 from cbtrace.errors import one_line
 from cbtrace.nested import flat_tensors, map_tensors
 from cbtrace.replay.measure.prepare import CallUnderTest
-from cbtrace.replay.measure.steps import kernel_figure
 from cbtrace.replay.measure.profiler_pass import (peak_live_bytes, profile_as_timed,
                                                   rows_from_kineto)
+from cbtrace.replay.measure.steps import kernel_figure
 from cbtrace.replay.timer import choice
 from cbtrace.replay.timer.contract import CallRunner, join_notes
 from cbtrace.store.autograd_shape import as_non_leaf, is_non_leaf
