@@ -157,9 +157,10 @@ def test_the_setting_is_checked():
 
 
 def test_a_backward_of_many_kernels_takes_its_kernels_busy_time(tmp_path, monkeypatch):
-    """A backward's profiled runs (after its timing, each after its untimed forward) give its
-    figure where they hold at least ``kernels_figure_min`` kernels; its graph's stays in the
-    notes. On this CPU the graph timer and the profile are stood in for."""
+    """A backward's profiled runs (after its timing, each after its untimed forward; as many as
+    a forward's figure takes where the graph timed it) give its figure where they hold at least
+    ``kernels_figure_min`` kernels; its graph's stays in the notes. On this CPU the graph timer
+    and the profile are stood in for."""
     from cbtrace.replay.modes import backward as backward_mode
     from cbtrace.replay.timer import choice
 
@@ -169,10 +170,14 @@ def test_a_backward_of_many_kernels_takes_its_kernels_busy_time(tmp_path, monkey
         t, why = measure(run, n_copies, device, chain, backends, tcfg)
         return dataclasses.replace(t, timer="graph", median_ms=0.05), why
 
+    asked = []
+
     def fake_profile(runner, device, runs=3):
+        asked.append(runs)
         runner.before(0)
         runner.run(0)
-        return AsTimed(6, 0.041, (0.040, 0.041, 0.042))
+        each = (0.040, 0.041, 0.042, *[0.041] * (runs - 3))
+        return AsTimed(6, 0.041, each)
 
     # the backward's timer alone: the forward's is the CPU's
     monkeypatch.setattr(backward_mode, "choice", types.SimpleNamespace(measure=as_graph))
@@ -190,7 +195,7 @@ def test_a_backward_of_many_kernels_takes_its_kernels_busy_time(tmp_path, monkey
         assert df["bwd_ms"].tolist() == pytest.approx([want] * len(df)), setting
         assert (df["bwd_kernel_count"] == 6).all() and (df["bwd_device_ms"] == 0.041).all()
         notes = df["bwd_timer_notes"].fillna("")
-        said = notes.str.contains("its kernels' busy time (6 kernels), 3 profiled runs "
+        said = notes.str.contains("its kernels' busy time (6 kernels), 10 profiled runs "
                                   "(graph: 0.05 ms", regex=False)
         assert said.all() if want == 0.041 else not said.any(), notes
         if want == 0.041:

@@ -45,6 +45,9 @@ class BackwardStep:
         self.profile_runs = cfg.profile_runs if cfg.profile_as_timed else 0
         # not cold: its graph flushes the L2 before each run, the profiled runs do not
         self.kernels_min = 0 if cfg.cold else cfg.kernels_figure_min
+        # a graph-timed backward whose kernels may give its figure: as many runs as a forward's
+        self.figure_runs = max(cfg.profile_runs, cfg.context_kernel_runs) if self.profile_runs \
+            else 0
 
     def run(self, c: CallUnderTest) -> dict:
         # the inputs as captured: the forward steps' last runs left their keys and values, with
@@ -83,7 +86,8 @@ class BackwardStep:
             for p in c.module.parameters():  # a backward into the leaves wrote them
                 p.grad = None
             hand_back(c.device)
-        kernels = _kernels(c, bwd, self.profile_runs)
+        kernels = _kernels(c, bwd, self.figure_runs if t.timer == "graph" and self.kernels_min
+                           else self.profile_runs)
         figure, figure_note = (t.median_ms, t.p10_ms, t.p90_ms), None
         run_ms = kernels.pop("bwd_run_ms", None)
         count = kernels.get("bwd_kernel_count")
