@@ -159,6 +159,10 @@ class ReplayConfig:
     ``engine.recheck`` picks, noisy or slower than their parent, get a second). Not on a GPU."""
     max_copies: int = 8
     """Most input copies rotated between timed calls (against L2 warmth)."""
+    table_copies_max: int = 64
+    """Most copies of an embedding lookup's table rotated between its timed calls, one a call
+    (in the step each table is read once, after all the others): enough that a table of a few
+    MB is out of the L2 when it is read again; the graph timer's K covers them all."""
     memory_budget_bytes: int | None = None
     """Skip calls whose estimated footprint exceeds this (default: free device memory)."""
     resume: bool = False
@@ -200,6 +204,8 @@ class ReplayConfig:
                              f"{self.host_runs}, {self.profile_runs}, {self.cpu_windows}")
         if self.context_kernel_runs < 1:
             raise ValueError(f"context_kernel_runs must be >= 1, got {self.context_kernel_runs}")
+        if self.table_copies_max < 1:
+            raise ValueError(f"table_copies_max must be >= 1, got {self.table_copies_max}")
         if self.kernels_figure_min < 0:
             raise ValueError(f"kernels_figure_min must be >= 0, got {self.kernels_figure_min}")
         if self.context_rewrite not in CONTEXT_REWRITES:

@@ -447,7 +447,8 @@ def timing_settings(cfg) -> dict:
         settings.update(context_max_ms=cfg.context_max_ms, context_rewrite=cfg.context_rewrite,
                         context_activation_max_ms=cfg.context_activation_max_ms,
                         context_memory_max_ms=cfg.context_memory_max_ms,
-                        context_kernels_max_ms=cfg.context_kernels_max_ms)
+                        context_kernels_max_ms=cfg.context_kernels_max_ms,
+                        table_copies_max=cfg.table_copies_max)
     if not cfg.cold:  # which graph-timed calls take their kernels' busy time as their figure
         settings.update(kernels_figure_min=cfg.kernels_figure_min,
                         profile_as_timed=cfg.profile_as_timed)

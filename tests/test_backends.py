@@ -876,3 +876,20 @@ def test_gpu_a_capture_after_reset_graphs_filled_the_cache_does_not_run_out_of_m
     finally:
         g.reset()
         torch.cuda.empty_cache()
+
+
+def test_a_graph_holds_every_input_copy_where_there_are_more_than_its_k():
+    """K slots read only K copies: a lookup on 48 table copies gets a graph of 48 calls, so
+    each copy is read once a replay; cold (one call a graph) and staged calls keep theirs."""
+    from cbtrace.plugins.backends.graph import slots_for
+    from cbtrace.replay.measure.copies import tables_for
+
+    mb = 1 << 20
+    assert tables_for(5 * mb // 2, 60 * mb, 64) == 48   # 2.5 MB tables: 120 MB of copies
+    assert tables_for(5 * mb // 2, 60 * mb, 8) == 8     # the old cap: 20 MB, inside the L2
+    assert tables_for(40 * mb, 60 * mb, 64) == 3
+    assert tables_for(100 * mb, 60 * mb, 64) == 2
+    assert slots_for(20, 48, staged=False) == 48
+    assert slots_for(20, 8, staged=False) == 20
+    assert slots_for(1, 48, staged=False) == 1
+    assert slots_for(20, 48, staged=True) == 20

@@ -657,3 +657,35 @@ def test_a_short_call_in_its_context_takes_its_figure_from_its_kernels_so_profil
     assert asked == [10, 3, 10] and a["isolated_ms"] == b["isolated_ms"]
     assert a["runs"] == 10 and b["runs"] == 0
     assert "layer1.0.relu's kernels in context, 10 profiled runs" in b["timer_notes"]
+
+
+class Bags(nn.Module):
+    """Two lookups into tables of a few MB: in the step each is read once, after the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.t0 = nn.EmbeddingBag(8192, 128, mode="sum")  # 4 MB (fp32)
+        self.t1 = nn.EmbeddingBag(4096, 128, mode="sum")  # 2 MB
+
+    def forward(self, ids, offsets):
+        return self.t0(ids, offsets) + self.t1(ids % 4096, offsets)
+
+
+@pytest.mark.gpu
+def test_a_lookup_rotates_enough_table_copies_to_leave_the_l2_and_its_graph_reads_each(tmp_path):
+    torch.manual_seed(0)
+    model = Bags().cuda().eval()
+    ids = torch.randint(0, 8192, (4096 * 20,), device="cuda")
+    offsets = torch.arange(0, ids.numel(), 20, device="cuda")
+    run = tmp_path / "r"
+    with cbtrace.capture(model, run, trace=False):
+        model(ids, offsets)
+    df = cbtrace.replay(run, model=model, device="cuda", progress=False,
+                        budget_s=0.01).set_index("fqn")
+    assert (df.status == "ok").all(), df.status_reason.dropna().to_dict()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for fqn, mb in (("t0", 4), ("t1", 2)):
+        n = min(64, -(-2 * l2 // (mb << 20)))
+        notes = df.loc[fqn, "timer_notes"]
+        assert f"{n} copies of the table, one a run" in notes, notes
+        assert df.loc[fqn, "timer"] == "graph" and f"K={n}" in notes, notes

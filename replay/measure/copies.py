@@ -56,24 +56,29 @@ def n_copies(input_bytes: int, device: torch.device, max_copies: int) -> int:
     return max(1, min(max_copies, -(-2 * cache // input_bytes)))
 
 
-def table_copies(module, device, max_copies: int = 8):
+def table_copies(module, device, max_copies: int = 64):
     """The table of an Embedding/EmbeddingBag and copies of it for back-to-back runs to rotate
-    among, enough to overflow the GPU's L2 twice; None when one table already does (or on a
-    CPU, or when fewer than two would do). ``max_copies`` of a small table fit in the L2 and
-    still help: without them the DCN's 2-7 MB tables read 5-15 % fast (benchmarks/RESULTS.md,
-    session 16)."""
+    among, enough to overflow the GPU's L2 twice (at most ``max_copies``); None when one table
+    already does (or on a CPU, or when fewer than two would do). Fewer copies than that leave a
+    table of a few MB partly in the L2 when it is read again, and its lookup reads fast
+    (benchmarks/RESULTS.md: eight copies of the DCN's 2-7 MB tables)."""
     if not isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         return None
     if device.type != "cuda":
         return None
     w = module.weight
-    nbytes = w.numel() * w.element_size()
     cache = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    n = min(max_copies, -(-2 * cache // max(nbytes, 1)))
+    n = tables_for(w.numel() * w.element_size(), cache, max_copies)
     if n < 2:
         return None
     with torch.no_grad():
         return [w] + [w.detach().clone() for _ in range(n - 1)]
+
+
+def tables_for(table_bytes: int, cache_bytes: int, max_copies: int) -> int:
+    """Copies of a table (itself one of them) that overflow a cache of ``cache_bytes`` twice,
+    at most ``max_copies``."""
+    return min(max_copies, -(-2 * cache_bytes // max(table_bytes, 1)))
 
 
 def embedding_copies(module, args, kwargs, device, max_copies: int = 64):
