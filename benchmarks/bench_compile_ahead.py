@@ -55,6 +55,9 @@ def variant(run: Path, device: str, modes: tuple, workers: int) -> dict:
             "graphs": int((df["compile_graphs"] > 0).sum()),
             "fx_hits": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
             "fx_misses": int(counters["inductor"].get("fxgraph_cache_miss", 0)),
+            # AOTAutograd's own cache: on a miss it traces the graph again before the FX lookup
+            "aot_hits": int(counters["aot_autograd"].get("autograd_cache_hit", 0)),
+            "aot_misses": int(counters["aot_autograd"].get("autograd_cache_miss", 0)),
             "status": {m: df[f"{m}_status"].fillna("-").str.split(":").str[0]
                        .value_counts().to_dict() for m in modes},
             "compile_ms": {str(k): v for k, v in
@@ -119,14 +122,16 @@ def main(argv=None) -> None:
         raise SystemExit("no variant ran")
     base = rows[0]["compile_ms"]
     print(f"\n{'workers':>7} {'wall_s':>7} {'ahead_s':>7} {'loop_compile_s':>14} {'graphs':>6} "
-          f"{'fx_hit':>6} {'fx_miss':>7} {'compile_ms/first':>16}  status")
+          f"{'fx_hit':>6} {'fx_miss':>7} {'aot_hit':>7} {'aot_miss':>8} {'compile_ms/first':>16}"
+          "  status")
     for r in rows:
         ratios = sorted(r["compile_ms"][k] / base[k] for k in r["compile_ms"]
                         if k in base and base[k] > 0)
         med = f"{ratios[len(ratios) // 2]:.3f} ({len(ratios)})" if ratios else "-"
         print(f"{r['workers']:>7} {r['wall_s']:>7.1f} {r['ahead_s']:>7.1f} "
               f"{r['loop_compile_s']:>14.1f} {r['graphs']:>6} {r['fx_hits']:>6} "
-              f"{r['fx_misses']:>7} {med:>16}  {r['status']}")
+              f"{r['fx_misses']:>7} {r['aot_hits']:>7} {r['aot_misses']:>8} {med:>16}  "
+              f"{r['status']}")
     names = sorted({k for r in rows for k in r["phases"]})
     print("\nphases, s: " + " ".join(f"{'workers=' + str(r['workers']):>12}" for r in rows))
     for k in names:
