@@ -157,18 +157,25 @@ def test_the_setting_is_checked():
 
 
 def test_a_backward_of_many_kernels_takes_its_kernels_busy_time(tmp_path, monkeypatch):
-    """A backward's profiled runs (after its timing, each after its untimed forward; as many as
-    a forward's figure takes where the graph timed it) give its figure where they hold at least
-    ``kernels_figure_min`` kernels; its graph's stays in the notes. On this CPU the graph timer
-    and the profile are stood in for."""
+    """A backward's profiled runs (each after its untimed forward; before its timing, as many as
+    a forward's figure takes, where the graph times it first) give its figure where they hold
+    at least ``kernels_figure_min`` kernels, its graph then only a check whose figure stays in
+    the notes. On this CPU the graph timer and the profile are stood in for."""
     from cbtrace.replay.modes import backward as backward_mode
     from cbtrace.replay.timer import choice
 
     measure = choice.measure
+    checks = []  # each backward timing: whether it ran as a check (a few runs, no budget)
 
     def as_graph(run, n_copies, device, chain, backends, tcfg):
+        checks.append(tcfg.min_runs == tcfg.max_runs == steps.CHECK_RUNS and tcfg.budget_s == 0)
         t, why = measure(run, n_copies, device, chain, backends, tcfg)
         return dataclasses.replace(t, timer="graph", median_ms=0.05), why
+
+    init = backward_mode.BackwardStep.__init__
+
+    def graph_first(self, cfg, chain, backends):  # as on a GPU; on this CPU the graph refuses
+        init(self, cfg, ["graph", *chain], backends)
 
     asked = []
 
@@ -182,6 +189,7 @@ def test_a_backward_of_many_kernels_takes_its_kernels_busy_time(tmp_path, monkey
     # the backward's timer alone: the forward's is the CPU's
     monkeypatch.setattr(backward_mode, "choice", types.SimpleNamespace(measure=as_graph))
     monkeypatch.setattr(backward_mode, "profile_as_timed", fake_profile)
+    monkeypatch.setattr(backward_mode.BackwardStep, "__init__", graph_first)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32)).train()
     run = tmp_path / "r"
@@ -193,6 +201,13 @@ def test_a_backward_of_many_kernels_takes_its_kernels_busy_time(tmp_path, monkey
                             **setting)
         assert (df["bwd_status"] == "ok").all(), df[["status", "status_reason"]].to_string()
         assert df["bwd_ms"].tolist() == pytest.approx([want] * len(df)), setting
+        # profiled first, as many runs as a forward's figure takes, where its kernels may give
+        # its figure (not cold, kernels_figure_min not 0); of enough kernels, its graph a check
+        may = not setting.get("cold") and setting.get("kernels_figure_min") != 0
+        assert set(asked) == {10 if may else 3}, setting
+        assert set(checks) == {want == 0.041}, setting
+        asked.clear()
+        checks.clear()
         assert (df["bwd_kernel_count"] == 6).all() and (df["bwd_device_ms"] == 0.041).all()
         notes = df["bwd_timer_notes"].fillna("")
         said = notes.str.contains("its kernels' busy time (6 kernels), 10 profiled runs "

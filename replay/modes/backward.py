@@ -14,6 +14,7 @@ the parameter gradients it makes give the call's memory split.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -28,7 +29,7 @@ from cbtrace.nested import flat_tensors, map_tensors
 from cbtrace.replay.measure.prepare import CallUnderTest
 from cbtrace.replay.measure.profiler_pass import (peak_live_bytes, profile_as_timed,
                                                   rows_from_kineto)
-from cbtrace.replay.measure.steps import kernel_figure
+from cbtrace.replay.measure.steps import CHECK_RUNS, kernel_figure
 from cbtrace.replay.timer import choice
 from cbtrace.replay.timer.contract import CallRunner, join_notes
 from cbtrace.store.autograd_shape import as_non_leaf, is_non_leaf
@@ -43,11 +44,10 @@ class BackwardStep:
         self.chain, self.backends = chain, backends
         self.tcfg = cfg.timing()
         self.profile_runs = cfg.profile_runs if cfg.profile_as_timed else 0
+        # a backward whose kernels may give its figure: as many profiled runs as a forward's
+        self.figure_runs = max(cfg.profile_runs, cfg.context_kernel_runs)
         # not cold: its graph flushes the L2 before each run, the profiled runs do not
-        self.kernels_min = 0 if cfg.cold else cfg.kernels_figure_min
-        # a graph-timed backward whose kernels may give its figure: as many runs as a forward's
-        self.figure_runs = max(cfg.profile_runs, cfg.context_kernel_runs) if self.profile_runs \
-            else 0
+        self.kernels_min = cfg.kernels_figure_min if self.profile_runs and not cfg.cold else 0
 
     def run(self, c: CallUnderTest) -> dict:
         # the inputs as captured: the forward steps' last runs left their keys and values, with
@@ -68,10 +68,20 @@ class BackwardStep:
         # with them the stream they were made on: a backward captured on another stream fails
         backward = _Backward(c, grads)
         bwd = _backward_runner(c, backward)
+        # profiled first where its kernels may give its figure: of many, its graph is a check
+        kernels = (_kernels(c, bwd, self.figure_runs)
+                   if self.kernels_min and self.chain[:1] == ["graph"] else None)
+        many = kernels is not None and bool(kernels.get("bwd_run_ms")) and (
+            kernels.get("bwd_kernel_count") or 0) >= self.kernels_min
+        tcfg = (dataclasses.replace(self.tcfg, budget_s=0.0, min_runs=CHECK_RUNS,
+                                    max_runs=CHECK_RUNS) if many else self.tcfg)
         for attempt in (1, 2):  # out of memory: once more, the cache handed back
             try:
                 t, fallback = choice.measure(bwd, c.n_copies, c.device, self.chain,
-                                             self.backends, self.tcfg)
+                                             self.backends, tcfg)
+                if t.timer != "graph" and tcfg is not self.tcfg:  # no check: its figure
+                    t, fallback = choice.measure(bwd, c.n_copies, c.device, self.chain,
+                                                 self.backends, self.tcfg)
                 break
             except torch.OutOfMemoryError as e:
                 oom = one_line(e)  # the error's frames go with it, below
@@ -86,8 +96,8 @@ class BackwardStep:
             for p in c.module.parameters():  # a backward into the leaves wrote them
                 p.grad = None
             hand_back(c.device)
-        kernels = _kernels(c, bwd, self.figure_runs if t.timer == "graph" and self.kernels_min
-                           else self.profile_runs)
+        if kernels is None:
+            kernels = _kernels(c, bwd, self.profile_runs)
         figure, figure_note = (t.median_ms, t.p10_ms, t.p90_ms), None
         run_ms = kernels.pop("bwd_run_ms", None)
         count = kernels.get("bwd_kernel_count")
