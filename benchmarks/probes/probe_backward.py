@@ -7,7 +7,10 @@ replayed backward two ways on the same prepared call:
 
 - ``staged``: the graph timer as replay uses it (each slot's forward run eagerly on the capture
   stream, only the K backwards in the graph);
-- ``events``: the events timer, the forward queued untimed before the start event.
+- ``events``: the events timer, the forward queued untimed before the start event;
+
+and (GPU) one replay of the staged graph of 20 backwards profiled: its device activities by kind
+and the replay's span per backward against their busy time (the gaps a graph figure holds).
 
 (Another way, a graph of K forward+backward pairs less a graph of K forwards, was replay's
 method before this probe; at 35435c8 its capture failed on every call, see RESULTS.md.)
@@ -73,6 +76,44 @@ def methods(c, backward, backends, tcfg):
             out[name] = (float("nan"), "failed", f"{type(e).__name__}: {str(e)[:120]}")
             print_cause(name, e)
     return out
+
+
+def graph_activity(c, backward, k: int = 20) -> str:
+    """What one replay of the staged graph of ``k`` backwards holds, profiled: each kind of
+    device activity (kernels, memsets, copies) with its count and median µs, and the replay's
+    span per backward against its activities' busy time per backward (the gaps between)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cbtrace.plugins.backends.graph import staged
+    from cbtrace.replay.modes.backward import _backward_runner
+
+    bwd = _backward_runner(c, backward)
+    stream = torch.cuda.Stream()
+    try:
+        g = staged(bwd, c.n_copies, k, None, stream)
+        g.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            g.replay()
+            torch.cuda.synchronize()
+        g.reset()
+    finally:
+        bwd.unstage()
+    acts = [e for e in prof.profiler.kineto_results.events()
+            if e.device_type() == torch.autograd.DeviceType.CUDA]
+    if not acts:
+        return "  graph: no device activity recorded"
+    kinds: dict = {}
+    for e in acts:
+        kinds.setdefault(e.name()[:60], []).append(e.duration_ns() / 1e3)
+    end = max(e.start_ns() + e.duration_ns() for e in acts)
+    span = (end - min(e.start_ns() for e in acts)) / 1e3
+    busy = sum(sum(v) for v in kinds.values())
+    lines = [f"  graph of {k}: span {span / k:.2f} us a backward, busy {busy / k:.2f} us "
+             f"({len(acts)} activities)"]
+    lines += [f"    {len(v):>3} x {n}: median {sorted(v)[len(v) // 2]:.2f} us"
+              for n, v in kinds.items()]
+    return "\n".join(lines)
 
 
 def print_cause(name: str, e: BaseException) -> None:
@@ -146,6 +187,11 @@ def main(out_dir, spec=SPEC, fqns=None):
         print(f"\n== {fqn} (grads {source})")
         print(f"  in situ (own):  {own_kernels} kernels, {own_ms * 1e3:.1f} us")
         print("  replay (all):   " + "; ".join(f"{n[:60]} {d:.1f}" for n, d in rk))
+        if gpu:
+            try:
+                print(graph_activity(c, backward))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"  graph: not profiled ({type(e).__name__}: {str(e)[:160]})")
         for p in module.parameters():
             p.grad = None
         del c, backward
