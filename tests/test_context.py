@@ -675,8 +675,8 @@ class Bags(nn.Module):
 def test_a_lookup_rotates_enough_table_copies_to_leave_the_l2_and_its_graph_reads_each(tmp_path):
     torch.manual_seed(0)
     model = Bags().cuda().eval()
-    ids = torch.randint(0, 8192, (4096 * 20,), device="cuda")
-    offsets = torch.arange(0, ids.numel(), 20, device="cuda")
+    ids = torch.randint(0, 8192, (4096 * 4,), device="cuda")  # a few us: K is not cut short
+    offsets = torch.arange(0, ids.numel(), 4, device="cuda")
     run = tmp_path / "r"
     with cbtrace.capture(model, run, trace=False):
         model(ids, offsets)
