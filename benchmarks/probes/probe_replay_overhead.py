@@ -13,7 +13,7 @@ Captures SPEC once, then replays it twice with the capture's model (no rebuild):
 how far its isolated times moved from the first's (per call, the calls both timed ok).
 
 Usage: python benchmarks/probes/probe_replay_overhead.py OUT_DIR [SPEC] [--cprofile] [--top N]
-       [--variant NAME:KEY=VALUE[,...]]
+       [--variant NAME:KEY=VALUE[,...]] [--option KEY=INT]
 """
 import argparse
 import cProfile
@@ -164,7 +164,15 @@ def main():
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,...]")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=INT",
+                    help="a provider option, e.g. batch_size=32 (dlrm:large on a CPU)")
     a = ap.parse_args()
+    options = dict(OPTIONS.get(a.spec, {}))
+    for kv in a.option:
+        key, _, value = kv.partition("=")
+        if not key or not value.isdigit():
+            ap.error(f"--option {kv!r}: want KEY=INT")
+        options[key] = int(value)
     try:
         variants = [parse_variant(v) for v in a.variant]
     except ValueError as e:
@@ -176,7 +184,7 @@ def main():
     gpu = torch.cuda.is_available()
     run = Path(a.out_dir) / f"overhead-{a.spec.replace(':', '-')}"
     cap = capture_model(a.spec, run, device="cuda" if gpu else "cpu",
-                        dtype="bf16" if gpu else None, options=OPTIONS.get(a.spec, {}))
+                        dtype="bf16" if gpu else None, options=options)
     laps = Laps()
     for module, path in LAPS:
         laps.wrap(module, path)

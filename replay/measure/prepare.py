@@ -17,7 +17,11 @@ from cbtrace.replay.timer.contract import CallRunner
 
 
 def call_context(rec, device_type: str | None = None):
-    """Grad mode and autocast as at capture time, on the replay device."""
+    """Grad mode and autocast as at capture time, on the replay device. Without autocast, the
+    grad mode's own context alone: every timed run on a CPU enters it, and a stack of one
+    costs as much again."""
+    if not rec.autocast_dtype:
+        return torch.set_grad_enabled(bool(rec.grad_enabled))
     stack = contextlib.ExitStack()
     stack.enter_context(torch.set_grad_enabled(bool(rec.grad_enabled)))
     if rec.autocast_dtype:
