@@ -120,6 +120,33 @@ def test_every_call_slower_on_a_gpu_is_a_regression():
     assert not cpu["regression"].any() and cpu.attrs["time_shift"] == pytest.approx(1.5)
 
 
+def test_a_run_a_busier_a_ran_lifts_no_call_of_b_into_a_regression():
+    """A CPU run A whose every leaf a busy machine slowed by half: B's calls are not divided by
+    that shift (0.67) where it would make a change. A leaf of B a little slower than B's others,
+    still faster than in A, was flagged so on a loaded CI machine; B's other leaves, as fast as
+    the quiet machine runs them, are no improvement either. Where B ran busier, the shift still
+    hides what the machine did, and a call faster even so is an improvement."""
+    from cbtrace.workflows.diff import diff_frames
+
+    def frame(leaf_ms, odd_ms=None):  # a root over 12 leaves (their sum); l1 at odd_ms if given
+        leaves = [odd_ms if i == 1 and odd_ms else leaf_ms for i in range(1, 13)]
+        rows = [{**_row(0, "", -1, "Net"), "depth": 0, "isolated_ms": sum(leaves)}]
+        rows += [{**_row(i, f"l{i}", 0, "Linear"), "depth": 1, "isolated_ms": ms}
+                 for i, ms in enumerate(leaves, 1)]
+        return pd.DataFrame([{**r, "isolated_ms_p10": r["isolated_ms"] * .99, "timer": "cpu",
+                              "isolated_ms_p90": r["isolated_ms"] * 1.01, "status": "ok",
+                              "noisy": False, "flops": 100.0} for r in rows])
+
+    df = diff_frames(frame(1.5), frame(1.0, odd_ms=1.3))
+    assert df.attrs["time_shift"] == pytest.approx(1 / 1.5)
+    assert not df["regression"].any(), df[["fqn", "regressed"]].to_string()
+    assert (df["improved"].fillna("") == "").all(), df[["fqn", "improved"]].to_string()
+    df = diff_frames(frame(1.0), frame(1.5, odd_ms=0.6)).set_index("fqn")
+    assert df.attrs["time_shift"] == pytest.approx(1.5)
+    assert not df["regression"].any() and df.loc["l1", "improved"] == "time"
+    assert (df.drop(index="l1")["improved"].fillna("") == "").all()
+
+
 def test_the_call_tree_confirms_time_and_carries_regressions_up():
     from cbtrace.workflows.diff import diff_frames
 

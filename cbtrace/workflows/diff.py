@@ -156,7 +156,8 @@ def time_threshold(timed: list[dict], leaves: set[int], cfg: DiffConfig) -> dict
     """The relative time threshold the two runs set, and its parts: the largest of
     ``min_time_rel``, the calls' own spread (time_spread_rel), their run-to-run noise
     (time_noise_sigma) and how far the worst leaf calls strayed (time_tail_rel); and how much
-    slower all of B ran (time_shift), which B's times are divided by before judging."""
+    slower all of B ran (time_shift), which B's times are divided by before judging, where
+    that hides a change (``_judge``)."""
     pairs = [(r["isolated_ms_a"], r["isolated_ms_b"]) for r in timed]
     sigma = regress.time_noise(pairs)
     # leaves only: a slower call slows every call above it, which would raise its own bar
@@ -218,12 +219,18 @@ def _judge(r: dict, cfg: DiffConfig, min_time_rel: float, shift: float) -> None:
         ups = set(moved.values())
         changes["work"] = 1 if 1 in ups else -1 if -1 in ups else 0
     if _timed(r):
-        # B against A at the whole run's shift: a machine busier for all of B is no change
+        # B against A at the whole run's shift, where it hides a change, never where it would
+        # make one: a machine busier for all of B is no slowdown, and one busier for all of A
+        # (a shift below 1) must not lift B's calls into one; the same the other way round.
+        # The call tree checks a change at the shift itself: the machine's, every call's.
         a, b = ([r[f"isolated_ms{s}_{side}"] for s in ("", "_p10", "_p90")] for side in "ab")
-        b = tuple(None if x is None else x / shift for x in b)
-        r["_dt"] = b[0] - a[0]
-        changes["time"] = regress.time_change(tuple(a), b, min_rel=min_time_rel,
-                                              min_ms=cfg.min_time_ms)
+        a = tuple(a)
+        r["_dt"] = b[0] / shift - a[0]
+        up, down = (tuple(None if x is None else x / f for x in b)
+                    for f in (max(shift, 1.0), min(shift, 1.0)))
+        slower = regress.time_change(a, up, min_rel=min_time_rel, min_ms=cfg.min_time_ms) > 0
+        faster = regress.time_change(a, down, min_rel=min_time_rel, min_ms=cfg.min_time_ms) < 0
+        changes["time"] = 1 if slower else -1 if faster else 0
     if r["peak_mem_bytes_delta"] is not None and _compared(r):
         changes["memory"] = regress.memory_change(
             r["peak_mem_bytes_a"], r["peak_mem_bytes_b"], min_rel=cfg.min_mem_rel,

@@ -58,9 +58,10 @@ def command(run_a, run_b, fail_on_regression, out_file, force, min_time_rel, min
         the call at --spread-q of both runs' calls), their run-to-run noise (--noise-k),
         how far their worst leaf calls strayed (--tail-k) and --min-time-rel /
         --min-time-ms, once B's times are divided by how much slower all of B ran (the
-        median over the calls: the machine's load, not a call's); and the call tree shows
-        it: a change that an enclosing call (for the root: its children) does not show is
-        the machine's, dropped.
+        median over the calls: the machine's load, not a call's) where that hides a change,
+        never where it would make one (a busier A lifts no call of B); and the call tree
+        shows it: a change that an enclosing call (for the root: its children) does not show
+        is the machine's, dropped.
     Every call that encloses a regressed call regressed with it, up to the root. The same
     tests the other way round are improvements, reported and never failed on.
 
@@ -154,7 +155,8 @@ def summary_text(df) -> str:
              f"{100 * noise:.0f}% over {a['noise_calls']} calls and the worst leaf calls' "
              f"{100 * a['time_tail_rel']:.0f}%) and >= {fmt.ms(a['min_time_ms'])} slower, "
              f"after B's times are divided by {a['time_shift']:.2f} (all of B against all "
-             f"of A: the machine's, not a call's)",
+             f"of A: the machine's, not a call's) where that hides a change, never where it "
+             f"would make one",
              f"memory counts from +{100 * a['min_mem_rel']:.0f}% and "
              f"+{fmt.nbytes(a['min_mem_bytes'])}",
              "a call that encloses a regressed call regressed with it"]
