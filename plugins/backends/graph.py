@@ -91,15 +91,6 @@ def _staged(call: CallRunner, n_copies: int, k: int, touch, stream) -> torch.cud
     return capture(call.run, n_copies, k, touch, stream, slots=stage is not None)
 
 
-def slots_for(graph_k: int, n_copies: int, staged: bool) -> int:
-    """The most calls one graph holds: ``graph_k``, or every input copy where there are more
-    (K slots read only K of them, and the rest would not keep the others out of the L2); one
-    for a one-call graph (cold), ``graph_k`` for a staged call (K slots alive at once)."""
-    if graph_k <= 1 or staged:
-        return graph_k
-    return max(graph_k, n_copies)
-
-
 def slots_that_fit(device, per_slot_bytes: int, share: float = 0.5) -> int:
     """How many staged slots of ``per_slot_bytes`` fit in ``share`` of free device memory."""
     free = free_memory(device)
@@ -151,8 +142,7 @@ class GraphTimer(CudaTimer):
                 # K from the call's device time where the plan measured it, else from one call
                 # captured first: K = 20 straight away runs long GEMMs back to back before
                 # sampling, and the SM clock drops.
-                expected = call.expected_ms
-                k_max = slots_for(cfg.graph_k, n_copies, staged=call.stage is not None)
+                expected, k_max = call.expected_ms, cfg.graph_k
                 if not expected:
                     before = torch.cuda.memory_allocated(device)
                     graphs.append(staged(call, n_copies, 1, touch, stream))

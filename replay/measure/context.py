@@ -561,8 +561,9 @@ def in_step_cache_state(c: CallUnderTest) -> None:
 def with_table_copies(c: CallUnderTest) -> None:
     """Set ``c.timed`` for an embedding lookup whose table would stay in the cache across its
     back-to-back timed runs (in the step each table is read once, after all the others): run
-    j reads table copy j, enough copies to overflow the cache twice (``copies.table_copies``),
-    as many as the runner's ``n_copies``: a graph timer's K covers them all."""
+    j reads table copy j, enough copies to overflow the cache twice (``copies.table_copies``):
+    a graph's K slots, run after the L2 flush, then read K copies, none of them twice while it
+    is still in the cache."""
     tables = table_copies(c.module, c.device, c.cfg.table_copies_max)
     if tables is None:
         return
