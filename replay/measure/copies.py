@@ -61,7 +61,7 @@ def table_copies(module, device, max_copies: int = 64):
     among, enough to overflow the GPU's L2 twice (at most ``max_copies``); None when one table
     already does (or on a CPU, or when fewer than two would do). Fewer copies than that leave a
     table of a few MB partly in the L2 when it is read again, and its lookup reads fast
-    (benchmarks/RESULTS.md: eight copies of the DCN's 2-7 MB tables)."""
+    (benchmarks/RESULTS.md, session 36: the DCN's tables on the old cap of eight copies)."""
     if not isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         return None
     if device.type != "cuda":
