@@ -61,7 +61,7 @@ def table_copies(module, device, max_copies: int = 64):
     among, enough to overflow the GPU's L2 twice (at most ``max_copies``); None when one table
     already does (or on a CPU, or when fewer than two would do). Fewer copies than that leave a
     table of a few MB partly in the L2 when it is read again, and its lookup reads fast
-    (benchmarks/RESULTS.md, session 36: the DCN's tables on the old cap of eight copies)."""
+    (benchmarks/RESULTS.md, "DCN lookups by how many table copies they rotated")."""
     if not isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         return None
     if device.type != "cuda":
