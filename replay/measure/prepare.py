@@ -24,9 +24,8 @@ def call_context(rec, device_type: str | None = None):
         return torch.set_grad_enabled(bool(rec.grad_enabled))
     stack = contextlib.ExitStack()
     stack.enter_context(torch.set_grad_enabled(bool(rec.grad_enabled)))
-    if rec.autocast_dtype:
-        dev = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-        stack.enter_context(torch.autocast(dev, dtype=torch_dtype(rec.autocast_dtype)))
+    dev = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    stack.enter_context(torch.autocast(dev, dtype=torch_dtype(rec.autocast_dtype)))
     return stack
 
 

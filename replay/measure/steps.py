@@ -45,6 +45,12 @@ GRAPH_OTHER_KERNELS, GRAPH_OTHER_MIN_MS, PROFILED_KERNEL_COST_MS = 0.5, 0.010, 0
 CHECK_RUNS = 3
 
 
+def as_check(tcfg):
+    """``tcfg`` for a graph run only as a check of a figure its kernels give: CHECK_RUNS runs,
+    no budget."""
+    return dataclasses.replace(tcfg, budget_s=0.0, min_runs=CHECK_RUNS, max_runs=CHECK_RUNS)
+
+
 def graph_ran_other_kernels(t, device_ms, kernels=None) -> str | None:
     """Why the graph timer's figure is not the eager call's, or None."""
     if t.timer != "graph" or device_ms is None or math.isnan(device_ms) or math.isnan(
@@ -202,8 +208,7 @@ class Timed:
         if chain[:1] != ["graph"] or not (after_graph or self._kernels_give_figure(
                 with_context, kernels)):
             return self.tcfg
-        return dataclasses.replace(self.tcfg, budget_s=0.0, min_runs=CHECK_RUNS,
-                                   max_runs=CHECK_RUNS)
+        return as_check(self.tcfg)
 
     def _measure(self, c: CallUnderTest, run, chain: list[str], tcfg=None):
         """(Timing, why the timers before it refused) by the first of ``chain`` that can, with

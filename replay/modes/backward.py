@@ -14,7 +14,6 @@ the parameter gradients it makes give the call's memory split.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -29,7 +28,7 @@ from cbtrace.nested import flat_tensors, map_tensors
 from cbtrace.replay.measure.prepare import CallUnderTest
 from cbtrace.replay.measure.profiler_pass import (peak_live_bytes, profile_as_timed,
                                                   rows_from_kineto)
-from cbtrace.replay.measure.steps import CHECK_RUNS, kernel_figure
+from cbtrace.replay.measure.steps import as_check, kernel_figure
 from cbtrace.replay.timer import choice
 from cbtrace.replay.timer.contract import CallRunner, join_notes
 from cbtrace.store.autograd_shape import as_non_leaf, is_non_leaf
@@ -73,8 +72,7 @@ class BackwardStep:
                    if self.kernels_min and self.chain[:1] == ["graph"] else None)
         many = kernels is not None and bool(kernels.get("bwd_run_ms")) and (
             kernels.get("bwd_kernel_count") or 0) >= self.kernels_min
-        tcfg = (dataclasses.replace(self.tcfg, budget_s=0.0, min_runs=CHECK_RUNS,
-                                    max_runs=CHECK_RUNS) if many else self.tcfg)
+        tcfg = as_check(self.tcfg) if many else self.tcfg
         for attempt in (1, 2):  # out of memory: once more, the cache handed back
             try:
                 t, fallback = choice.measure(bwd, c.n_copies, c.device, self.chain,
@@ -100,13 +98,12 @@ class BackwardStep:
             kernels = _kernels(c, bwd, self.profile_runs)
         figure, figure_note = (t.median_ms, t.p10_ms, t.p90_ms), None
         run_ms = kernels.pop("bwd_run_ms", None)
-        count = kernels.get("bwd_kernel_count")
-        if (t.timer == "graph" and run_ms and self.kernels_min and count is not None
-                and count >= self.kernels_min):  # its kernels' busy time, as the step's
+        if many and t.timer == "graph":  # its kernels' busy time, as the step's
             got = kernel_figure(run_ms)  # as a forward's, from its runs
             if got["isolated_ms"] > 0:
                 figure = (got["isolated_ms"], got["isolated_ms_p10"], got["isolated_ms_p90"])
                 kernels["bwd_device_ms"] = figure[0]  # its figure, as its miss compares it
+                count = kernels["bwd_kernel_count"]
                 figure_note = (f"its kernels' busy time ({count} kernels), {len(run_ms)} "
                                f"profiled runs (graph: {t.median_ms:.4g} ms, {t.runs} runs)")
         row = dict(bwd_status="ok", grad_source=source, bwd_grad_sums=sums,
