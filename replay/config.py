@@ -115,6 +115,13 @@ class ReplayConfig:
     own transforms) read slow by that alone. A call of fewer keeps the graph's many runs at the
     step's clock. 0: off, a short call in its context alone takes it (benchmarks/RESULTS.md,
     "Kernels' figure for calls of many kernels")."""
+    small_call_max_ms: float = 0.0
+    """A graph-timed call whose kernels took less than this (ms) in the profiled pass takes
+    their busy time in profiled runs as timed as its figure, as the step's figure is: a graph
+    slot also holds the device's gap before each kernel, a share of a call of a few
+    microseconds. Timed alone (no context, no table copies), it runs on rotating copies of its
+    parameters and buffers (``context.with_param_copies``): in the step each was read once,
+    where K slots on one copy read it warm. Never ``cold``. 0: off, as measured so far."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,
@@ -206,6 +213,8 @@ class ReplayConfig:
             raise ValueError(f"context_kernel_runs must be >= 1, got {self.context_kernel_runs}")
         if self.table_copies_max < 1:
             raise ValueError(f"table_copies_max must be >= 1, got {self.table_copies_max}")
+        if not self.small_call_max_ms >= 0:
+            raise ValueError(f"small_call_max_ms must be >= 0, got {self.small_call_max_ms}")
         if self.kernels_figure_min < 0:
             raise ValueError(f"kernels_figure_min must be >= 0, got {self.kernels_figure_min}")
         if self.context_rewrite not in CONTEXT_REWRITES:

@@ -2,6 +2,7 @@
 before each of its timed runs, in step order, and an input equal to one of their outputs is taken from it."""
 import dataclasses
 import time
+import types
 
 import pytest
 import torch
@@ -689,3 +690,79 @@ def test_a_lookup_rotates_enough_table_copies_to_leave_the_l2(tmp_path):
         notes = df.loc[fqn, "timer_notes"]
         assert f"{n} copies of the table, one a run" in notes, notes
         assert df.loc[fqn, "timer"] == "graph", notes
+
+
+def _short_linear_call(tmp_path, **settings):
+    """A Linear's call prepared for timing, on a "cuda" device whose L2 is 64 KB (the
+    copies are made where the module is, on this CPU), its kernels 4 us in the profiled pass."""
+    from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure.prepare import prepare
+    from cbtrace.rundir.read import load_run
+    from cbtrace.schema.modules import frame_to_records
+    from cbtrace.store.load import load_call_inputs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64)).eval()  # 16.6 KB of parameters
+    run = _capture(tmp_path, model, torch.randn(4, 64))
+    rec = next(r for r in frame_to_records(load_run(run)[1]) if r.fqn == "0")
+    args, kwargs = load_call_inputs(run, rec.inputs_ref)
+    c = prepare(model[0], rec, args, kwargs, torch.device("cpu"), ReplayConfig(**settings))
+    c.device, c.context = torch.device("cuda"), []
+    c.row["device_ms"] = 0.004
+    return model[0], args, c
+
+
+def test_a_short_call_timed_alone_rotates_copies_of_its_parameters(tmp_path, monkeypatch):
+    """In the step a Linear reads its weight once, cold; K back-to-back slots on one weight
+    read it warm. Copies enough to overflow the L2 twice, one a run; the module's own
+    parameters untouched."""
+    from cbtrace.replay.measure.context import in_step_cache_state
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(L2_cache_size=64 << 10))
+    linear, args, c = _short_linear_call(tmp_path, small_call_max_ms=0.01)
+    before = state_fingerprint(linear)
+    seen = []
+    linear.register_forward_hook(lambda m, i, o: seen.append(m.weight.data_ptr()))
+    in_step_cache_state(c)
+    n = -(-2 * (64 << 10) // (64 * 64 * 4 + 64 * 4))  # 8
+    assert c.context_note == f"{n} copies of its parameters, one a run"
+    assert c.context_key == ("parameters", n) and c.timed.n_copies == n
+    assert c.timed.before is None  # no context: the timers run the call alone
+    with torch.no_grad():
+        outs = [c.timed(j) for j in range(2 * n)]
+        want = linear(args[0])
+    assert all(torch.equal(o, want) for o in outs)
+    assert len(set(seen[:n])) == n and seen[:n] == seen[n:2 * n]  # each run its own copy
+    assert seen[0] == linear.weight.data_ptr() == seen[-1]  # the last: the module's own
+    assert state_fingerprint(linear) == before
+
+
+@pytest.mark.parametrize("settings, device_ms", [({}, 0.004),  # off by default
+                                                 ({"small_call_max_ms": 0.01}, 0.02),
+                                                 ({"small_call_max_ms": 0.01, "cold": True},
+                                                  0.004)])
+def test_a_call_not_short_or_with_the_setting_off_or_cold_runs_on_its_parameters(
+        tmp_path, monkeypatch, settings, device_ms):
+    from cbtrace.replay.measure.context import in_step_cache_state
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(L2_cache_size=64 << 10))
+    _, _, c = _short_linear_call(tmp_path, **settings)
+    c.row["device_ms"] = device_ms
+    in_step_cache_state(c)
+    assert c.timed is None and c.context_note is None
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_short_call_takes_its_kernels_busy_time_on_parameter_copies(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 16)).cuda().eval()
+    run = _capture(tmp_path, model, torch.randn(8, 512, device="cuda"))
+    df = cbtrace.replay(run, model=model, device="cuda", progress=False, budget_s=0.01,
+                        small_call_max_ms=0.05).set_index("fqn")
+    assert (df.status == "ok").all(), df.status_reason.dropna().to_dict()
+    head = df.loc["0"]  # the first call: no context before it
+    assert head.device_ms < 0.05 and head.timer == "graph", head.timer_notes
+    assert "copies of its parameters, one a run" in head.timer_notes
+    assert "its kernels' busy time (" in head.timer_notes
+    assert head.isolated_ms == pytest.approx(head.device_ms)

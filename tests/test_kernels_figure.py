@@ -250,3 +250,36 @@ def test_on_a_gpu_a_call_of_many_kernels_takes_its_profiled_busy_time(tmp_path):
     assert norm.bwd_ms == pytest.approx(norm.bwd_device_ms)
     # the graph's own figure, gaps and all, stays in the notes
     assert "(graph: " in norm.timer_notes and "(graph: " in norm.bwd_timer_notes
+
+
+@pytest.mark.parametrize("on_copies", [False, True])
+def test_a_short_call_takes_its_kernels_busy_time_where_asked(profiled, on_copies):
+    """A call of a few microseconds (``small_call_max_ms``): a graph slot holds the device's
+    gap before its kernel too, the step's busy time none. Timed alone it is profiled after its
+    graph; on copies of its table or parameters, before it; its graph a check either way."""
+    graph = Graph()
+    call = _call("head.fc", 1)
+    if on_copies:
+        call.timed = CallRunner(run=lambda i: None, n_copies=4)  # nothing before each run
+    cfg = ReplayConfig(kernels_figure_min=0, small_call_max_ms=0.05)
+    got = steps.Timed(["graph"], {"graph": graph}, cfg).run(call)
+    assert profiled == [10] and graph.runs_asked == [(steps.CHECK_RUNS, 0.0)]
+    assert got["isolated_ms"] == pytest.approx(0.03545) and got["runs"] == 10
+    assert "its kernels' busy time (4 kernels)" in got["timer_notes"]
+
+
+@pytest.mark.parametrize("settings", [{"small_call_max_ms": 0.03}, {"cold": True,
+                                                                    "small_call_max_ms": 0.05}])
+def test_a_call_over_the_short_limit_or_cold_keeps_its_graph(profiled, settings):
+    graph = Graph()
+    got = steps.Timed(["graph"], {"graph": graph}, ReplayConfig(kernels_figure_min=0, **settings)
+                      ).run(_call("head.fc", 1))  # its kernels 35.2 us
+    assert got["isolated_ms"] == 0.0371 and profiled == []
+
+
+def test_the_short_limit_is_checked_and_kept_with_the_rows_where_set():
+    from cbtrace.replay.engine import timing_settings
+    with pytest.raises(ValueError, match="small_call_max_ms must be >= 0"):
+        ReplayConfig(small_call_max_ms=-1.0)
+    assert "small_call_max_ms" not in timing_settings(ReplayConfig())  # rows made before it
+    assert timing_settings(ReplayConfig(small_call_max_ms=0.01))["small_call_max_ms"] == 0.01

@@ -31,7 +31,7 @@ from cbtrace.cost.peaks import PeakLookup, device_name
 from cbtrace.errors import SerializationError, one_line
 from cbtrace.nested import flat_tensors
 from cbtrace.replay.measure.copies import (clone_like, copies_of, n_copies, table_copies,
-                                           tensor_bytes)
+                                           tables_for, tensor_bytes)
 from cbtrace.replay.measure.prepare import (WARM_MIN_BYTES, CallUnderTest, InputState,
                                             call_context, input_toucher)
 from cbtrace.replay.timer.contract import CallRunner
@@ -549,13 +549,16 @@ def in_step_cache_state(c: CallUnderTest) -> None:
     """Set ``c.timed`` so that the call meets the cache state it had in the step, where that is
     on (``c.context`` not None): for an embedding lookup, a table copy per run
     (``with_table_copies``: its ids are the batch's data; in the step its table was read once,
-    after the others'), else its context before it (``in_context``)."""
+    after the others'), else its context before it (``in_context``); a short call with
+    neither, a copy of its parameters per run (``with_param_copies``)."""
     if c.context is None or c.timed is not None:
         return
     if not isinstance(c.module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         in_context(c, c.context)  # a lookup's table copies instead (per-sample weights too)
     if c.timed is None:
         with_table_copies(c)
+    if c.timed is None:
+        with_param_copies(c)
 
 
 def with_table_copies(c: CallUnderTest) -> None:
@@ -577,3 +580,34 @@ def with_table_copies(c: CallUnderTest) -> None:
     c.timed = CallRunner(run=timed, n_copies=max(c.n_copies, len(runs)))
     c.context_key = ("tables", len(tables))
     c.context_note = f"{len(tables)} copies of the table, one a run"
+
+
+def with_param_copies(c: CallUnderTest) -> None:
+    """Set ``c.timed`` for a short call timed alone (its kernels under
+    ``small_call_max_ms``), whose parameters and buffers would stay in the cache across its
+    back-to-back runs where the step read them once, cold: run j on copy j of them, enough
+    copies to overflow the cache twice (at most ``table_copies_max``), as an embedding's table
+    copies are. Parameters keep ``requires_grad``: the forward builds the graph it built."""
+    limit, ms = c.cfg.small_call_max_ms, c.row.get("device_ms")
+    if not limit or c.cfg.cold or c.device.type != "cuda" or not (ms and 0 < ms < limit):
+        return
+    own = {**dict(c.module.named_parameters()), **dict(c.module.named_buffers())}
+    size = sum(t.numel() * t.element_size() for t in own.values())
+    if not size:
+        return
+    cache = getattr(torch.cuda.get_device_properties(c.device), "L2_cache_size", 50 << 20)
+    n = tables_for(size, cache, c.cfg.table_copies_max)
+    if n < 2:
+        return
+    with torch.no_grad():
+        sets = [own] + [{k: t.detach().clone().requires_grad_(t.requires_grad)
+                         for k, t in own.items()} for _ in range(n - 1)]
+    module = c.module  # no reference back to c
+    runs = [c.run.with_fn(lambda *a, p=p, **k: functional_call(module, p, a, k)) for p in sets]
+
+    def timed(j: int = 0):
+        return runs[j % len(runs)](j)
+
+    c.timed = CallRunner(run=timed, n_copies=max(c.n_copies, len(runs)))
+    c.context_key = ("parameters", len(sets))
+    c.context_note = f"{len(sets)} copies of its parameters, one a run"

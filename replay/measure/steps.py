@@ -84,6 +84,9 @@ class Timed:
         # a graph-timed call of this many kernels or more takes its kernels' figure too; not
         # cold, whose graph flushes the L2 before each run and the profiled runs do not
         self.kernels_min = cfg.kernels_figure_min if self.profile_runs and not cfg.cold else 0
+        # a graph-timed call whose kernels are this short takes their figure too: a slot's
+        # gap before each kernel is a share of it (small_call_max_ms); never cold either
+        self.small_ms = cfg.small_call_max_ms if self.profile_runs and not cfg.cold else 0.0
         self.figure_runs = max(cfg.profile_runs, cfg.context_kernel_runs)
         # a call of the same work as one profiled as timed before, after a context of the same
         # kinds of call on the same inputs (or as many table copies), takes its figures
@@ -102,8 +105,9 @@ class Timed:
         in_step_cache_state(c)
         eager = {k: c.row.get(k) for k in ("kernel_count", "device_ms")}
         with_context = c.timed is not None and c.timed.before is not None
-        # of many kernels and timed alone: profiled after its graph, which is then a check
-        after_graph = c.timed is None and self._many_kernels(c.row.get("kernel_count"))
+        # of many or short kernels and timed alone: profiled after its graph, then a check
+        after_graph = c.timed is None and self._by_own_kernels(c.row.get("kernel_count"),
+                                                               c.row.get("device_ms"))
         profiled, profiled_note, kernels, kernels_of = self._profile_as_timed(c, with_context)
         # sizes the graph timer's K (profiled pass); a context runs in every slot too
         expected = c.row.get("device_ms")
@@ -190,11 +194,18 @@ class Timed:
 
     def _kernels_give_figure(self, with_context: bool, kernels) -> bool:
         """Whether a graph-timed call's profiled kernels give its figure: a short call in its
-        context (``context_kernels_max_ms``), or one of many kernels (``kernels_figure_min``)."""
+        context (``context_kernels_max_ms``), or one of many kernels or short kernels in any
+        cache state (``_by_own_kernels``)."""
         if kernels is None or not kernels.device_ms > 0:
             return False
         return ((with_context and kernels.device_ms < self.kernels_max_ms)
-                or self._many_kernels(kernels.kernel_count))
+                or self._by_own_kernels(kernels.kernel_count, kernels.device_ms))
+
+    def _by_own_kernels(self, count, device_ms) -> bool:
+        """Whether a graph-timed call's kernels give its figure whatever its cache state: many
+        of them (``kernels_figure_min``), or short ones (``small_call_max_ms``)."""
+        return self._many_kernels(count) or (
+            bool(self.small_ms) and device_ms is not None and 0 < device_ms < self.small_ms)
 
     def _many_kernels(self, count) -> bool:
         return bool(self.kernels_min) and count is not None and count == count \
@@ -236,13 +247,13 @@ class Timed:
 
     def _profile_as_timed(self, c: CallUnderTest, with_context: bool, after_graph: bool = False):
         """(kernel_count and device_ms, the row's note, the ``AsTimed``, the fqn of the call
-        whose runs they are or None) of a call timed in its context or on table copies, or
-        (``after_graph``) of many kernels timed alone, profiled so (``profile_as_timed``): its
-        kernels in the cache state its isolated time has, not warm on copy 0; or those of a
-        call of the same work profiled so before, after the same kinds of context call
-        (``context_key``) or alone, unless timings are reused (``--reuse-timing``), whose
-        check needs a second call's own. ({}, None, None, None) when not asked, not so timed,
-        not found, or (``after_graph``) of fewer kernels after all."""
+        whose runs they are or None) of a call timed in its context or on copies of its table or
+        parameters, or (``after_graph``) of many or short kernels timed alone, profiled so
+        (``profile_as_timed``): its kernels in the cache state its isolated time has, not warm
+        on copy 0; or those of a call of the same work profiled so before, after the same
+        kinds of context call (``context_key``) or alone, unless timings are reused
+        (``--reuse-timing``), whose check needs a second call's own. ({}, None, None, None) when not asked, not so timed,
+        not found, or (``after_graph``) of fewer and longer kernels after all."""
         none = {}, None, None, None
         runner = c.run.timed() if after_graph else c.timed
         if not self.profile_runs or runner is None or c.device.type != "cuda":
@@ -259,11 +270,13 @@ class Timed:
             got, note = hit[1], f"profiled as timed as {of}"
         else:
             # for its figure: enough runs for a spread (context_kernel_runs)
-            for_figure = self._many_kernels(c.row.get("kernel_count")) or (
+            for_figure = self._by_own_kernels(c.row.get("kernel_count"),
+                                              c.row.get("device_ms")) or (
                 with_context and self.kernels_max_ms > 0)
             got = profile_as_timed(runner, c.device,
                                    self.figure_runs if for_figure else self.profile_runs)
-            if got is None or (after_graph and not self._many_kernels(got.kernel_count)):
+            if got is None or (after_graph and not self._by_own_kernels(got.kernel_count,
+                                                                        got.device_ms)):
                 return none
             # the clock its runs left: the row's timed clock where they give its figure (read
             # only there: a reading queues a spin kernel and waits for it)
