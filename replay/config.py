@@ -119,9 +119,10 @@ class ReplayConfig:
     """A graph-timed call whose kernels took less than this (ms) in the profiled pass takes
     their busy time in profiled runs as timed as its figure, as the step's figure is: a graph
     slot also holds the device's gap before each kernel, a share of a call of a few
-    microseconds. Timed alone (no context, no table copies), it runs on rotating copies of its
-    parameters and buffers (``context.with_param_copies``): in the step each was read once,
-    where K slots on one copy read it warm. Never ``cold``. 0: off, as measured so far."""
+    microseconds. Unless it runs on table copies, it also runs on rotating copies of its
+    parameters and buffers (``context.parameter_sets``), after its context if it has one: in
+    the step each was read once, where K slots on one copy read it warm. Never ``cold``. 0:
+    off, as measured so far."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,

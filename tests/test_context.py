@@ -692,23 +692,29 @@ def test_a_lookup_rotates_enough_table_copies_to_leave_the_l2(tmp_path):
         assert df.loc[fqn, "timer"] == "graph", notes
 
 
-def _short_linear_call(tmp_path, **settings):
-    """A Linear's call prepared for timing, on a "cuda" device whose L2 is 64 KB (the
-    copies are made where the module is, on this CPU), its kernels 4 us in the profiled pass."""
+def _short_linear_call(tmp_path, fqn: str = "0", **settings):
+    """A Linear's call (of two in a row, 16.6 KB of parameters each) prepared for timing, on a
+    "cuda" device whose L2 is 64 KB (the copies are made where the module is, on this CPU),
+    its kernels 4 us in the profiled pass; and the call before it, ready to run as its
+    context."""
     from cbtrace.replay.config import ReplayConfig
+    from cbtrace.replay.measure.context import ContextCall
     from cbtrace.replay.measure.prepare import prepare
     from cbtrace.rundir.read import load_run
     from cbtrace.schema.modules import frame_to_records
     from cbtrace.store.load import load_call_inputs
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64)).eval()  # 16.6 KB of parameters
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).eval()
     run = _capture(tmp_path, model, torch.randn(4, 64))
-    rec = next(r for r in frame_to_records(load_run(run)[1]) if r.fqn == "0")
-    args, kwargs = load_call_inputs(run, rec.inputs_ref)
-    c = prepare(model[0], rec, args, kwargs, torch.device("cpu"), ReplayConfig(**settings))
+    recs = {r.fqn: r for r in frame_to_records(load_run(run)[1])}
+    args, kwargs = load_call_inputs(run, recs[fqn].inputs_ref)
+    c = prepare(model[int(fqn)], recs[fqn], args, kwargs, torch.device("cpu"),
+                ReplayConfig(**settings))
     c.device, c.context = torch.device("cuda"), []
     c.row["device_ms"] = 0.004
-    return model[0], args, c
+    first = ContextCall(model[0], recs["0"], [load_call_inputs(run, recs["0"].inputs_ref)],
+                        None, torch.device("cpu"))
+    return model[int(fqn)], args, c, first
 
 
 def test_a_short_call_timed_alone_rotates_copies_of_its_parameters(tmp_path, monkeypatch):
@@ -718,7 +724,7 @@ def test_a_short_call_timed_alone_rotates_copies_of_its_parameters(tmp_path, mon
     from cbtrace.replay.measure.context import in_step_cache_state
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(L2_cache_size=64 << 10))
-    linear, args, c = _short_linear_call(tmp_path, small_call_max_ms=0.01)
+    linear, args, c, _ = _short_linear_call(tmp_path, small_call_max_ms=0.01)
     before = state_fingerprint(linear)
     seen = []
     linear.register_forward_hook(lambda m, i, o: seen.append(m.weight.data_ptr()))
@@ -736,6 +742,30 @@ def test_a_short_call_timed_alone_rotates_copies_of_its_parameters(tmp_path, mon
     assert state_fingerprint(linear) == before
 
 
+def test_a_short_call_in_its_context_rotates_copies_of_its_parameters(tmp_path, monkeypatch):
+    """Its context runs before each run, on its own copies; the call reads the context's fresh
+    output and its own parameter copy j."""
+    from cbtrace.replay.measure.context import in_context
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(L2_cache_size=64 << 10))
+    linear, args, c, first = _short_linear_call(tmp_path, "1", small_call_max_ms=0.01)
+    seen = []
+    linear.register_forward_hook(lambda m, i, o: seen.append(m.weight.data_ptr()))
+    in_context(c, [first])
+    n = 8
+    assert c.context_note == ("context: 1 call before (0); 1 input from their outputs; "
+                              f"{n} copies of its parameters, one a run"), c.context_note
+    assert c.timed.n_copies == n and c.context_key[-1] == n
+    with torch.no_grad():
+        want = linear(first.module(*first.copies[0][0]))
+        seen.clear()
+        for j in range(2 * n):
+            c.timed.before(j)
+            assert torch.equal(c.timed(j), want)
+    assert len(set(seen[:n])) == n and seen[:n] == seen[n:]
+    assert linear.weight.data_ptr() in seen
+
+
 @pytest.mark.parametrize("settings, device_ms", [({}, 0.004),  # off by default
                                                  ({"small_call_max_ms": 0.01}, 0.02),
                                                  ({"small_call_max_ms": 0.01, "cold": True},
@@ -745,7 +775,7 @@ def test_a_call_not_short_or_with_the_setting_off_or_cold_runs_on_its_parameters
     from cbtrace.replay.measure.context import in_step_cache_state
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(L2_cache_size=64 << 10))
-    _, _, c = _short_linear_call(tmp_path, **settings)
+    _, _, c, _ = _short_linear_call(tmp_path, **settings)
     c.row["device_ms"] = device_ms
     in_step_cache_state(c)
     assert c.timed is None and c.context_note is None

@@ -466,6 +466,8 @@ def in_context(c: CallUnderTest, context) -> None:
         if rewrite is None:
             return
     slots: dict = {}
+    sets = parameter_sets(c)
+    ons = [r.on for r in on_parameter_sets(c, sets)] if sets else [run_on]
 
     def before(j: int) -> None:
         slots[j] = [flat_tensors(x(j)) for x in context]
@@ -477,14 +479,17 @@ def in_context(c: CallUnderTest, context) -> None:
         inputs = copies[j % n]
         if outs is not None:
             inputs = substitute(inputs, chained, outs)
-        return run_on(inputs, j)
+        return ons[j % len(ons)](inputs, j)
 
-    c.timed = CallRunner(run=timed, n_copies=n, before=before, release=slots.clear)
+    c.timed = CallRunner(run=timed, n_copies=max(n, len(ons)), before=before,
+                         release=slots.clear)
     c.context_key = ("context", tuple((x.rec.module_type, x.rec.input_meta) for x in context),
-                     len(chained), c.cfg.context_rewrite if rewrite is not None else None)
+                     len(chained), c.cfg.context_rewrite if rewrite is not None else None,
+                     len(ons))
     c.context_note = describe(context, chained) + (
         f"; its inputs rewritten after them ({REWRITTEN_AS[c.cfg.context_rewrite]})"
-        if rewrite is not None else "")
+        if rewrite is not None else "") + (
+        f"; {len(ons)} copies of its parameters, one a run" if sets else "")
 
 
 REWRITTEN_AS = {"self": "x * 1", "sum": "x + 0 * y"}
@@ -582,28 +587,42 @@ def with_table_copies(c: CallUnderTest) -> None:
     c.context_note = f"{len(tables)} copies of the table, one a run"
 
 
-def with_param_copies(c: CallUnderTest) -> None:
-    """Set ``c.timed`` for a short call timed alone (its kernels under
-    ``small_call_max_ms``), whose parameters and buffers would stay in the cache across its
-    back-to-back runs where the step read them once, cold: run j on copy j of them, enough
-    copies to overflow the cache twice (at most ``table_copies_max``), as an embedding's table
-    copies are. Parameters keep ``requires_grad``: the forward builds the graph it built."""
+def parameter_sets(c: CallUnderTest) -> list | None:
+    """Copies of a short call's parameters and buffers (its kernels under
+    ``small_call_max_ms``) to rotate among, one a run, enough to overflow the cache twice (at
+    most ``table_copies_max``), the module's own first: in the step it read them once, cold,
+    where K back-to-back runs on one copy read them warm. None where that is off, cold, on a
+    CPU, for a longer call or where fewer than two copies would do. Parameters keep
+    ``requires_grad``: the forward builds the graph it built."""
     limit, ms = c.cfg.small_call_max_ms, c.row.get("device_ms")
     if not limit or c.cfg.cold or c.device.type != "cuda" or not (ms and 0 < ms < limit):
-        return
+        return None
     own = {**dict(c.module.named_parameters()), **dict(c.module.named_buffers())}
     size = sum(t.numel() * t.element_size() for t in own.values())
     if not size:
-        return
+        return None
     cache = getattr(torch.cuda.get_device_properties(c.device), "L2_cache_size", 50 << 20)
     n = tables_for(size, cache, c.cfg.table_copies_max)
     if n < 2:
-        return
+        return None
     with torch.no_grad():
-        sets = [own] + [{k: t.detach().clone().requires_grad_(t.requires_grad)
+        return [own] + [{k: t.detach().clone().requires_grad_(t.requires_grad)
                          for k, t in own.items()} for _ in range(n - 1)]
+
+
+def on_parameter_sets(c: CallUnderTest, sets: list) -> list:
+    """``c.run`` once per parameter set: each runs the module on that set."""
     module = c.module  # no reference back to c
-    runs = [c.run.with_fn(lambda *a, p=p, **k: functional_call(module, p, a, k)) for p in sets]
+    return [c.run.with_fn(lambda *a, p=p, **k: functional_call(module, p, a, k)) for p in sets]
+
+
+def with_param_copies(c: CallUnderTest) -> None:
+    """Set ``c.timed`` for a short call timed alone: run j on copy j of its parameters and
+    buffers (``parameter_sets``), as an embedding's table copies are."""
+    sets = parameter_sets(c)
+    if sets is None:
+        return
+    runs = on_parameter_sets(c, sets)
 
     def timed(j: int = 0):
         return runs[j % len(runs)](j)
