@@ -573,18 +573,9 @@ def with_table_copies(c: CallUnderTest) -> None:
     a graph's K slots, run after the L2 flush, then read K copies, none of them twice while it
     is still in the cache."""
     tables = table_copies(c.module, c.device, c.cfg.table_copies_max)
-    if tables is None:
-        return
-    module = c.module  # no reference back to c
-    runs = [c.run.with_fn(lambda *a, w=w, **k: functional_call(module, {"weight": w}, a, k))
-            for w in tables]
-
-    def timed(j: int = 0):
-        return runs[j % len(runs)](j)
-
-    c.timed = CallRunner(run=timed, n_copies=max(c.n_copies, len(runs)))
-    c.context_key = ("tables", len(tables))
-    c.context_note = f"{len(tables)} copies of the table, one a run"
+    if tables is not None:
+        rotate(c, [{"weight": w} for w in tables], "tables",
+               f"{len(tables)} copies of the table, one a run")
 
 
 def parameter_sets(c: CallUnderTest) -> list | None:
@@ -620,13 +611,18 @@ def with_param_copies(c: CallUnderTest) -> None:
     """Set ``c.timed`` for a short call timed alone: run j on copy j of its parameters and
     buffers (``parameter_sets``), as an embedding's table copies are."""
     sets = parameter_sets(c)
-    if sets is None:
-        return
+    if sets is not None:
+        rotate(c, sets, "parameters", f"{len(sets)} copies of its parameters, one a run")
+
+
+def rotate(c: CallUnderTest, sets: list, kind: str, note: str) -> None:
+    """Set ``c.timed``: run j on parameter set j (of ``sets``) and input copy j, nothing before
+    it; ``kind`` and the number of sets key its profiled runs (``context_key``)."""
     runs = on_parameter_sets(c, sets)
 
     def timed(j: int = 0):
         return runs[j % len(runs)](j)
 
     c.timed = CallRunner(run=timed, n_copies=max(c.n_copies, len(runs)))
-    c.context_key = ("parameters", len(sets))
-    c.context_note = f"{len(sets)} copies of its parameters, one a run"
+    c.context_key = (kind, len(sets))
+    c.context_note = note
