@@ -238,15 +238,16 @@ def test_on_a_gpu_a_call_of_many_kernels_takes_its_profiled_busy_time(tmp_path):
     x = torch.randn(4096, 1024, device="cuda")
     with cbtrace.capture(model, tmp_path / "r", trace=False):
         model(x).float().pow(2).mean().backward()
+    # kernels_figure_min 3: the RMSNorm's backward ran 3 kernels under torch 2.11 on an H100
     df = cbtrace.replay(tmp_path / "r", model=model, backward=True, progress=False,
-                        budget_s=0.05).set_index("fqn")
+                        budget_s=0.05, kernels_figure_min=3).set_index("fqn")
     assert (df.status == "ok").all() and (df.bwd_status == "ok").all()
     norm = df.loc["0"]
-    assert norm.timer == "graph" and norm.kernel_count >= 4, norm.timer_notes
+    assert norm.timer == "graph" and norm.kernel_count >= 3, norm.timer_notes
     assert "its kernels' busy time (" in norm.timer_notes and norm.runs == 10
     assert norm.isolated_ms == pytest.approx(norm.device_ms)  # its figure, its device time
     assert norm.isolated_ms_p10 <= norm.isolated_ms <= norm.isolated_ms_p90
-    assert norm.bwd_kernel_count >= 4 and "its kernels' busy time (" in norm.bwd_timer_notes
+    assert norm.bwd_kernel_count >= 3 and "its kernels' busy time (" in norm.bwd_timer_notes
     assert norm.bwd_ms == pytest.approx(norm.bwd_device_ms)
     # the graph's own figure, gaps and all, stays in the notes
     assert "(graph: " in norm.timer_notes and "(graph: " in norm.bwd_timer_notes
@@ -283,3 +284,19 @@ def test_the_short_limit_is_checked_and_kept_with_the_rows_where_set():
         ReplayConfig(small_call_max_ms=-1.0)
     assert "small_call_max_ms" not in timing_settings(ReplayConfig())  # rows made before it
     assert timing_settings(ReplayConfig(small_call_max_ms=0.01))["small_call_max_ms"] == 0.01
+
+
+def test_a_profiled_session_taken_once_more_runs_the_same_slots_again(monkeypatch):
+    """A CUDA session that lost every kernel is taken once more (``_profile_rows``): the
+    call's runs then go through its slots a second time, where the second pass once ran out
+    of slots and the row ended 'error: StopIteration'."""
+    from cbtrace.replay.measure import profiler_pass
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda *a: None)
+    monkeypatch.setattr(profiler_pass, "_profile_rows",
+                        lambda call, device, runs: [call() for _ in range(2 * runs)] and [])
+    monkeypatch.setattr(profiler_pass, "own_device_work",
+                        lambda rows, runs: (2 * runs, [0.01] * runs))
+    seen = []
+    got = profiler_pass.profile_as_timed(CallRunner(run=seen.append, n_copies=4), "cuda", 3)
+    assert seen == [0, 1, 2, 3, 1, 2, 3] and got.kernel_count == 2

@@ -7,6 +7,7 @@ it is an estimate: the peak of live bytes from the profiler's memory events duri
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -206,7 +207,8 @@ def profile_as_timed(runner, device, runs: int = 3) -> AsTimed | None:
         torch.cuda._sleep(1)
 
     slot(0)  # the first run of this runner (its context's, its copies') is not the call's
-    slots = iter(range(1, runs + 1))
+    # runs 1..runs again where the session is taken once more (``_profile_rows``)
+    slots = itertools.cycle(range(1, runs + 1))
     got = own_device_work(_profile_rows(lambda: slot(next(slots)), device, runs), runs)
     if got is None:
         return None
