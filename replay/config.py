@@ -115,14 +115,15 @@ class ReplayConfig:
     own transforms) read slow by that alone. A call of fewer keeps the graph's many runs at the
     step's clock. 0: off, a short call in its context alone takes it (benchmarks/RESULTS.md,
     "Kernels' figure for calls of many kernels")."""
-    small_call_max_ms: float = 0.0
+    small_call_max_ms: float = 0.01
     """A graph-timed call whose kernels took less than this (ms) in the profiled pass takes
     their busy time in profiled runs as timed as its figure, as the step's figure is: a graph
     slot also holds the device's gap before each kernel, a share of a call of a few
     microseconds. Unless it runs on table copies, it also runs on rotating copies of its
     parameters and buffers (``context.parameter_sets``), after its context if it has one: in
     the step each was read once, where K slots on one copy read it warm. Never ``cold``. 0:
-    off, as measured so far."""
+    off. On by default since an A/B of the forward zoo (benchmarks/RESULTS.md, "Calls under
+    10 us, like with like")."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,

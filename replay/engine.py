@@ -451,9 +451,8 @@ def timing_settings(cfg) -> dict:
                         table_copies_max=cfg.table_copies_max)
     if not cfg.cold:  # which graph-timed calls take their kernels' busy time as their figure
         settings.update(kernels_figure_min=cfg.kernels_figure_min,
+                        small_call_max_ms=cfg.small_call_max_ms,
                         profile_as_timed=cfg.profile_as_timed)
-    if cfg.small_call_max_ms and not cfg.cold:  # only when set: earlier rows had none
-        settings["small_call_max_ms"] = cfg.small_call_max_ms
     if cfg.eager_only:  # only when set: rows of earlier replays keep their settings
         settings["eager_only"] = True
     if cfg.cpu_windows != ReplayConfig.cpu_windows:  # a CPU row's fastest of how many windows

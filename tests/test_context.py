@@ -766,10 +766,8 @@ def test_a_short_call_in_its_context_rotates_copies_of_its_parameters(tmp_path, 
     assert linear.weight.data_ptr() in seen
 
 
-@pytest.mark.parametrize("settings, device_ms", [({}, 0.004),  # off by default
-                                                 ({"small_call_max_ms": 0.01}, 0.02),
-                                                 ({"small_call_max_ms": 0.01, "cold": True},
-                                                  0.004)])
+@pytest.mark.parametrize("settings, device_ms", [({"small_call_max_ms": 0.0}, 0.004),
+                                                 ({}, 0.02), ({"cold": True}, 0.004)])
 def test_a_call_not_short_or_with_the_setting_off_or_cold_runs_on_its_parameters(
         tmp_path, monkeypatch, settings, device_ms):
     from cbtrace.replay.measure.context import in_step_cache_state

@@ -278,12 +278,12 @@ def test_a_call_over_the_short_limit_or_cold_keeps_its_graph(profiled, settings)
     assert got["isolated_ms"] == 0.0371 and profiled == []
 
 
-def test_the_short_limit_is_checked_and_kept_with_the_rows_where_set():
+def test_the_short_limit_is_checked_and_kept_with_the_rows():
     from cbtrace.replay.engine import timing_settings
     with pytest.raises(ValueError, match="small_call_max_ms must be >= 0"):
         ReplayConfig(small_call_max_ms=-1.0)
-    assert "small_call_max_ms" not in timing_settings(ReplayConfig())  # rows made before it
-    assert timing_settings(ReplayConfig(small_call_max_ms=0.01))["small_call_max_ms"] == 0.01
+    assert timing_settings(ReplayConfig())["small_call_max_ms"] == 0.01
+    assert timing_settings(ReplayConfig(small_call_max_ms=0.0)) != timing_settings(ReplayConfig())
 
 
 def test_a_profiled_session_taken_once_more_runs_the_same_slots_again(monkeypatch):
