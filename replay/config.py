@@ -124,6 +124,12 @@ class ReplayConfig:
     the step each was read once, where K slots on one copy read it warm. Never ``cold``. 0:
     off. On by default since an A/B of the forward zoo (benchmarks/RESULTS.md, "Calls under
     10 us, like with like")."""
+    table_kernels_figure: bool = False
+    """An embedding lookup on table copies takes the busy time of its kernels in profiled runs
+    as timed as its figure, whatever its length (its graph then a check). Off: on an H100 a
+    DCN's lookups on many cold copies read 2-3 % under their own kernels in their graphs, their
+    kernels matching the step, where with 8 copies the kernels read fast (benchmarks/RESULTS.md,
+    "DCN's lookups by table copies"); for an A/B on an H200."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,

@@ -452,6 +452,7 @@ def timing_settings(cfg) -> dict:
     if not cfg.cold:  # which graph-timed calls take their kernels' busy time as their figure
         settings.update(kernels_figure_min=cfg.kernels_figure_min,
                         small_call_max_ms=cfg.small_call_max_ms,
+                        table_kernels_figure=cfg.table_kernels_figure,
                         profile_as_timed=cfg.profile_as_timed)
     if cfg.eager_only:  # only when set: rows of earlier replays keep their settings
         settings["eager_only"] = True

@@ -284,6 +284,8 @@ def test_the_short_limit_is_checked_and_kept_with_the_rows():
         ReplayConfig(small_call_max_ms=-1.0)
     assert timing_settings(ReplayConfig())["small_call_max_ms"] == 0.01
     assert timing_settings(ReplayConfig(small_call_max_ms=0.0)) != timing_settings(ReplayConfig())
+    assert timing_settings(ReplayConfig(table_kernels_figure=True)) != timing_settings(
+        ReplayConfig())
 
 
 def test_a_profiled_session_taken_once_more_runs_the_same_slots_again(monkeypatch):
@@ -300,3 +302,21 @@ def test_a_profiled_session_taken_once_more_runs_the_same_slots_again(monkeypatc
     seen = []
     got = profiler_pass.profile_as_timed(CallRunner(run=seen.append, n_copies=4), "cuda", 3)
     assert seen == [0, 1, 2, 3, 1, 2, 3] and got.kernel_count == 2
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_a_lookup_on_table_copies_takes_its_kernels_busy_time_where_asked(profiled, on):
+    """``table_kernels_figure``: a lookup on table copies, at any length, takes its kernels'
+    figure (profiled for a spread, its graph a check); off, its graph's."""
+    graph = Graph()
+    call = _call("sparse.t_0", 1)
+    call.timed, call.context_key = CallRunner(run=lambda i: None, n_copies=8), ("tables", 8)
+    cfg = ReplayConfig(kernels_figure_min=0, table_kernels_figure=on)
+    got = steps.Timed(["graph"], {"graph": graph}, cfg).run(call)
+    if on:
+        assert profiled == [10] and graph.runs_asked == [(steps.CHECK_RUNS, 0.0)]
+        assert got["isolated_ms"] == pytest.approx(0.03545)
+        assert "its kernels' busy time (4 kernels)" in got["timer_notes"]
+    else:
+        assert profiled == [ReplayConfig().profile_runs] and got["isolated_ms"] == 0.0371
+        assert graph.runs_asked[0][0] != steps.CHECK_RUNS

@@ -87,6 +87,9 @@ class Timed:
         # a graph-timed call whose kernels are this short takes their figure too: a slot's
         # gap before each kernel is a share of it (small_call_max_ms); never cold either
         self.small_ms = cfg.small_call_max_ms if self.profile_runs and not cfg.cold else 0.0
+        # a lookup on table copies takes its kernels' figure at any length (table_kernels_figure)
+        self.tables_by_kernels = cfg.table_kernels_figure and bool(self.profile_runs) \
+            and not cfg.cold
         self.figure_runs = max(cfg.profile_runs, cfg.context_kernel_runs)
         # a call of the same work as one profiled as timed before, after a context of the same
         # kinds of call on the same inputs (or as many table copies), takes its figures
@@ -105,6 +108,7 @@ class Timed:
         in_step_cache_state(c)
         eager = {k: c.row.get(k) for k in ("kernel_count", "device_ms")}
         with_context = c.timed is not None and c.timed.before is not None
+        on_tables = _on_tables(c)
         # of many or short kernels and timed alone: profiled after its graph, then a check
         after_graph = c.timed is None and self._by_own_kernels(c.row.get("kernel_count"),
                                                                c.row.get("device_ms"))
@@ -123,7 +127,7 @@ class Timed:
         try:
             try:
                 t, fallback = self._measure(c, run, head, self._check_cfg(
-                    head, with_context, kernels, after_graph))
+                    head, with_context, kernels, after_graph, on_tables))
             except TimerUnavailable as e:
                 if not with_context or "stream" not in self.chain:
                     raise
@@ -135,7 +139,8 @@ class Timed:
         finally:
             if run.release is not None:
                 run.release()
-        by_kernels = t.timer == "graph" and self._kernels_give_figure(with_context, kernels)
+        by_kernels = t.timer == "graph" and self._kernels_give_figure(with_context, kernels,
+                                                                      on_tables)
         if after_graph and t.timer == "graph":  # its kernels as the graph ran them: no gaps
             profiled, profiled_note, kernels, kernels_of = self._profile_as_timed(
                 c, False, after_graph=True)
@@ -192,13 +197,15 @@ class Timed:
             raise choice.refused([*refused, *e.reasons]) from e
         return t, "; ".join([*refused, *([more] if more else [])]), False
 
-    def _kernels_give_figure(self, with_context: bool, kernels) -> bool:
+    def _kernels_give_figure(self, with_context: bool, kernels, on_tables: bool = False) -> bool:
         """Whether a graph-timed call's profiled kernels give its figure: a short call in its
-        context (``context_kernels_max_ms``), or one of many kernels or short kernels in any
-        cache state (``_by_own_kernels``)."""
+        context (``context_kernels_max_ms``), one of many kernels or short kernels in any
+        cache state (``_by_own_kernels``), or a lookup on table copies where asked
+        (``table_kernels_figure``)."""
         if kernels is None or not kernels.device_ms > 0:
             return False
         return ((with_context and kernels.device_ms < self.kernels_max_ms)
+                or (on_tables and self.tables_by_kernels)
                 or self._by_own_kernels(kernels.kernel_count, kernels.device_ms))
 
     def _by_own_kernels(self, count, device_ms) -> bool:
@@ -212,12 +219,12 @@ class Timed:
             and count >= self.kernels_min
 
     def _check_cfg(self, chain: list[str], with_context: bool, kernels,
-                   after_graph: bool = False):
+                   after_graph: bool = False, on_tables: bool = False):
         """The first timer's settings for this call: ``CHECK_RUNS`` runs where the graph timer
         comes first and the call's kernels give its figure (or will, profiled
         ``after_graph``), else the replay's."""
         if chain[:1] != ["graph"] or not (after_graph or self._kernels_give_figure(
-                with_context, kernels)):
+                with_context, kernels, on_tables)):
             return self.tcfg
         return as_check(self.tcfg)
 
@@ -270,9 +277,11 @@ class Timed:
             got, note = hit[1], f"profiled as timed as {of}"
         else:
             # for its figure: enough runs for a spread (context_kernel_runs)
+            on_tables = _on_tables(c)
             for_figure = self._by_own_kernels(c.row.get("kernel_count"),
                                               c.row.get("device_ms")) or (
-                with_context and self.kernels_max_ms > 0)
+                with_context and self.kernels_max_ms > 0) or (
+                on_tables and self.tables_by_kernels)
             got = profile_as_timed(runner, c.device,
                                    self.figure_runs if for_figure else self.profile_runs)
             if got is None or (after_graph and not self._by_own_kernels(got.kernel_count,
@@ -280,7 +289,7 @@ class Timed:
                 return none
             # the clock its runs left: the row's timed clock where they give its figure (read
             # only there: a reading queues a spin kernel and waits for it)
-            if self._kernels_give_figure(with_context, got):
+            if self._kernels_give_figure(with_context, got, on_tables):
                 got = got._replace(clock_mhz=sm_clock_mhz(c.device))
             if key is not None:
                 self.as_timed.put(key, c.rec.fqn, got)
@@ -292,6 +301,11 @@ class Timed:
             return None
 
         return ProfileCache.key(signature(c.module, c.rec), c.row)
+
+
+def _on_tables(c: CallUnderTest) -> bool:
+    """Whether the call runs on copies of its table (``context.with_table_copies``)."""
+    return bool(c.context_key) and c.context_key[0] == "tables"
 
 
 def kernel_figure(run_ms) -> dict:
