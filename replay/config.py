@@ -126,10 +126,10 @@ class ReplayConfig:
     10 us, like with like")."""
     table_kernels_figure: bool = False
     """An embedding lookup on table copies takes the busy time of its kernels in profiled runs
-    as timed as its figure, whatever its length (its graph then a check). Off: on an H100 a
-    DCN's lookups on many cold copies read 2-3 % under their own kernels in their graphs, their
-    kernels matching the step, where with 8 copies the kernels read fast (benchmarks/RESULTS.md,
-    "DCN's lookups by table copies"); for an A/B on an H200."""
+    as timed as its figure, whatever its length (its graph then a check). On many cold copies
+    a lookup's graph read under its own kernels, which matched the step; on few copies the
+    kernels read fast (benchmarks/RESULTS.md, "DCN's lookups by table copies"). Off until an
+    A/B on the hardware the bar is set on says which way."""
     reuse_timing: bool = False
     """Time once the calls that are the same work and cannot depend on values (no integer or
     bool inputs, no value-reading ops): the first of a group is timed, the second checks it,
