@@ -259,8 +259,9 @@ class Timed:
         (``profile_as_timed``): its kernels in the cache state its isolated time has, not warm
         on copy 0; or those of a call of the same work profiled so before, after the same
         kinds of context call (``context_key``) or alone, unless timings are reused
-        (``--reuse-timing``), whose check needs a second call's own. ({}, None, None, None) when not asked, not so timed,
-        not found, or (``after_graph``) of fewer and longer kernels after all."""
+        (``--reuse-timing``), whose check needs a second call's own. ({}, None, None, None)
+        when not asked, not so timed, not found, or (``after_graph``) of fewer and longer
+        kernels after all."""
         none = {}, None, None, None
         runner = c.run.timed() if after_graph else c.timed
         if not self.profile_runs or runner is None or c.device.type != "cuda":
