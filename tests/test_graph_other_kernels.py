@@ -33,7 +33,8 @@ def _timed(monkeypatch, graph_ms: float, device_ms: float | None, kernels: int =
     call = types.SimpleNamespace(row={"device_ms": device_ms, "kernel_count": kernels},
                                  timed=CallRunner(run=lambda i: None),
                                  n_copies=1, device=torch.device("cpu"), context_note=None,
-                                 rec=types.SimpleNamespace(fqn="pos_conv"), value_free=False)
+                                 context_key=None, rec=types.SimpleNamespace(fqn="pos_conv"),
+                                 value_free=False)
     return step.run(call), backends
 
 
@@ -44,7 +45,8 @@ def test_a_compiled_call_may_run_faster_than_the_eager_kernels(monkeypatch):
     call = types.SimpleNamespace(row={"device_ms": 11.2, "kernel_count": 19},
                                  timed=CallRunner(run=lambda i: None), n_copies=1,
                                  device=torch.device("cpu"), context_note=None,
-                                 rec=types.SimpleNamespace(fqn="blk"), value_free=False)
+                                 context_key=None, rec=types.SimpleNamespace(fqn="blk"),
+                                 value_free=False)
     out = step.run(call)  # fused kernels: the eager call's device_ms says nothing of them
     assert out["timer"] == "graph" and backends["stream"].calls == 0
 
