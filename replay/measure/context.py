@@ -30,20 +30,13 @@ from cbtrace.cost.dtypes import is_floating, itemsize, meta_bytes
 from cbtrace.cost.peaks import PeakLookup, device_name
 from cbtrace.errors import SerializationError, one_line
 from cbtrace.nested import flat_tensors
-from cbtrace.replay.measure.copies import (clone_like, copies_of, n_copies, table_copies,
-                                           tables_for, tensor_bytes)
+from cbtrace.replay.measure.copies import (cache_bytes, clone_like, copies_of, n_copies,
+                                           parameter_copies, table_copies, tensor_bytes)
 from cbtrace.replay.measure.prepare import (WARM_MIN_BYTES, CallUnderTest, InputState,
                                             call_context, input_toucher)
 from cbtrace.replay.timer.contract import CallRunner
 from cbtrace.schema.modules import COPY_FAILED
 from cbtrace.store import ref_format
-
-
-def cache_bytes(device: torch.device) -> int:
-    """The last-level cache the context should fill (GPU: L2; CPU: a typical LLC)."""
-    if device.type == "cuda":
-        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    return 32 << 20
 
 
 def traffic_bytes(rec) -> int:
@@ -574,31 +567,19 @@ def with_table_copies(c: CallUnderTest) -> None:
     is still in the cache."""
     tables = table_copies(c.module, c.device, c.cfg.table_copies_max)
     if tables is not None:
-        rotate(c, [{"weight": w} for w in tables], "tables",
-               f"{len(tables)} copies of the table, one a run")
+        rotate(c, tables, "tables", f"{len(tables)} copies of the table, one a run")
 
 
 def parameter_sets(c: CallUnderTest) -> list | None:
-    """Copies of a short call's parameters and buffers (its kernels under
-    ``small_call_max_ms``) to rotate among, one a run, enough to overflow the cache twice (at
-    most ``table_copies_max``), the module's own first: in the step it read them once, cold,
-    where K back-to-back runs on one copy read them warm. None where that is off, cold, on a
-    CPU, for a longer call or where fewer than two copies would do. Parameters keep
-    ``requires_grad``: the forward builds the graph it built."""
+    """``copies.parameter_copies`` of a short call's parameters and buffers (its kernels under
+    ``small_call_max_ms``; at most ``table_copies_max``): in the step it read them once, cold,
+    where K back-to-back runs on one copy read them warm. None where that is off, cold or for
+    a longer call."""
     limit, ms = c.cfg.small_call_max_ms, c.row.get("device_ms")
-    if not limit or c.cfg.cold or c.device.type != "cuda" or not (ms and 0 < ms < limit):
+    if not limit or c.cfg.cold or not (ms and 0 < ms < limit):
         return None
     own = {**dict(c.module.named_parameters()), **dict(c.module.named_buffers())}
-    size = sum(t.numel() * t.element_size() for t in own.values())
-    if not size:
-        return None
-    cache = getattr(torch.cuda.get_device_properties(c.device), "L2_cache_size", 50 << 20)
-    n = tables_for(size, cache, c.cfg.table_copies_max)
-    if n < 2:
-        return None
-    with torch.no_grad():
-        return [own] + [{k: t.detach().clone().requires_grad_(t.requires_grad)
-                         for k, t in own.items()} for _ in range(n - 1)]
+    return parameter_copies(own, c.device, c.cfg.table_copies_max)
 
 
 def on_parameter_sets(c: CallUnderTest, sets: list) -> list:

@@ -45,40 +45,50 @@ def tensor_bytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in flat_tensors(x))
 
 
+def cache_bytes(device: torch.device) -> int:
+    """The last-level cache copies must overflow (GPU: L2; CPU: a typical LLC)."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return 32 << 20
+
+
 def n_copies(input_bytes: int, device: torch.device, max_copies: int) -> int:
     """Enough copies that rotating among them overflows the last-level cache twice."""
-    if device.type == "cuda":
-        cache = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    else:
-        cache = 32 << 20
     if input_bytes <= 0:
         return 1
-    return max(1, min(max_copies, -(-2 * cache // input_bytes)))
+    return max(1, min(max_copies, -(-2 * cache_bytes(device) // input_bytes)))
 
 
-def table_copies(module, device, max_copies: int = 64):
-    """The table of an Embedding/EmbeddingBag and copies of it for back-to-back runs to rotate
-    among, enough to overflow the GPU's L2 twice (at most ``max_copies``); None when one table
-    already does (or on a CPU, or when fewer than two would do). Fewer copies than that leave a
-    table of a few MB partly in the L2 when it is read again, and its lookup reads fast
-    (benchmarks/RESULTS.md, "DCN lookups by how many table copies they rotated")."""
+def table_copies(module, device, max_copies: int = 64) -> list | None:
+    """``parameter_copies`` of an Embedding/EmbeddingBag's table ({"weight": ...} each); None
+    for another module. Fewer copies than that leave a table of a few MB partly in the L2 when
+    it is read again, and its lookup reads fast (benchmarks/RESULTS.md, "DCN lookups by how
+    many table copies they rotated")."""
     if not isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         return None
-    if device.type != "cuda":
+    return parameter_copies({"weight": module.weight}, device, max_copies)
+
+
+def parameter_copies(own: dict, device, max_copies: int) -> list | None:
+    """``own`` (name -> a module's tensor) and copies of it for back-to-back runs to rotate
+    among, one a run, enough to overflow the GPU's L2 twice (at most ``max_copies``; copies
+    keep ``requires_grad``, so a forward builds the graph it built); None on a CPU, for no
+    bytes, or when fewer than two would do."""
+    size = sum(t.numel() * t.element_size() for t in own.values())
+    if device.type != "cuda" or not size:
         return None
-    w = module.weight
-    cache = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    n = tables_for(w.numel() * w.element_size(), cache, max_copies)
+    n = tables_for(size, cache_bytes(device), max_copies)
     if n < 2:
         return None
     with torch.no_grad():
-        return [w] + [w.detach().clone() for _ in range(n - 1)]
+        return [own] + [{k: t.detach().clone().requires_grad_(t.requires_grad)
+                         for k, t in own.items()} for _ in range(n - 1)]
 
 
-def tables_for(table_bytes: int, cache_bytes: int, max_copies: int) -> int:
-    """Copies of a table (itself one of them) that overflow a cache of ``cache_bytes`` twice,
+def tables_for(table_bytes: int, cache: int, max_copies: int) -> int:
+    """Copies of a table (itself one of them) that overflow a cache of ``cache`` bytes twice,
     at most ``max_copies``."""
-    return min(max_copies, -(-2 * cache_bytes // max(table_bytes, 1)))
+    return min(max_copies, -(-2 * cache // max(table_bytes, 1)))
 
 
 def embedding_copies(module, args, kwargs, device, max_copies: int = 64):
@@ -100,9 +110,7 @@ def embedding_copies(module, args, kwargs, device, max_copies: int = 64):
     n_rows = module.weight.shape[0]
     row_bytes = module.weight.shape[1] * module.weight.element_size()
     gathered = ids.numel() * row_bytes
-    cache = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-             if device.type == "cuda" else 32 << 20)
-    n = max(1, min(max_copies, -(-2 * cache // max(gathered, 1)), n_rows))
+    n = max(1, min(max_copies, -(-2 * cache_bytes(device) // max(gathered, 1)), n_rows))
     if n == 1:
         return [(args, kwargs)]
     with torch.no_grad():
